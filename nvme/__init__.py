@@ -1,0 +1,18 @@
+"""NVMe backing tier: copy-on-write slab files and the I/O engines that move their bytes."""
+
+from .buffers import ALIGNMENT, aligned_empty, is_aligned
+from .engines import ENGINES, FileHandle, KvikioEngine, PosixEngine, cuda_and_kvikio, make_engine
+from .slabs import SlabMedium
+
+__all__ = [
+    "ALIGNMENT",
+    "ENGINES",
+    "FileHandle",
+    "KvikioEngine",
+    "PosixEngine",
+    "SlabMedium",
+    "aligned_empty",
+    "cuda_and_kvikio",
+    "is_aligned",
+    "make_engine",
+]

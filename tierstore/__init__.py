@@ -1,0 +1,47 @@
+"""tierstore: a tiered store for Mixture-of-Experts parameter states.
+
+>>> import tierstore, torch
+>>> with tierstore.open("store", create=True) as st:
+...     st.put("layers.0.experts.3.w1", torch.randn(1024, 4096))
+...     w = st.get("layers.0.experts.3.w1")
+"""
+
+from .errors import (
+    CorruptEntryError,
+    EntryNotFoundError,
+    NotAStoreError,
+    ShapeMismatchError,
+    SnapshotError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    StoreLockedError,
+    UnsupportedTensorError,
+)
+from .sizes import format_size, parse_size
+from .store import KINDS, EntryInfo, FsckReport, SnapshotInfo, Store
+from .store import open_store as open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KINDS",
+    "CorruptEntryError",
+    "EntryInfo",
+    "EntryNotFoundError",
+    "FsckReport",
+    "NotAStoreError",
+    "ShapeMismatchError",
+    "SnapshotError",
+    "SnapshotInfo",
+    "Store",
+    "StoreClosedError",
+    "StoreError",
+    "StoreFullError",
+    "StoreLockedError",
+    "UnsupportedTensorError",
+    "__version__",
+    "format_size",
+    "open",
+    "parse_size",
+]

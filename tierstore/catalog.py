@@ -1,0 +1,298 @@
+"""The LMDB catalog: entry records, the free-space map, extent references and snapshots.
+
+One LMDB write transaction is the commit point of every change to the store. Sub-databases:
+
+``entries``   ``name \\0 kind`` -> :class:`Record` (JSON)
+``free``      ``(segment, offset)`` -> length of a free extent (neighbours always coalesced)
+``refs``      ``(segment, offset)`` -> (length, reference count): the live entry and every
+              snapshot that points at the extent each hold one reference
+``segments``  ``segment`` -> where the medium keeps it (path, base, size)
+``snapshots`` ``tag`` -> snapshot summary; ``snapentries``: ``tag \\0 name \\0 kind`` -> Record
+``meta``      format version, backing configuration, version counter, live byte count
+
+The map is grown on ``MDB_MAP_FULL``; growing needs every transaction of this process
+closed, so all transactions pass a shared gate that the resize takes exclusively.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import lmdb
+
+from .errors import StoreError, StoreFullError
+
+FORMAT_VERSION = 1
+_EXT = struct.Struct(">IQ")  # big-endian so LMDB's byte order is (segment, offset) order
+_REF = struct.Struct(">QQ")
+_LEN = struct.Struct(">Q")
+T = TypeVar("T")
+
+
+@dataclass
+class Record:
+    """What the catalog knows about one stored tensor."""
+
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    crc: list[int]  # crc32c of each ``chunk``-sized piece of the bytes
+    chunk: int
+    version: int
+    seg: int  # -1 for an empty tensor, which has no extent
+    off: int
+    length: int  # bytes allocated: nbytes rounded up to the medium's alignment
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Record:
+        return cls(**json.loads(raw))
+
+    @property
+    def extent(self) -> tuple[int, int, int]:
+        return self.seg, self.off, self.length
+
+    def checksum(self) -> str:
+        return "crc32c:" + "-".join(f"{c:08x}" for c in self.crc)
+
+
+def entry_key(name: str, kind: str) -> bytes:
+    return name.encode() + b"\0" + kind.encode()
+
+
+def split_key(key: bytes) -> tuple[str, str]:
+    name, kind = key.rsplit(b"\0", 1)
+    return name.decode(), kind.decode()
+
+
+def ext_key(seg: int, off: int) -> bytes:
+    return _EXT.pack(seg, off)
+
+
+class _Gate:
+    """Many transactions at once, or one map resize alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+def _is_full(e: lmdb.Error) -> bool:
+    text = str(e)
+    return any(s in text for s in ("No space left", "File too large", "Disk quota")) or (
+        getattr(e, "errno", None) in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    )
+
+
+class Catalog:
+    DBS = ("entries", "free", "refs", "segments", "snapshots", "snapentries", "meta")
+
+    def __init__(self, path: str, *, map_size: int = 1 << 30) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.path = path
+        self.env = lmdb.open(
+            path, map_size=map_size, max_dbs=len(self.DBS), max_readers=1024,
+            subdir=True, sync=True, metasync=True, readahead=False, lock=True,
+        )
+        self.db = {name: self.env.open_db(name.encode()) for name in self.DBS}
+        self._gate = _Gate()
+        self._commit = threading.Lock()  # one writer; LMDB would block too, but holding the GIL
+
+    def close(self) -> None:
+        with self._gate.exclusive():
+            self.env.close()
+
+    # -- transactions ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        with self._gate.shared(), self.env.begin() as txn:
+            yield txn
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction and commit it; the commit point of a change.
+
+        ``fn`` must only touch the catalog, since it is run again after the map grows.
+        """
+        with self._commit:
+            while True:
+                try:
+                    with self._gate.shared(), self.env.begin(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    self._grow()
+                except lmdb.Error as e:
+                    if _is_full(e):
+                        raise StoreFullError(f"catalog commit failed, disk full: {e}") from e
+                    raise StoreError(f"catalog error: {e}") from e
+
+    def _grow(self) -> None:
+        with self._gate.exclusive():
+            size = self.env.info()["map_size"] * 2
+            self.env.set_mapsize(size)
+
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    # -- meta -----------------------------------------------------------------------
+    def get_meta(self, txn: lmdb.Transaction, key: str, default: Any = None) -> Any:
+        raw = txn.get(key.encode(), db=self.db["meta"])
+        return default if raw is None else json.loads(raw)
+
+    def put_meta(self, txn: lmdb.Transaction, key: str, value: Any) -> None:
+        txn.put(key.encode(), json.dumps(value).encode(), db=self.db["meta"])
+
+    # -- entries --------------------------------------------------------------------
+    def get_record(self, txn: lmdb.Transaction, name: str, kind: str) -> Record | None:
+        raw = txn.get(entry_key(name, kind), db=self.db["entries"])
+        return None if raw is None else Record.decode(raw)
+
+    def iter_records(
+        self, txn: lmdb.Transaction, prefix: str = "", db: str = "entries", tag: str | None = None
+    ) -> Iterator[tuple[str, str, Record]]:
+        lead = b"" if tag is None else tag.encode() + b"\0"
+        start = lead + prefix.encode()
+        cur = txn.cursor(db=self.db[db])
+        if not cur.set_range(start):
+            return
+        for key, raw in cur:
+            if not key.startswith(start):
+                break
+            name, kind = split_key(key[len(lead) :])
+            yield name, kind, Record.decode(raw)
+
+    # -- free map ---------------------------------------------------------------------
+    def free_extents(self, txn: lmdb.Transaction) -> Iterator[tuple[int, int, int]]:
+        for key, raw in txn.cursor(db=self.db["free"]):
+            seg, off = _EXT.unpack(key)
+            yield seg, off, _LEN.unpack(raw)[0]
+
+    def carve(self, txn: lmdb.Transaction, seg: int, off: int, length: int) -> None:
+        """Mark ``[off, off+length)`` of ``seg`` used in the durable free map."""
+        cur = txn.cursor(db=self.db["free"])
+        key = ext_key(seg, off)
+        found = cur.set_range(key) and cur.key() == key
+        if not found and not (cur.prev() if cur.key() else cur.last()):
+            raise StoreError(f"free map has no extent containing segment {seg} offset {off}")
+        fseg, foff = _EXT.unpack(cur.key())
+        flen = _LEN.unpack(cur.value())[0]
+        if fseg != seg or foff > off or foff + flen < off + length:
+            raise StoreError(
+                f"free map inconsistent: [{off}, +{length}) of segment {seg} is not free"
+            )
+        cur.delete()
+        if foff < off:
+            txn.put(ext_key(seg, foff), _LEN.pack(off - foff), db=self.db["free"])
+        if off + length < foff + flen:
+            txn.put(
+                ext_key(seg, off + length), _LEN.pack(foff + flen - off - length),
+                db=self.db["free"],
+            )
+
+    def add_free(self, txn: lmdb.Transaction, seg: int, off: int, length: int) -> None:
+        """Return an extent to the durable free map, merging it with free neighbours."""
+        db = self.db["free"]
+        cur = txn.cursor(db=db)
+        if cur.set_range(ext_key(seg, off + length)) and cur.key() == ext_key(seg, off + length):
+            length += _LEN.unpack(cur.value())[0]
+            cur.delete()
+        if cur.set_range(ext_key(seg, off)):
+            has_prev = cur.prev()
+        else:
+            has_prev = cur.last()
+        if has_prev:
+            pseg, poff = _EXT.unpack(cur.key())
+            plen = _LEN.unpack(cur.value())[0]
+            if pseg == seg and poff + plen == off:
+                txn.put(cur.key(), _LEN.pack(plen + length), db=db)
+                return
+        txn.put(ext_key(seg, off), _LEN.pack(length), db=db)
+
+    # -- extent references -----------------------------------------------------------
+    def incref(self, txn: lmdb.Transaction, rec: Record) -> None:
+        if rec.seg < 0:
+            return
+        key = ext_key(rec.seg, rec.off)
+        raw = txn.get(key, db=self.db["refs"])
+        if raw is None:
+            self.carve(txn, rec.seg, rec.off, rec.length)
+            txn.put(key, _REF.pack(rec.length, 1), db=self.db["refs"])
+        else:
+            length, n = _REF.unpack(raw)
+            txn.put(key, _REF.pack(length, n + 1), db=self.db["refs"])
+
+    def decref(self, txn: lmdb.Transaction, rec: Record) -> tuple[int, int, int] | None:
+        """Drop one reference; returns the extent if that freed it."""
+        if rec.seg < 0:
+            return None
+        key = ext_key(rec.seg, rec.off)
+        raw = txn.get(key, db=self.db["refs"])
+        if raw is None:
+            raise StoreError(f"reference map has no extent at segment {rec.seg} offset {rec.off}")
+        length, n = _REF.unpack(raw)
+        if n > 1:
+            txn.put(key, _REF.pack(length, n - 1), db=self.db["refs"])
+            return None
+        txn.delete(key, db=self.db["refs"])
+        self.add_free(txn, rec.seg, rec.off, length)
+        return rec.seg, rec.off, length
+
+    def refs(self, txn: lmdb.Transaction) -> Iterator[tuple[int, int, int, int]]:
+        for key, raw in txn.cursor(db=self.db["refs"]):
+            seg, off = _EXT.unpack(key)
+            length, n = _REF.unpack(raw)
+            yield seg, off, length, n
+
+    # -- segments ---------------------------------------------------------------------
+    def segments(self, txn: lmdb.Transaction) -> list[tuple[int, str, int, int]]:
+        out = []
+        for key, raw in txn.cursor(db=self.db["segments"]):
+            d = json.loads(raw)
+            out.append((_LEN.unpack(key)[0], d["path"], d["base"], d["size"]))
+        return out
+
+    def add_segment(self, txn: lmdb.Transaction, seg: int, path: str, base: int, size: int) -> None:
+        txn.put(
+            _LEN.pack(seg), json.dumps({"path": path, "base": base, "size": size}).encode(),
+            db=self.db["segments"],
+        )
+        self.add_free(txn, seg, 0, size)

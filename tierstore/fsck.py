@@ -1,0 +1,94 @@
+"""Whole-store verification: every checksum, every reference count, the free map."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .errors import CorruptEntryError, StoreError
+
+if TYPE_CHECKING:
+    from .store import FsckReport, Store
+
+
+def check_store(store: Store, progress: Callable[[int], None] | None = None) -> FsckReport:
+    from .store import FsckReport
+
+    cat, report = store._catalog, FsckReport()
+    with cat.read() as txn:
+        live = list(cat.iter_records(txn))
+        snaps = [
+            (bytes(k).decode(), n, kd, r)
+            for k, _ in txn.cursor(db=cat.db["snapshots"])
+            for n, kd, r in cat.iter_records(txn, db="snapentries", tag=bytes(k).decode())
+        ]
+        refs = {(s, o): (length, n) for s, o, length, n in cat.refs(txn)}
+        free = list(cat.free_extents(txn))
+        segments = {s: size for s, _, _, size in cat.segments(txn)}
+
+    # Reference counts: one per live entry and one per snapshot entry pointing at an extent.
+    want: Counter[tuple[int, int]] = Counter()
+    lengths: dict[tuple[int, int], int] = {}
+    for name, kind, rec in [(n, k, r) for n, k, r in live] + [(n, k, r) for _, n, k, r in snaps]:
+        if rec.seg < 0:
+            continue
+        want[(rec.seg, rec.off)] += 1
+        if lengths.setdefault((rec.seg, rec.off), rec.length) != rec.length:
+            report.problems.append(f"{name!r} ({kind}): extent length disagrees with another record")
+        if rec.seg not in segments:
+            report.problems.append(f"{name!r} ({kind}): segment {rec.seg} does not exist")
+    for ext, n in want.items():
+        have = refs.get(ext)
+        if have is None:
+            report.problems.append(f"extent {ext} is used but has no reference count")
+        elif have[1] != n or have[0] != lengths[ext]:
+            report.problems.append(f"extent {ext}: reference count {have} != expected ({lengths[ext]}, {n})")
+    for ext in refs.keys() - want.keys():
+        report.problems.append(f"extent {ext} has references but no entry uses it (leaked)")
+
+    # Free map: inside its segment, disjoint from used space, and free + used = capacity.
+    spans: dict[int, list[tuple[int, int, str]]] = {s: [] for s in segments}
+    for seg, off, length in free:
+        spans.setdefault(seg, []).append((off, length, "free"))
+    for (seg, off), (length, _) in refs.items():
+        spans.setdefault(seg, []).append((off, length, "used"))
+    for seg, items in spans.items():
+        size = segments.get(seg)
+        if size is None:
+            report.problems.append(f"free map names segment {seg}, which does not exist")
+            continue
+        items.sort()
+        pos = 0
+        for off, length, what in items:
+            if off < pos:
+                report.problems.append(f"segment {seg}: {what} extent at {off} overlaps the previous one")
+            elif off > pos:
+                report.problems.append(f"segment {seg}: bytes {pos}..{off} are neither free nor used (leaked)")
+            pos = max(pos, off + length)
+        if pos != size:
+            report.problems.append(f"segment {seg}: extents end at {pos}, segment size is {size}")
+
+    # Checksums of every distinct stored version.
+    done: set[tuple[int, int]] = set()
+    verified = 0
+    for name, kind, rec in live + [(n, k, r) for _, n, k, r in snaps]:
+        if rec.seg >= 0 and (rec.seg, rec.off) in done:
+            continue
+        done.add((rec.seg, rec.off))
+        try:
+            store._verify_record(name, kind, rec)
+        except CorruptEntryError as e:
+            report.problems.append(str(e))
+        except (StoreError, OSError) as e:
+            report.problems.append(f"{name!r} ({kind}): unreadable: {e}")
+        report.entries += 1
+        report.nbytes += rec.nbytes
+        verified += rec.nbytes
+        if progress:
+            progress(verified)
+    orphans = getattr(store._medium, "orphans", None)
+    if orphans:
+        for path in orphans(segments):
+            report.notes.append(f"{path}: slab file no segment names (left by a crash; reused)")
+    return report

@@ -1,0 +1,78 @@
+"""The one interface a backing tier implements.
+
+A backing *medium* holds bytes in numbered *segments*; the store's allocator hands out
+4 KiB-aligned extents (segment, offset, length) inside them and the LMDB catalog records
+which extents are used, free or held by snapshots. A medium therefore knows nothing about
+entries, versions or free space: it creates segments, moves bytes, makes them durable and
+says where they are. NVMe (``nvme.SlabMedium``: one preallocated slab file per segment) and
+persistent memory (``pmem.PoolMedium``: regions of one mapped pool file) differ only there.
+
+The asynchronous calls are the primitives; a blocking read is ``medium.pread(...).result()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import NamedTuple, Protocol, runtime_checkable
+
+ALIGNMENT = 4096
+
+
+class Segment(NamedTuple):
+    """Where a segment lives: ``size`` bytes of ``path`` starting at file offset ``base``.
+
+    Leaf packages cannot import this module, so media take and return plain tuples of the
+    same shape; ``Segment(*t)`` names the fields.
+    """
+
+    seg: int
+    path: str
+    base: int
+    size: int
+
+
+@runtime_checkable
+class Medium(Protocol):
+    kind: str
+    """Short name of the tier: ``"nvme"`` or ``"pmem"``."""
+
+    def describe(self) -> str:
+        """One line naming the engine in use, e.g. ``"posix O_DIRECT, 8 threads"``."""
+
+    def attach(self, segments: Iterable[tuple[int, str, int, int]]) -> None:
+        """Open the segments the catalog knows, as (seg, path, base, size) tuples.
+
+        Called once when a store is opened, before any other call but ``create_segment``.
+        """
+
+    def create_segment(self, seg: int, min_bytes: int) -> tuple[int, str, int, int]:
+        """Add segment ``seg`` of at least ``min_bytes``; returns (seg, path, base, size).
+
+        The space is preallocated and the segment durable before it returns.
+
+        Raises ``OSError`` (ENOSPC, EFBIG, ...) when the space cannot be had; nothing the
+        catalog references is touched in that case.
+        """
+
+    def pread(self, seg: int, offset: int, buf: memoryview) -> Future[None]:
+        """Fill ``buf`` (4 KiB-aligned address and length) from ``offset`` of ``seg``."""
+
+    def pwrite(self, seg: int, offset: int, buf: memoryview) -> Future[None]:
+        """Write ``buf`` (aligned as for ``pread``) at ``offset`` of ``seg``; not yet durable."""
+
+    def sync(self, segs: Iterable[int]) -> None:
+        """Make every completed ``pwrite`` to these segments durable (fdatasync, persist)."""
+
+    def view(self, seg: int, offset: int, nbytes: int) -> memoryview | None:
+        """A read-only zero-copy view of stored bytes, or None where the medium has none."""
+
+    def location(self, seg: int, offset: int) -> tuple[str, int]:
+        """(file path, byte offset in that file) of ``offset`` in ``seg``."""
+
+    def close(self) -> None:
+        """Release files, mappings and threads. Idempotent."""
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment

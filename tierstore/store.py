@@ -1,0 +1,760 @@
+"""The Store: tensors by (name, kind) on a backing medium, committed through the catalog.
+
+Write path (copy-on-write): take free aligned extents, write the new bytes there, make them
+durable (``Medium.sync``), then one LMDB transaction points the entries at the new extents
+and frees the old ones. Until that commit nothing the catalog references has changed, so a
+crash at any instant leaves every entry at its last committed version. A bare ``put``
+returns only after its commit: it is durable on return.
+
+Read path: look the record up and lease its extent, read the extent in ``chunk``-sized
+pieces in parallel, check each piece's crc32c as it lands, and raise
+:class:`CorruptEntryError` on a mismatch.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, as_completed
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+
+from nvme import aligned_empty
+
+from .alloc import ExtentAllocator
+from .catalog import FORMAT_VERSION, Catalog, Record, entry_key
+from .errors import (
+    CorruptEntryError,
+    EntryNotFoundError,
+    NotAStoreError,
+    ShapeMismatchError,
+    SnapshotError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    StoreLockedError,
+)
+from .media import ALIGNMENT, Medium, align_up
+from .sizes import parse_size
+from .tensors import as_bytes, dtype_from_name, dtype_name, from_bytes
+
+MARKER = "TIERSTORE"
+KINDS = ("param", "grad", "exp_avg", "exp_avg_sq", "master")
+_KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_NAME_BYTES = 400  # LMDB keys are at most 511 bytes; snapshot keys add the tag
+_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What :meth:`Store.info` reports about one entry."""
+
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    version: int
+    checksum: str
+    tier: str
+    path: str | None
+    offset: int | None
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    tag: str
+    created: float
+    entries: int
+    nbytes: int
+
+
+@dataclass
+class _TierStats:
+    reads: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+@dataclass
+class FsckReport:
+    """``problems`` make ``tierstore fsck`` exit 1; ``notes`` are harmless findings."""
+
+    entries: int = 0
+    nbytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_name(name: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise StoreError(f"entry names are non-empty strings, got {name!r}")
+    if "\0" in name or len(name.encode()) > MAX_NAME_BYTES:
+        raise StoreError(f"invalid entry name {name[:60]!r}: no NUL, at most {MAX_NAME_BYTES} bytes")
+
+
+def check_kind(kind: str) -> None:
+    if not isinstance(kind, str) or not _KIND.match(kind):
+        raise StoreError(
+            f"invalid state kind {kind!r}: lowercase identifier such as {', '.join(KINDS)}"
+        )
+
+
+def check_tag(tag: str) -> None:
+    if not isinstance(tag, str) or not _TAG.match(tag):
+        raise SnapshotError(f"invalid snapshot tag {tag!r}: letters, digits, '.', '_', '-'")
+
+
+def _crcs(buf: np.ndarray, nbytes: int, chunk: int) -> list[int]:
+    if nbytes == 0:
+        return [0]
+    return [crc32c.crc32c(buf[i : min(i + chunk, nbytes)]) for i in range(0, nbytes, chunk)]
+
+
+class Store:
+    """A tiered tensor store. Open one with :func:`tierstore.open`; thread-safe."""
+
+    def __init__(
+        self,
+        path: str,
+        catalog: Catalog,
+        medium: Medium,
+        *,
+        chunk_bytes: int,
+        lock_fd: int,
+    ) -> None:
+        self.path = path
+        self._catalog = catalog
+        self._medium = medium
+        self._chunk = chunk_bytes
+        self._lock_fd = lock_fd
+        self._alloc = ExtentAllocator(ALIGNMENT)
+        self._seg_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._tier = _TierStats()
+        self._closed = False
+        with catalog.read() as txn:
+            segments = catalog.segments(txn)
+            self._alloc.load(catalog.free_extents(txn))
+            self._backing = catalog.get_meta(txn, "backing", {})
+        medium.attach(segments)
+        self._next_seg = max((s[0] for s in segments), default=-1) + 1
+
+    # -- lifecycle ------------------------------------------------------------------
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the store. Every acknowledged write is already committed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._medium.close()
+        self._catalog.close()
+        os.close(self._lock_fd)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.path} is closed")
+
+    def flush(self) -> None:
+        """Make every acknowledged write durable. Writes are committed when ``put`` returns,
+        so today this only forces the catalog to disk; with a host cache it writes dirty
+        entries back."""
+        self._check_open()
+        self._catalog.env.sync(True)
+
+    @property
+    def backing(self) -> str:
+        return self._medium.kind
+
+    def describe(self) -> str:
+        """The backing tier and the engine or library that moves its bytes."""
+        return f"{self._medium.kind}: {self._medium.describe()}"
+
+    # -- writes ---------------------------------------------------------------------
+    def put(self, name: str, tensor: torch.Tensor, kind: str = "param") -> int:
+        """Store ``tensor`` as (name, kind); returns the new version. Durable on return."""
+        return self.put_many([(name, kind, tensor)])[0]
+
+    def put_many(
+        self,
+        items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor] | tuple[str, str, torch.Tensor]],
+        kind: str = "param",
+    ) -> list[int]:
+        """Store several tensors with their I/O overlapped and ONE commit; returns versions.
+
+        ``items`` maps names to tensors, or yields ``(name, tensor)`` or
+        ``(name, kind, tensor)``. Either every tensor is committed or none is.
+        """
+        self._check_open()
+        batch = list(self._normalize(items, kind))
+        taken: list[tuple[int, int, int]] = []
+        records: list[tuple[str, str, Record]] = []
+        try:
+            futures: list[Future[int]] = []
+            for name, k, tensor in batch:
+                rec, futs = self._write_bytes(tensor, taken)
+                records.append((name, k, rec))
+                futures.extend(futs)
+            for f in futures:
+                f.result()
+            self._medium.sync({seg for seg, _, length in taken if length})
+            freed, versions = self._catalog.write(lambda txn: self._commit(txn, records))
+        except OSError as e:
+            self._alloc.release(taken)
+            if e.errno in _FULL_ERRNOS:
+                raise StoreFullError(f"no space to write to {self.path}: {e}") from e
+            raise
+        except BaseException:
+            self._alloc.release(taken)
+            raise
+        self._alloc.release(freed)
+        with self._stats_lock:
+            self._tier.writes += len(records)
+            self._tier.bytes_written += sum(r.nbytes for _, _, r in records)
+        return versions
+
+    def _normalize(self, items: Any, kind: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+        if isinstance(items, Mapping):
+            items = items.items()
+        for item in items:
+            if len(item) == 3:
+                name, k, tensor = item
+            else:
+                (name, tensor), k = item, kind
+            check_name(name)
+            check_kind(k)
+            yield name, k, tensor
+
+    def _write_bytes(
+        self, tensor: torch.Tensor, taken: list[tuple[int, int, int]]
+    ) -> tuple[Record, list[Future[int]]]:
+        src = as_bytes(tensor)
+        nbytes = src.nbytes
+        rec = Record(
+            dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), nbytes=nbytes, crc=[],
+            chunk=self._chunk, version=0, seg=-1, off=0, length=0,
+        )
+        if nbytes == 0:
+            rec.crc = [0]
+            return rec, []
+        length = align_up(nbytes)
+        seg, off = self._allocate(length)
+        taken.append((seg, off, length))
+        rec.seg, rec.off, rec.length = seg, off, length
+        # O_DIRECT and GDS need page-aligned memory; copying each chunk into the aligned
+        # buffer just before it is written keeps the copy overlapped with earlier writes.
+        aligned = src.ctypes.data % ALIGNMENT == 0 and nbytes % ALIGNMENT == 0
+        buf = src if aligned else aligned_empty(length)
+        futures = []
+        for start in range(0, length, self._chunk):
+            end = min(start + self._chunk, length)
+            if not aligned:
+                stop = min(end, nbytes)
+                buf[start:stop] = src[start:stop]
+                if stop < end:
+                    buf[stop:end] = 0
+            rec.crc.append(crc32c.crc32c(buf[start : min(end, nbytes)]))
+            futures.append(self._medium.pwrite(seg, off + start, memoryview(buf[start:end])))
+        return rec, futures
+
+    def _allocate(self, length: int) -> tuple[int, int]:
+        got = self._alloc.allocate(length)
+        while got is None:
+            with self._seg_lock:
+                got = self._alloc.allocate(length)  # another thread may have added a slab
+                if got is not None:
+                    break
+                seg = self._next_seg
+                seg, path, base, size = self._medium.create_segment(seg, length)
+                self._catalog.write(lambda txn: self._catalog.add_segment(txn, seg, path, base, size))
+                self._next_seg = seg + 1
+                self._alloc.add(seg, 0, size)
+            got = self._alloc.allocate(length)
+        return got
+
+    def _commit(
+        self, txn: Any, records: list[tuple[str, str, Record]]
+    ) -> tuple[list[tuple[int, int, int]], list[int]]:
+        cat = self._catalog
+        version = cat.get_meta(txn, "version", 0)
+        live = cat.get_meta(txn, "live_bytes", 0)
+        freed, versions = [], []
+        for name, kind, rec in records:
+            version += 1
+            rec.version = version
+            versions.append(version)
+            cat.incref(txn, rec)
+            old = cat.get_record(txn, name, kind)
+            if old is not None:
+                live -= old.nbytes
+                ext = cat.decref(txn, old)
+                if ext:
+                    freed.append(ext)
+            live += rec.nbytes
+            txn.put(entry_key(name, kind), rec.encode(), db=cat.db["entries"])
+        cat.put_meta(txn, "version", version)
+        cat.put_meta(txn, "live_bytes", live)
+        return freed, versions
+
+    def delete(self, name: str, kind: str = "param", *, missing_ok: bool = False) -> bool:
+        """Remove an entry; its space is reused once no snapshot holds it."""
+        self._check_open()
+
+        def txn_delete(txn: Any) -> tuple[int, int, int] | None | bool:
+            old = self._catalog.get_record(txn, name, kind)
+            if old is None:
+                return False
+            txn.delete(entry_key(name, kind), db=self._catalog.db["entries"])
+            live = self._catalog.get_meta(txn, "live_bytes", 0)
+            self._catalog.put_meta(txn, "live_bytes", live - old.nbytes)
+            return self._catalog.decref(txn, old)
+
+        freed = self._catalog.write(txn_delete)
+        if freed is False:
+            if missing_ok:
+                return False
+            raise EntryNotFoundError(name, kind)
+        if freed:
+            self._alloc.release([freed])
+        return True
+
+    # -- reads ----------------------------------------------------------------------
+    def get(
+        self,
+        name: str,
+        kind: str = "param",
+        *,
+        device: str | torch.device | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The stored tensor, checksum-verified. ``out`` receives it in place (same dtype
+        and shape, any device); ``device`` moves the result there."""
+        return self._read([(name, kind)], device=device, outs=[out])[0]
+
+    def get_many(
+        self,
+        names: Iterable[str | Key],
+        kind: str = "param",
+        *,
+        device: str | torch.device | None = None,
+    ) -> dict[str | Key, torch.Tensor]:
+        """Several tensors with their reads overlapped, keyed as asked (name or (name, kind))."""
+        asked = list(names)
+        keys = [(a, kind) if isinstance(a, str) else tuple(a) for a in asked]
+        return dict(zip(asked, self._read(keys, device=device, outs=[None] * len(keys))))
+
+    def _lookup(self, keys: list[Key]) -> list[Record]:
+        """Records of ``keys`` with their extents leased (release with ``_unlease``)."""
+        recs: list[Record] = []
+        try:
+            with self._alloc.lock, self._catalog.read() as txn:
+                for name, kind in keys:
+                    rec = self._catalog.get_record(txn, name, kind)
+                    if rec is None:
+                        raise EntryNotFoundError(name, kind)
+                    if rec.seg >= 0:
+                        self._alloc.lease_locked(rec.seg, rec.off)
+                    recs.append(rec)
+        except BaseException:
+            self._unlease(recs)
+            raise
+        return recs
+
+    def _unlease(self, recs: Iterable[Record]) -> None:
+        for rec in recs:
+            if rec.seg >= 0:
+                self._alloc.unlease(rec.seg, rec.off)
+
+    def _read(
+        self,
+        keys: list[Key],
+        *,
+        device: str | torch.device | None,
+        outs: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        self._check_open()
+        for name, kind in keys:
+            check_name(name)
+            check_kind(kind)
+        recs = self._lookup(keys)
+        try:
+            for (name, kind), rec, out in zip(keys, recs, outs):
+                if out is not None:
+                    self._check_out(name, kind, rec, out)
+            bufs = self._fetch(keys, recs)
+        finally:
+            self._unlease(recs)
+        with self._stats_lock:
+            self._tier.reads += len(recs)
+            self._tier.bytes_read += sum(r.nbytes for r in recs)
+        results = []
+        for rec, buf, out in zip(recs, bufs, outs):
+            t = from_bytes(buf, dtype_from_name(rec.dtype), tuple(rec.shape))
+            if out is not None:
+                out.copy_(t)
+                t = out
+            elif device is not None and torch.device(device).type != "cpu":
+                t = t.to(device)
+            results.append(t)
+        return results
+
+    def _fetch(self, keys: list[Key], recs: list[Record]) -> list[np.ndarray]:
+        """Read the records' extents in parallel chunks, verifying each chunk's crc32c."""
+        bufs = [aligned_empty(rec.length) for rec in recs]
+        pending: dict[Future[int], tuple[int, int]] = {}
+        for i, (rec, buf) in enumerate(zip(recs, bufs)):
+            for c, start in enumerate(range(0, rec.length, rec.chunk)):
+                end = min(start + rec.chunk, rec.length)
+                pending[self._medium.pread(rec.seg, rec.off + start, memoryview(buf[start:end]))] = (i, c)
+        try:
+            for f in as_completed(pending):
+                i, c = pending[f]
+                f.result()
+                rec, start = recs[i], c * recs[i].chunk
+                stop = min(start + rec.chunk, rec.nbytes)
+                got = crc32c.crc32c(bufs[i][start:stop])
+                if got != rec.crc[c]:
+                    name, kind = keys[i]
+                    raise CorruptEntryError(
+                        name, kind,
+                        f"crc32c of bytes {start}..{stop} is {got:08x}, the catalog says "
+                        f"{rec.crc[c]:08x} (version {rec.version}, "
+                        f"{self._medium.location(rec.seg, rec.off + start)[0]})",
+                    )
+        except BaseException:
+            for f in pending:  # never leave reads landing in buffers after their lease ends
+                f.cancel()
+            for f in pending:
+                if not f.cancelled():
+                    f.exception()
+            raise
+        return bufs
+
+    def _verify_record(self, name: str, kind: str, rec: Record) -> None:
+        self._fetch([(name, kind)], [rec])
+
+    @staticmethod
+    def _check_out(name: str, kind: str, rec: Record, out: torch.Tensor) -> None:
+        dtype, shape = dtype_from_name(rec.dtype), tuple(rec.shape)
+        if out.dtype != dtype or tuple(out.shape) != shape:
+            raise ShapeMismatchError(
+                f"out= for {name!r} (kind {kind!r}) is {out.dtype} {tuple(out.shape)}, "
+                f"the entry is {dtype} {shape}"
+            )
+
+    def view(self, name: str, kind: str = "param") -> torch.Tensor:
+        """A read-only zero-copy tensor over the stored bytes, where the medium is byte
+        addressable (PMem); a checksum-verified copy elsewhere.
+
+        The entry's space stays reserved (not reused by later writes) while the returned
+        tensor object is alive. Do not write into it.
+        """
+        rec = self._lookup([(name, kind)])[0]
+        try:
+            mv = self._medium.view(rec.seg, rec.off, rec.nbytes) if rec.seg >= 0 else None
+            if mv is None:
+                self._unlease([rec])
+                return self.get(name, kind)
+            arr = np.frombuffer(mv, dtype=np.uint8)
+            for c, start in enumerate(range(0, rec.nbytes, rec.chunk)):
+                got = crc32c.crc32c(arr[start : start + rec.chunk])
+                if got != rec.crc[c]:
+                    raise CorruptEntryError(name, kind, f"crc32c {got:08x} != {rec.crc[c]:08x}")
+            t = from_bytes(torch.frombuffer(mv, dtype=torch.uint8), dtype_from_name(rec.dtype),
+                           tuple(rec.shape))
+        except BaseException:
+            self._unlease([rec])
+            raise
+        weakref.finalize(t, self._alloc.unlease, rec.seg, rec.off)
+        return t
+
+    # -- catalog queries ------------------------------------------------------------
+    def __contains__(self, key: str | Key) -> bool:
+        name, kind = (key, "param") if isinstance(key, str) else key
+        with self._catalog.read() as txn:
+            return self._catalog.get_record(txn, name, kind) is not None
+
+    def names(self, prefix: str = "", kind: str | None = None) -> list[str]:
+        """Sorted distinct names starting with ``prefix`` (of one kind, if given)."""
+        self._check_open()
+        seen: dict[str, None] = {}
+        with self._catalog.read() as txn:
+            for name, k, _ in self._catalog.iter_records(txn, prefix):
+                if kind is None or k == kind:
+                    seen[name] = None
+        return list(seen)
+
+    def keys(self, prefix: str = "") -> list[Key]:
+        """Every (name, kind) whose name starts with ``prefix``, in catalog order."""
+        self._check_open()
+        with self._catalog.read() as txn:
+            return [(n, k) for n, k, _ in self._catalog.iter_records(txn, prefix)]
+
+    def info(self, name: str, kind: str = "param") -> EntryInfo:
+        self._check_open()
+        with self._catalog.read() as txn:
+            rec = self._catalog.get_record(txn, name, kind)
+        if rec is None:
+            raise EntryNotFoundError(name, kind)
+        return self._entry_info(name, kind, rec)
+
+    def _entry_info(self, name: str, kind: str, rec: Record) -> EntryInfo:
+        path, offset = self._medium.location(rec.seg, rec.off) if rec.seg >= 0 else (None, None)
+        return EntryInfo(
+            name=name, kind=kind, dtype=dtype_from_name(rec.dtype), shape=tuple(rec.shape),
+            nbytes=rec.nbytes, version=rec.version, checksum=rec.checksum(),
+            tier=self._medium.kind, path=path, offset=offset,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Entry count, stored bytes, and reads/writes per tier since the store was opened."""
+        self._check_open()
+        with self._catalog.read() as txn:
+            n = txn.stat(self._catalog.db["entries"])["entries"]
+            live = self._catalog.get_meta(txn, "live_bytes", 0)
+            nsnap = txn.stat(self._catalog.db["snapshots"])["entries"]
+            capacity = sum(s[3] for s in self._catalog.segments(txn))
+        with self._stats_lock:
+            tier = dict(vars(self._tier))
+        return {
+            "entries": n,
+            "bytes_stored": live,
+            "snapshots": nsnap,
+            "capacity_bytes": capacity,
+            "free_bytes": self._alloc.free_bytes(),
+            "catalog_map_bytes": self._catalog.map_size(),
+            "tiers": {self._medium.kind: tier},
+        }
+
+    # -- snapshots ------------------------------------------------------------------
+    def snapshot(self, tag: str) -> SnapshotInfo:
+        """Atomically record the current version of every entry under ``tag``."""
+        self._check_open()
+        check_tag(tag)
+        self.flush()
+        cat = self._catalog
+
+        def txn_snap(txn: Any) -> SnapshotInfo:
+            if txn.get(tag.encode(), db=cat.db["snapshots"]) is not None:
+                raise SnapshotError(f"snapshot {tag!r} exists; drop it first")
+            n = nbytes = 0
+            for name, kind, rec in list(cat.iter_records(txn)):
+                cat.incref(txn, rec)
+                txn.put(tag.encode() + b"\0" + entry_key(name, kind), rec.encode(),
+                        db=cat.db["snapentries"])
+                n, nbytes = n + 1, nbytes + rec.nbytes
+            info = SnapshotInfo(tag, time.time(), n, nbytes)
+            txn.put(tag.encode(), json.dumps(vars(info)).encode(), db=cat.db["snapshots"])
+            return info
+
+        return cat.write(txn_snap)
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        self._check_open()
+        with self._catalog.read() as txn:
+            return [
+                SnapshotInfo(**json.loads(raw))
+                for _, raw in txn.cursor(db=self._catalog.db["snapshots"])
+            ]
+
+    def restore(self, tag: str) -> SnapshotInfo:
+        """Make the live entries exactly the snapshot's (entries made since are removed)."""
+        self._check_open()
+        cat = self._catalog
+
+        def txn_restore(txn: Any) -> tuple[list[tuple[int, int, int]], SnapshotInfo]:
+            raw = txn.get(tag.encode(), db=cat.db["snapshots"])
+            if raw is None:
+                raise SnapshotError(f"no snapshot {tag!r}")
+            saved = list(cat.iter_records(txn, db="snapentries", tag=tag))
+            for _, _, rec in saved:  # take the snapshot's references before dropping the live ones
+                cat.incref(txn, rec)
+            freed = []
+            for name, kind, rec in list(cat.iter_records(txn)):
+                ext = cat.decref(txn, rec)
+                if ext:
+                    freed.append(ext)
+                txn.delete(entry_key(name, kind), db=cat.db["entries"])
+            for name, kind, rec in saved:
+                txn.put(entry_key(name, kind), rec.encode(), db=cat.db["entries"])
+            cat.put_meta(txn, "live_bytes", sum(r.nbytes for _, _, r in saved))
+            return freed, SnapshotInfo(**json.loads(raw))
+
+        freed, info = cat.write(txn_restore)
+        self._alloc.release(freed)
+        return info
+
+    def drop_snapshot(self, tag: str) -> None:
+        """Forget a snapshot; space only it held becomes free."""
+        self._check_open()
+        cat = self._catalog
+
+        def txn_drop(txn: Any) -> list[tuple[int, int, int]]:
+            if not txn.delete(tag.encode(), db=cat.db["snapshots"]):
+                raise SnapshotError(f"no snapshot {tag!r}")
+            freed = []
+            for name, kind, rec in list(cat.iter_records(txn, db="snapentries", tag=tag)):
+                ext = cat.decref(txn, rec)
+                if ext:
+                    freed.append(ext)
+                txn.delete(tag.encode() + b"\0" + entry_key(name, kind), db=cat.db["snapentries"])
+            return freed
+
+        self._alloc.release(cat.write(txn_drop))
+
+    # -- verification ---------------------------------------------------------------
+    def fsck(self, progress: Callable[[int], None] | None = None) -> FsckReport:
+        """Verify every checksum (live and snapshot versions), the reference counts and
+        the free map. ``progress`` is called with the bytes verified so far."""
+        from .fsck import check_store
+
+        self._check_open()
+        return check_store(self, progress)
+
+
+# -- opening --------------------------------------------------------------------------
+def _lock(path: str) -> int:
+    fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreLockedError(
+            f"store {path} is open in process {holder}; one process owns a store at a time "
+            "(share it through `tierstore serve` instead)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _make_medium(path: str, backing: dict[str, Any], engine: str, io_threads: int) -> Medium:
+    kind = backing.get("kind", "nvme")
+    if kind == "nvme":
+        from nvme import SlabMedium
+
+        return SlabMedium(path, slab_bytes=backing["slab_bytes"], engine=engine, threads=io_threads)
+    if kind == "pmem":
+        from pmem import PoolMedium
+
+        exists = os.path.exists(backing["pool"])
+        return PoolMedium(backing["pool"], create=not exists, size=backing.get("pool_bytes"),
+                          threads=io_threads)
+    raise NotAStoreError(f"store {path} names an unknown backing tier {kind!r}")
+
+
+def open_store(
+    path: str | os.PathLike[str],
+    *,
+    create: bool = False,
+    backing: str | None = None,
+    slab_size: int | str = "1GiB",
+    pmem_path: str | os.PathLike[str] | None = None,
+    pmem_size: int | str | None = None,
+    engine: str = "auto",
+    io_threads: int = 8,
+    chunk_size: int | str = "8MiB",
+    map_size: int | str = "1GiB",
+) -> Store:
+    """Open the store at ``path`` (``create=True`` makes it if missing).
+
+    ``backing`` is ``"nvme"`` (slab files under the store directory, the default) or
+    ``"pmem"`` (a libpmem pool at ``pmem_path`` of ``pmem_size``); it is recorded at
+    creation, so reopening needs only the path. ``engine`` picks the NVMe I/O engine
+    (``auto``: kvikio with CUDA, else POSIX O_DIRECT). Sizes take bytes or strings
+    such as ``"2GiB"``.
+    """
+    path = os.path.abspath(os.fspath(path))
+    marker = os.path.join(path, MARKER)
+    chunk = parse_size(chunk_size)
+    if chunk < ALIGNMENT or chunk % ALIGNMENT:
+        raise StoreError(f"chunk_size must be a positive multiple of {ALIGNMENT}, got {chunk}")
+    if io_threads < 1:
+        raise StoreError("io_threads must be >= 1")
+    if not os.path.exists(marker):
+        if not create:
+            what = "does not exist" if not os.path.exists(path) else "is not a tierstore store"
+            raise NotAStoreError(f"{path} {what} (create it with `tierstore init {path}`)")
+        leftovers = set(os.listdir(path)) if os.path.isdir(path) else set()
+        if leftovers - {"catalog", "LOCK", "slabs", MARKER + ".tmp"}:
+            raise NotAStoreError(f"{path} is a non-empty directory that is not a store")
+        _init_dir(path, backing or "nvme", slab_size, pmem_path, pmem_size, map_size)
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise NotAStoreError(f"{path}: unreadable store marker: {e}") from e
+    if meta.get("format") != FORMAT_VERSION:
+        raise NotAStoreError(f"{path}: store format {meta.get('format')!r} is not supported")
+    if backing is not None and backing != meta["backing"]["kind"]:
+        raise StoreError(f"store {path} is backed by {meta['backing']['kind']}, not {backing}")
+    lock_fd = _lock(path)
+    try:
+        catalog = Catalog(os.path.join(path, "catalog"), map_size=parse_size(map_size))
+        medium = _make_medium(path, meta["backing"], engine, io_threads)
+        return Store(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+
+
+def _init_dir(
+    path: str, backing: str, slab_size: int | str, pmem_path: Any, pmem_size: Any, map_size: Any
+) -> None:
+    if backing == "nvme":
+        conf: dict[str, Any] = {"kind": "nvme", "slab_bytes": align_up(parse_size(slab_size))}
+        if conf["slab_bytes"] < ALIGNMENT:
+            raise StoreError("slab_size must be at least 4 KiB")
+    elif backing == "pmem":
+        if pmem_path is None or pmem_size is None:
+            raise StoreError("a pmem store needs pmem_path= (the pool file) and pmem_size=")
+        conf = {"kind": "pmem", "pool": os.path.abspath(os.fspath(pmem_path)),
+                "pool_bytes": align_up(parse_size(pmem_size))}
+    else:
+        raise StoreError(f"unknown backing {backing!r}; choose nvme or pmem")
+    os.makedirs(path, exist_ok=True)
+    catalog = Catalog(os.path.join(path, "catalog"), map_size=parse_size(map_size))
+    try:
+        def init(txn: Any) -> None:
+            catalog.put_meta(txn, "format", FORMAT_VERSION)
+            catalog.put_meta(txn, "backing", conf)
+        catalog.write(init)
+    finally:
+        catalog.close()
+    # The marker is written last: a directory without it is an unfinished init, not a store.
+    tmp = os.path.join(path, MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": FORMAT_VERSION, "backing": conf, "created": time.time()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MARKER))
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -1,0 +1,64 @@
+"""Tensors as stored bytes: dtype names that survive a round trip, and byte views."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedTensorError
+
+# Every dtype a dense tensor can hold as plain bytes, by its stable name.
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (getattr(torch, n) for n in dir(torch))
+    if isinstance(d, torch.dtype)
+}
+for _q in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4"):
+    DTYPES.pop(_q, None)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise UnsupportedTensorError(f"dtype {dtype} cannot be stored as raw bytes")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UnsupportedTensorError(f"unknown dtype {name!r} in the catalog") from None
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as a flat uint8 numpy array; a view where the tensor allows it.
+
+    Moves device tensors to the host and makes non-contiguous ones contiguous (a copy).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise UnsupportedTensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse or tensor.is_quantized or tensor.layout != torch.strided:
+        raise UnsupportedTensorError(f"cannot store a {tensor.layout} tensor; densify it first")
+    dtype_name(tensor.dtype)
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def from_bytes(buf: np.ndarray | torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over the first bytes of ``buf`` (no copy)."""
+    u8 = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+    nbytes = element_size(dtype) * int(np.prod(shape, dtype=np.int64))
+    flat = u8[:nbytes]
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return flat.view(dtype).view(shape)
