@@ -235,11 +235,7 @@ class Catalog:
         if cur.set_range(ext_key(seg, off + length)) and cur.key() == ext_key(seg, off + length):
             length += _LEN.unpack(cur.value())[0]
             cur.delete()
-        if cur.set_range(ext_key(seg, off)):
-            has_prev = cur.prev()
-        else:
-            has_prev = cur.last()
-        if has_prev:
+        if cur.prev() if cur.set_range(ext_key(seg, off)) else cur.last():
             pseg, poff = _EXT.unpack(cur.key())
             plen = _LEN.unpack(cur.value())[0]
             if pseg == seg and poff + plen == off:

@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +141,7 @@ class Store:
         *,
         chunk_bytes: int,
         lock_fd: int,
+        io_threads: int = 8,
     ) -> None:
         self.path = path
         self._catalog = catalog
@@ -148,6 +149,9 @@ class Store:
         self._chunk = chunk_bytes
         self._lock_fd = lock_fd
         self._alloc = ExtentAllocator(ALIGNMENT)
+        # Chunk jobs (copy, checksum, then the medium's own I/O call) run here, so the
+        # CPU work of one chunk overlaps the I/O of the others.
+        self._workers = ThreadPoolExecutor(io_threads, thread_name_prefix="tierstore-chunk")
         self._seg_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._tier = _TierStats()
@@ -171,6 +175,7 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        self._workers.shutdown(wait=True)
         self._medium.close()
         self._catalog.close()
         os.close(self._lock_fd)
@@ -214,13 +219,13 @@ class Store:
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
         try:
-            futures: list[Future[int]] = []
+            started = []
             for name, k, tensor in batch:
                 rec, futs = self._write_bytes(tensor, taken)
                 records.append((name, k, rec))
-                futures.extend(futs)
-            for f in futures:
-                f.result()
+                started.append(futs)
+            for (_, _, rec), futs in zip(records, started):
+                rec.crc = rec.crc or [f.result() for f in futs]
             self._medium.sync({seg for seg, _, length in taken if length})
             freed, versions = self._catalog.write(lambda txn: self._commit(txn, records))
         except OSError as e:
@@ -252,6 +257,7 @@ class Store:
     def _write_bytes(
         self, tensor: torch.Tensor, taken: list[tuple[int, int, int]]
     ) -> tuple[Record, list[Future[int]]]:
+        """Start writing ``tensor`` to fresh extents; the futures give each chunk's crc32c."""
         src = as_bytes(tensor)
         nbytes = src.nbytes
         rec = Record(
@@ -265,21 +271,23 @@ class Store:
         seg, off = self._allocate(length)
         taken.append((seg, off, length))
         rec.seg, rec.off, rec.length = seg, off, length
-        # O_DIRECT and GDS need page-aligned memory; copying each chunk into the aligned
-        # buffer just before it is written keeps the copy overlapped with earlier writes.
+        # O_DIRECT and GDS need page-aligned memory. Each chunk is copied into the aligned
+        # buffer and checksummed by a worker just before its write, so copies, checksums and
+        # writes of different chunks overlap.
         aligned = src.ctypes.data % ALIGNMENT == 0 and nbytes % ALIGNMENT == 0
         buf = src if aligned else aligned_empty(length)
-        futures = []
-        for start in range(0, length, self._chunk):
+
+        def chunk_job(start: int) -> int:
             end = min(start + self._chunk, length)
+            stop = min(end, nbytes)
             if not aligned:
-                stop = min(end, nbytes)
                 buf[start:stop] = src[start:stop]
-                if stop < end:
-                    buf[stop:end] = 0
-            rec.crc.append(crc32c.crc32c(buf[start : min(end, nbytes)]))
-            futures.append(self._medium.pwrite(seg, off + start, memoryview(buf[start:end])))
-        return rec, futures
+                buf[stop:end] = 0
+            crc = crc32c.crc32c(buf[start:stop])
+            self._medium.pwrite(seg, off + start, memoryview(buf[start:end])).result()
+            return crc
+
+        return rec, [self._workers.submit(chunk_job, start) for start in range(0, length, self._chunk)]
 
     def _allocate(self, length: int) -> tuple[int, int]:
         got = self._alloc.allocate(length)
@@ -289,8 +297,9 @@ class Store:
                 if got is not None:
                     break
                 seg = self._next_seg
-                seg, path, base, size = self._medium.create_segment(seg, length)
-                self._catalog.write(lambda txn: self._catalog.add_segment(txn, seg, path, base, size))
+                new = self._medium.create_segment(seg, length)
+                self._catalog.write(lambda txn, new=new: self._catalog.add_segment(txn, *new))
+                seg, _, _, size = new
                 self._next_seg = seg + 1
                 self._alloc.add(seg, 0, size)
             got = self._alloc.allocate(length)
@@ -425,33 +434,35 @@ class Store:
     def _fetch(self, keys: list[Key], recs: list[Record]) -> list[np.ndarray]:
         """Read the records' extents in parallel chunks, verifying each chunk's crc32c."""
         bufs = [aligned_empty(rec.length) for rec in recs]
-        pending: dict[Future[int], tuple[int, int]] = {}
-        for i, (rec, buf) in enumerate(zip(recs, bufs)):
-            for c, start in enumerate(range(0, rec.length, rec.chunk)):
-                end = min(start + rec.chunk, rec.length)
-                pending[self._medium.pread(rec.seg, rec.off + start, memoryview(buf[start:end]))] = (i, c)
+
+        def chunk_job(i: int, c: int) -> None:
+            rec, buf, start = recs[i], bufs[i], c * recs[i].chunk
+            end = min(start + rec.chunk, rec.length)
+            self._medium.pread(rec.seg, rec.off + start, memoryview(buf[start:end])).result()
+            stop = min(end, rec.nbytes)
+            got = crc32c.crc32c(buf[start:stop])
+            if got != rec.crc[c]:
+                name, kind = keys[i]
+                raise CorruptEntryError(
+                    name, kind,
+                    f"crc32c of bytes {start}..{stop} is {got:08x}, the catalog says "
+                    f"{rec.crc[c]:08x} (version {rec.version}, "
+                    f"{self._medium.location(rec.seg, rec.off + start)[0]})",
+                )
+
+        jobs = [
+            self._workers.submit(chunk_job, i, c)
+            for i, rec in enumerate(recs)
+            for c in range(len(range(0, rec.length, rec.chunk)))
+        ]
         try:
-            for f in as_completed(pending):
-                i, c = pending[f]
+            for f in jobs:
                 f.result()
-                rec, start = recs[i], c * recs[i].chunk
-                stop = min(start + rec.chunk, rec.nbytes)
-                got = crc32c.crc32c(bufs[i][start:stop])
-                if got != rec.crc[c]:
-                    name, kind = keys[i]
-                    raise CorruptEntryError(
-                        name, kind,
-                        f"crc32c of bytes {start}..{stop} is {got:08x}, the catalog says "
-                        f"{rec.crc[c]:08x} (version {rec.version}, "
-                        f"{self._medium.location(rec.seg, rec.off + start)[0]})",
-                    )
-        except BaseException:
-            for f in pending:  # never leave reads landing in buffers after their lease ends
-                f.cancel()
-            for f in pending:
-                if not f.cancelled():
+        finally:
+            # Never let a read land in a buffer after its extent's lease has ended.
+            for f in jobs:
+                if not f.cancel():
                     f.exception()
-            raise
         return bufs
 
     def _verify_record(self, name: str, kind: str, rec: Record) -> None:
@@ -717,7 +728,8 @@ def open_store(
     try:
         catalog = Catalog(os.path.join(path, "catalog"), map_size=parse_size(map_size))
         medium = _make_medium(path, meta["backing"], engine, io_threads)
-        return Store(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd)
+        return Store(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd,
+                     io_threads=io_threads)
     except BaseException:
         os.close(lock_fd)
         raise

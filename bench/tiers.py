@@ -1,0 +1,146 @@
+"""Tier bandwidth against a ceiling measured in the same run.
+
+NVMe tier: the store writes ``n`` entries of a block size with ``put_many`` (copy-on-write,
+fdatasync, one commit) and reads them back with ``get_many`` (crc32c-verified). Beside each,
+fio runs on the same slab file with the request size the store issues (the entry, cut into
+the store's chunks), the same number of threads and the same O_DIRECT flag: fio reads the
+region the entries occupy and writes the slab's unused half, ending with an fsync as the
+store does. The ratio store/fio is the figure of merit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import tierstore
+
+CHUNK = 8 << 20
+
+
+def _fio(path: str, op: str, bs: int, threads: int, offset: int, span: int, direct: bool) -> float:
+    """fio bandwidth in GB/s over ``span`` bytes of ``path`` from ``offset``."""
+    per_job = max(bs, span // threads // bs * bs)
+    cmd = [
+        "fio", "--name=ceiling", f"--filename={path}", f"--rw={op}", f"--bs={bs}",
+        f"--direct={int(direct)}", "--ioengine=psync", f"--numjobs={threads}",
+        f"--offset={offset}", f"--size={per_job}", f"--offset_increment={per_job}",
+        "--group_reporting", "--output-format=json", "--allow_file_create=0",
+    ]
+    if op == "write":
+        cmd.append("--end_fsync=1")
+    if not direct and op == "read":
+        cmd.append("--invalidate=1")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0][op]
+    return job["bw_bytes"] / 1e9
+
+
+def _drop_cache(paths: set[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    s = sorted(samples)
+    return s[len(s) // 2] * 1e3, s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3
+
+
+def measure_nvme(
+    root: str, engine: str, block: int, threads: int, total: int
+) -> list[dict[str, Any]]:
+    n = max(threads, total // block)
+    path = os.path.join(root, f"{engine}-{block}")
+    direct = engine == "posix-direct"
+    with tierstore.open(path, create=True, engine=engine, io_threads=threads,
+                        slab_size=2 * n * block + (64 << 20), chunk_size=CHUNK) as st:
+        data = torch.randint(0, 255, (block,), dtype=torch.uint8)
+        items = [(f"bench.experts.{i}.w", data) for i in range(n)]
+        t0 = time.perf_counter()
+        st.put_many(items)
+        t_write = time.perf_counter() - t0
+        w_lat = []
+        for i in range(min(16, n)):
+            t0 = time.perf_counter()
+            st.put(f"bench.experts.{i}.w", data)
+            w_lat.append(time.perf_counter() - t0)
+        infos = [st.info(name) for name, _ in items]
+        slab = infos[0].path
+        _drop_cache({i.path for i in infos})
+        names = [name for name, _ in items]
+        t0 = time.perf_counter()
+        group = max(1, (256 << 20) // block)
+        for i in range(0, n, group):
+            st.get_many(names[i : i + group])
+        t_read = time.perf_counter() - t0
+        r_lat = []
+        for name in names[: min(16, n)]:
+            t0 = time.perf_counter()
+            st.get(name)
+            r_lat.append(time.perf_counter() - t0)
+        used_end = max(i.offset + block for i in infos)
+        bs = min(block, CHUNK)
+        fio_read = _fio(slab, "read", bs, threads, 0, used_end // bs * bs, direct)
+        fio_write = _fio(slab, "write", bs, threads, -(-used_end // bs) * bs, n * block, direct)
+    shutil.rmtree(path, ignore_errors=True)
+    rows = []
+    for op, secs, lat, ceiling in (("write", t_write, w_lat, fio_write),
+                                   ("read", t_read, r_lat, fio_read)):
+        gbps = n * block / secs / 1e9
+        p50, p99 = _percentiles(lat)
+        rows.append({
+            "tier": "nvme", "op": op, "engine": engine, "block_bytes": block,
+            "threads": threads, "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
+            "ceiling": "fio psync", "ratio": round(gbps / ceiling, 3),
+            "p50_ms": round(p50, 3), "p99_ms": round(p99, 3),
+        })
+    return rows
+
+
+def run_tiers(
+    store: str | None,
+    sizes: list[int],
+    threads: int,
+    total: int,
+    json_out: str | None,
+    *,
+    engines: tuple[str, ...] = ("posix-direct", "posix-buffered"),
+    echo: Callable[[str], object] = print,
+) -> int:
+    if shutil.which("fio") is None:
+        raise tierstore.StoreError("fio is not installed (apt-get install fio): it measures "
+                                   "the ceiling every figure is compared with")
+    from tqdm import tqdm
+
+    root = store or tempfile.mkdtemp(prefix="tierstore-bench-", dir=os.getcwd())
+    os.makedirs(root, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    try:
+        for engine, block in tqdm([(e, b) for e in engines for b in sizes], desc="bench tiers",
+                                  disable=None):
+            rows += measure_nvme(root, engine, block, threads, total)
+    finally:
+        if store is None:
+            shutil.rmtree(root, ignore_errors=True)
+    echo(f"{'tier':5} {'op':5} {'engine':15} {'block':>8} {'thr':>3} {'GB/s':>7} "
+         f"{'fio GB/s':>8} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}")
+    for r in rows:
+        echo(f"{r['tier']:5} {r['op']:5} {r['engine']:15} "
+             f"{tierstore.format_size(r['block_bytes']):>8} {r['threads']:>3} {r['gbps']:7.3f} "
+             f"{r['ceiling_gbps']:8.3f} {r['ratio']:6.2f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"benchmark": "tiers", "results": rows}, f, indent=1)
+    return 0

@@ -1,0 +1,314 @@
+"""The ``tierstore`` command line.
+
+Commands that act on a store take it as their first argument; commands whose subject is
+something else (an import source, a benchmark) name the store with ``--store``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from .errors import StoreError
+from .sizes import format_size, parse_size
+
+DEFAULT_DEMO_STORE = "demo-store"
+
+
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+SIZE = SizeType()
+
+
+def _bar(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=None, dynamic_ncols=True)
+
+
+def _open(path: str, **kw: Any) -> Any:
+    from . import open as open_store
+
+    return open_store(path, **kw)
+
+
+def _run(fn: Callable[[], int | None]) -> None:
+    """Turn store errors into one clear line and exit status 2 instead of a traceback."""
+    try:
+        code = fn()
+    except StoreError as e:
+        click.echo(f"tierstore: {e}", err=True)
+        sys.exit(2)
+    sys.exit(code or 0)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="tierstore")
+def main() -> None:
+    """tierstore: keep Mixture-of-Experts parameter states (weights, gradients, optimizer
+    states) on NVMe or persistent memory, behind an LMDB catalog with copy-on-write,
+    checksum-verified entries.
+
+    Start with `tierstore demo`, or `tierstore init STORE` and the Python API
+    (`tierstore.open(STORE)`).
+    """
+
+
+@main.command()
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--backing", type=click.Choice(["nvme", "pmem"]), default="nvme", show_default=True,
+              help="Backing tier: slab files under STORE, or a persistent-memory pool file.")
+@click.option("--slab-size", type=SIZE, default="1GiB", show_default=True,
+              help="Size of each preallocated NVMe slab file.")
+@click.option("--pmem-path", type=click.Path(dir_okay=False),
+              help="Pool file for --backing pmem (on a DAX mount in production).")
+@click.option("--pmem-size", type=SIZE, help="Initial pool size for --backing pmem, e.g. 16GiB.")
+def init(store: str, backing: str, slab_size: int, pmem_path: str | None,
+         pmem_size: int | None) -> None:
+    """Create an empty store at STORE."""
+
+    def go() -> None:
+        if os.path.exists(os.path.join(store, "TIERSTORE")):
+            raise StoreError(f"{store} is already a store")
+        with _open(store, create=True, backing=backing, slab_size=slab_size,
+                   pmem_path=pmem_path, pmem_size=pmem_size) as st:
+            click.echo(f"created {st.path} ({st.describe()})")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def info(store: str, as_json: bool) -> None:
+    """Entries, bytes per tier, snapshots and the backend in use."""
+
+    def go() -> None:
+        with _open(store) as st:
+            stats = st.stats()
+            snaps = [vars(s) for s in st.snapshots()]
+            if as_json:
+                click.echo(json.dumps({"path": st.path, "backend": st.describe(), **stats,
+                                       "snapshot_list": snaps}))
+                return
+            click.echo(f"store     {st.path}")
+            click.echo(f"backend   {st.describe()}")
+            click.echo(f"entries   {stats['entries']} ({format_size(stats['bytes_stored'])})")
+            click.echo(f"capacity  {format_size(stats['capacity_bytes'])} "
+                       f"({format_size(stats['free_bytes'])} free)")
+            for s in snaps:
+                click.echo(f"snapshot  {s['tag']}: {s['entries']} entries, "
+                           f"{format_size(s['nbytes'])}")
+
+    _run(go)
+
+
+@main.command(name="ls")
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("prefix", default="")
+@click.option("-l", "--long", "long_", is_flag=True, help="Kind, dtype, shape, size, version.")
+def ls(store: str, prefix: str, long_: bool) -> None:
+    """List entries whose name starts with PREFIX."""
+
+    def go() -> None:
+        with _open(store) as st:
+            for name, kind in st.keys(prefix):
+                if not long_:
+                    click.echo(name if kind == "param" else f"{name}  [{kind}]")
+                    continue
+                e = st.info(name, kind)
+                dt = str(e.dtype).removeprefix("torch.")
+                click.echo(f"{name}\t{kind}\t{dt}\t{list(e.shape)}\t{e.nbytes}\tv{e.version}")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def fsck(store: str, as_json: bool) -> None:
+    """Verify every checksum (live and snapshot versions), the reference counts and the
+    free map. Exits 1 if anything is wrong."""
+
+    def go() -> int:
+        with _open(store) as st:
+            total = st.stats()["bytes_stored"]
+            with _bar(total, "fsck") as bar:
+                seen = [0]
+
+                def progress(done: int) -> None:
+                    bar.total = max(bar.total, done)
+                    bar.update(done - seen[0])
+                    seen[0] = done
+
+                report = st.fsck(progress)
+        if as_json:
+            click.echo(json.dumps(vars(report)))
+        else:
+            for p in report.problems:
+                click.echo(f"PROBLEM  {p}")
+            for n in report.notes:
+                click.echo(f"note     {n}")
+            verdict = "clean" if report.ok else f"{len(report.problems)} problem(s)"
+            click.echo(f"{report.entries} stored versions, {format_size(report.nbytes)} "
+                       f"verified: {verdict}")
+        return 0 if report.ok else 1
+
+    _run(go)
+
+
+@main.command()
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["zarr", "safetensors"]), required=True,
+              help="zarr: a v3 group, one array per tensor family, one chunk per expert. "
+                   "safetensors: OUT.safetensors, or a directory of shards with an index.")
+@click.option("--shard-size", type=SIZE, default="4GiB", show_default=True,
+              help="safetensors shard size.")
+def export(store: str, out: str, fmt: str, shard_size: int) -> None:
+    """Export every live entry of STORE to OUT."""
+    from .interchange import export_safetensors, export_zarr
+
+    def go() -> None:
+        with _open(store) as st, _bar(st.stats()["bytes_stored"], "export") as bar:
+            if fmt == "zarr":
+                n = export_zarr(st, out, progress=bar)
+            else:
+                n = export_safetensors(st, out, shard_size=shard_size, progress=bar)
+        click.echo(f"exported {format_size(n)} to {out}")
+
+    _run(go)
+
+
+@main.command(name="import")
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--store", "store", required=True, type=click.Path(file_okay=False),
+              help="Store to import into (created if missing).")
+@click.option("--format", "fmt", type=click.Choice(["zarr", "safetensors"]),
+              help="Source format (default: detected).")
+def import_(source: str, store: str, fmt: str | None) -> None:
+    """Import SOURCE: a zarr v3 group, a .safetensors file, or a sharded directory
+    (or its *.safetensors.index.json)."""
+    from .interchange import detect_format, import_into
+
+    def go() -> None:
+        fmt_ = fmt or detect_format(source)
+        size = sum(
+            os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(source) for f in fs
+        ) if os.path.isdir(source) else os.path.getsize(source)
+        with _open(store, create=True) as st, _bar(size, "import") as bar:
+            n = import_into(st, source, fmt=fmt_, progress=bar)
+        click.echo(f"imported {n} tensors from {source} ({fmt_})")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("tag", required=False)
+def snapshot(store: str, tag: str | None) -> None:
+    """Take snapshot TAG of every entry's current version (no TAG: list snapshots)."""
+
+    def go() -> None:
+        with _open(store) as st:
+            if tag is None:
+                for s in st.snapshots():
+                    click.echo(f"{s.tag}\t{s.entries} entries\t{format_size(s.nbytes)}")
+                return
+            s = st.snapshot(tag)
+            click.echo(f"snapshot {s.tag}: {s.entries} entries, {format_size(s.nbytes)}")
+
+    _run(go)
+
+
+@main.command()
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("tag")
+def restore(store: str, tag: str) -> None:
+    """Make STORE's entries exactly those of snapshot TAG."""
+
+    def go() -> None:
+        with _open(store) as st:
+            s = st.restore(tag)
+            click.echo(f"restored {s.tag}: {s.entries} entries")
+
+    _run(go)
+
+
+@main.command(name="drop-snapshot")
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("tag")
+def drop_snapshot(store: str, tag: str) -> None:
+    """Forget snapshot TAG; space only it held is reused."""
+
+    def go() -> None:
+        with _open(store) as st:
+            st.drop_snapshot(tag)
+            click.echo(f"dropped {tag}")
+
+    _run(go)
+
+
+@main.command()
+@click.option("--store", "store", default=DEFAULT_DEMO_STORE, show_default=True,
+              type=click.Path(file_okay=False), help="Store directory (created if missing).")
+@click.option("--layers", default=8, show_default=True, help="MoE layers.")
+@click.option("--experts", default=16, show_default=True, help="Experts per layer.")
+@click.option("--hidden", default=512, show_default=True, help="Model width.")
+@click.option("--ffn", default=1024, show_default=True, help="Expert hidden width.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--fresh", is_flag=True, help="Delete the demo store first.")
+def demo(store: str, layers: int, experts: int, hidden: int, ffn: int, seed: int,
+         fresh: bool) -> None:
+    """Write a synthetic MoE model's expert states, read them back through the tiers,
+    snapshot, verify, and print a summary."""
+    from .demo import run_demo
+
+    _run(lambda: run_demo(store, layers=layers, experts=experts, hidden=hidden, ffn=ffn,
+                          seed=seed, fresh=fresh, echo=click.echo))
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks; each reports ratios against a ceiling measured in the same run."""
+
+
+@bench.command(name="tiers")
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Scratch store directory (default: a temporary directory on the current "
+                   "filesystem, removed afterwards).")
+@click.option("--quick", is_flag=True, help="Fewer sizes and bytes: finishes in about a minute.")
+@click.option("--blocks", default="1MiB,4MiB,16MiB,64MiB", show_default=True,
+              help="Comma-separated entry sizes.")
+@click.option("--threads", default=8, show_default=True, help="I/O threads.")
+@click.option("--total", type=SIZE, default="1GiB", show_default=True,
+              help="Bytes moved per measurement.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_tiers(store: str | None, quick: bool, blocks: str, threads: int, total: int,
+                json_out: str | None) -> None:
+    """NVMe tier read/write bandwidth through the store's engines, beside fio on the same
+    file with the same block size, queue depth and O_DIRECT flag."""
+    from bench.tiers import run_tiers
+
+    sizes = [parse_size(b) for b in blocks.split(",")]
+    if quick:
+        sizes, total = [s for s in sizes if s >= 4 << 20][:2] or sizes[:2], min(total, 256 << 20)
+    _run(lambda: run_tiers(store, sizes, threads, total, json_out, echo=click.echo))
+
+
+if __name__ == "__main__":
+    main()
