@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -160,6 +161,9 @@ class Store:
             segments = catalog.segments(txn)
             self._alloc.load(catalog.free_extents(txn))
             self._backing = catalog.get_meta(txn, "backing", {})
+        # A medium grows by at least this much at a time, so growth is rare (NVMe slabs are
+        # sized by the medium itself).
+        self._grow_bytes = int(self._backing.get("grow_bytes", 0))
         medium.attach(segments)
         self._next_seg = max((s[0] for s in segments), default=-1) + 1
 
@@ -297,7 +301,7 @@ class Store:
                 if got is not None:
                     break
                 seg = self._next_seg
-                new = self._medium.create_segment(seg, length)
+                new = self._medium.create_segment(seg, max(length, self._grow_bytes))
                 self._catalog.write(lambda txn, new=new: self._catalog.add_segment(txn, *new))
                 seg, _, _, size = new
                 self._next_seg = seg + 1
@@ -495,8 +499,10 @@ class Store:
                 got = crc32c.crc32c(arr[start : start + rec.chunk])
                 if got != rec.crc[c]:
                     raise CorruptEntryError(name, kind, f"crc32c {got:08x} != {rec.crc[c]:08x}")
-            t = from_bytes(torch.frombuffer(mv, dtype=torch.uint8), dtype_from_name(rec.dtype),
-                           tuple(rec.shape))
+            with warnings.catch_warnings():  # read-only on purpose: writes must go through put
+                warnings.simplefilter("ignore", UserWarning)
+                u8 = torch.frombuffer(mv, dtype=torch.uint8)
+            t = from_bytes(u8, dtype_from_name(rec.dtype), tuple(rec.shape))
         except BaseException:
             self._unlease([rec])
             raise
@@ -745,8 +751,11 @@ def _init_dir(
     elif backing == "pmem":
         if pmem_path is None or pmem_size is None:
             raise StoreError("a pmem store needs pmem_path= (the pool file) and pmem_size=")
+        pool_bytes = align_up(parse_size(pmem_size))
         conf = {"kind": "pmem", "pool": os.path.abspath(os.fspath(pmem_path)),
-                "pool_bytes": align_up(parse_size(pmem_size))}
+                "pool_bytes": pool_bytes, "grow_bytes": max(64 << 20, pool_bytes // 4)}
+        if os.path.exists(conf["pool"]):
+            raise StoreError(f"{conf['pool']} exists; a new pmem store needs a new pool file")
     else:
         raise StoreError(f"unknown backing {backing!r}; choose nvme or pmem")
     os.makedirs(path, exist_ok=True)
