@@ -1,5 +1,9 @@
 """Tier bandwidth against a ceiling measured in the same run.
 
+PMem tier: the same ``put_many``/``get_many`` on a pmem-backed store, beside
+``pmem_memcpy_persist`` into a file on the pool's filesystem (writes) and plain memcpy
+(reads) with the same bytes and threads.
+
 NVMe tier: the store writes ``n`` entries of a block size with ``put_many`` (copy-on-write,
 fdatasync, one commit) and reads them back with ``get_many`` (crc32c-verified). Beside each,
 fio runs on the same slab file with the request size the store issues (the entry, cut into
@@ -58,6 +62,47 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
     return s[len(s) // 2] * 1e3, s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3
 
 
+def _store_rw(st: tierstore.Store, block: int, n: int, drop_cache: bool) -> dict[str, Any]:
+    """Time ``put_many`` and ``get_many`` of ``n`` entries of ``block`` bytes, and the
+    latency of single puts and gets."""
+    data = torch.randint(0, 255, (block,), dtype=torch.uint8)
+    names = [f"bench.experts.{i}.w" for i in range(n)]
+    t0 = time.perf_counter()
+    st.put_many([(name, data) for name in names])
+    t_write = time.perf_counter() - t0
+    w_lat = []
+    for name in names[:16]:
+        t0 = time.perf_counter()
+        st.put(name, data)
+        w_lat.append(time.perf_counter() - t0)
+    infos = [st.info(name) for name in names]
+    if drop_cache:
+        _drop_cache({i.path for i in infos})
+    group = max(1, (256 << 20) // block)
+    t0 = time.perf_counter()
+    for i in range(0, n, group):
+        st.get_many(names[i : i + group])
+    t_read = time.perf_counter() - t0
+    r_lat = []
+    for name in names[:16]:
+        t0 = time.perf_counter()
+        st.get(name)
+        r_lat.append(time.perf_counter() - t0)
+    return {"write": (n * block / t_write / 1e9, w_lat), "read": (n * block / t_read / 1e9, r_lat),
+            "infos": infos}
+
+
+def _row(tier: str, op: str, engine: str, block: int, threads: int, gbps: float,
+         lat: list[float], ceiling: float, ceiling_name: str, **extra: Any) -> dict[str, Any]:
+    p50, p99 = _percentiles(lat)
+    return {
+        "tier": tier, "op": op, "engine": engine, "block_bytes": block, "threads": threads,
+        "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3), "ceiling": ceiling_name,
+        "ratio": round(gbps / ceiling, 3), "p50_ms": round(p50, 3), "p99_ms": round(p99, 3),
+        **extra,
+    }
+
+
 def measure_nvme(
     root: str, engine: str, block: int, threads: int, total: int
 ) -> list[dict[str, Any]]:
@@ -66,47 +111,49 @@ def measure_nvme(
     direct = engine == "posix-direct"
     with tierstore.open(path, create=True, engine=engine, io_threads=threads,
                         slab_size=2 * n * block + (64 << 20), chunk_size=CHUNK) as st:
-        data = torch.randint(0, 255, (block,), dtype=torch.uint8)
-        items = [(f"bench.experts.{i}.w", data) for i in range(n)]
-        t0 = time.perf_counter()
-        st.put_many(items)
-        t_write = time.perf_counter() - t0
-        w_lat = []
-        for i in range(min(16, n)):
-            t0 = time.perf_counter()
-            st.put(f"bench.experts.{i}.w", data)
-            w_lat.append(time.perf_counter() - t0)
-        infos = [st.info(name) for name, _ in items]
+        got = _store_rw(st, block, n, drop_cache=True)
+        infos = got["infos"]
         slab = infos[0].path
-        _drop_cache({i.path for i in infos})
-        names = [name for name, _ in items]
-        t0 = time.perf_counter()
-        group = max(1, (256 << 20) // block)
-        for i in range(0, n, group):
-            st.get_many(names[i : i + group])
-        t_read = time.perf_counter() - t0
-        r_lat = []
-        for name in names[: min(16, n)]:
-            t0 = time.perf_counter()
-            st.get(name)
-            r_lat.append(time.perf_counter() - t0)
         used_end = max(i.offset + block for i in infos)
         bs = min(block, CHUNK)
-        fio_read = _fio(slab, "read", bs, threads, 0, used_end // bs * bs, direct)
-        fio_write = _fio(slab, "write", bs, threads, -(-used_end // bs) * bs, n * block, direct)
+        fio = {
+            "read": _fio(slab, "read", bs, threads, 0, used_end // bs * bs, direct),
+            "write": _fio(slab, "write", bs, threads, -(-used_end // bs) * bs, n * block, direct),
+        }
     shutil.rmtree(path, ignore_errors=True)
-    rows = []
-    for op, secs, lat, ceiling in (("write", t_write, w_lat, fio_write),
-                                   ("read", t_read, r_lat, fio_read)):
-        gbps = n * block / secs / 1e9
-        p50, p99 = _percentiles(lat)
-        rows.append({
-            "tier": "nvme", "op": op, "engine": engine, "block_bytes": block,
-            "threads": threads, "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
-            "ceiling": "fio psync", "ratio": round(gbps / ceiling, 3),
-            "p50_ms": round(p50, 3), "p99_ms": round(p99, 3),
-        })
-    return rows
+    return [_row("nvme", op, engine, block, threads, got[op][0], got[op][1], fio[op], "fio psync")
+            for op in ("write", "read")]
+
+
+def measure_pmem(
+    root: str, pool_dir: str, block: int, threads: int, total: int
+) -> list[dict[str, Any]]:
+    """PMem tier through the store; ceilings: pmem_memcpy_persist into a file beside the
+    pool (writes) and plain memcpy (reads), same bytes and threads."""
+    n = max(threads, total // block)
+    path = os.path.join(root, f"pmem-{block}")
+    pool = os.path.join(pool_dir, f"bench-{os.getpid()}-{block}.pool")
+    try:
+        with tierstore.open(path, create=True, backing="pmem", pmem_path=pool,
+                            pmem_size=n * block + (64 << 20), io_threads=threads,
+                            chunk_size=CHUNK) as st:
+            engine = st.describe().split(": ", 1)[1].split(",")[0]
+            got = _store_rw(st, block, n, drop_cache=False)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.exists(pool):
+            os.unlink(pool)
+    nbytes = min(n * block, 256 << 20)
+    persist = tierstore.probes.pmem_memcpy_persist_gbps(
+        os.path.join(pool_dir, f"ceiling-{os.getpid()}.pool"), nbytes, threads)
+    memcpy = tierstore.probes.memcpy_gbps(nbytes, threads)
+    write_ceiling, write_name = (persist, "pmem_memcpy_persist") if persist else (memcpy, "memcpy")
+    return [
+        _row("pmem", "write", engine, block, threads, got["write"][0], got["write"][1],
+             write_ceiling, write_name, memcpy_gbps=round(memcpy, 3)),
+        _row("pmem", "read", engine, block, threads, got["read"][0], got["read"][1],
+             memcpy, "memcpy", pmem_memcpy_persist_gbps=round(persist or 0.0, 3)),
+    ]
 
 
 def run_tiers(
@@ -117,9 +164,11 @@ def run_tiers(
     json_out: str | None,
     *,
     engines: tuple[str, ...] = ("posix-direct", "posix-buffered"),
+    tiers: tuple[str, ...] = ("nvme", "pmem"),
+    pmem_dir: str | None = None,
     echo: Callable[[str], object] = print,
 ) -> int:
-    if shutil.which("fio") is None:
+    if "nvme" in tiers and shutil.which("fio") is None:
         raise tierstore.StoreError("fio is not installed (apt-get install fio): it measures "
                                    "the ceiling every figure is compared with")
     from tqdm import tqdm
@@ -128,18 +177,23 @@ def run_tiers(
     os.makedirs(root, exist_ok=True)
     rows: list[dict[str, Any]] = []
     try:
-        for engine, block in tqdm([(e, b) for e in engines for b in sizes], desc="bench tiers",
-                                  disable=None):
-            rows += measure_nvme(root, engine, block, threads, total)
+        plan = [("nvme", e, b) for e in engines for b in sizes if "nvme" in tiers]
+        plan += [("pmem", "", b) for b in sizes if "pmem" in tiers]
+        for tier, engine, block in tqdm(plan, desc="bench tiers", disable=None):
+            if tier == "nvme":
+                rows += measure_nvme(root, engine, block, threads, total)
+            else:
+                rows += measure_pmem(root, pmem_dir or root, block, threads, total)
     finally:
         if store is None:
             shutil.rmtree(root, ignore_errors=True)
-    echo(f"{'tier':5} {'op':5} {'engine':15} {'block':>8} {'thr':>3} {'GB/s':>7} "
-         f"{'fio GB/s':>8} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}")
+    echo(f"{'tier':5} {'op':5} {'engine':15} {'block':>9} {'thr':>3} {'GB/s':>7} "
+         f"{'ceiling':>20} {'GB/s':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         echo(f"{r['tier']:5} {r['op']:5} {r['engine']:15} "
-             f"{tierstore.format_size(r['block_bytes']):>8} {r['threads']:>3} {r['gbps']:7.3f} "
-             f"{r['ceiling_gbps']:8.3f} {r['ratio']:6.2f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
+             f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} {r['gbps']:7.3f} "
+             f"{r['ceiling']:>20} {r['ceiling_gbps']:7.3f} {r['ratio']:6.2f} "
+             f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"benchmark": "tiers", "results": rows}, f, indent=1)

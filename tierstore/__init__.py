@@ -6,6 +6,7 @@
 ...     w = st.get("layers.0.experts.3.w1")
 """
 
+from . import probes
 from .errors import (
     CorruptEntryError,
     EntryNotFoundError,
@@ -44,4 +45,5 @@ __all__ = [
     "format_size",
     "open",
     "parse_size",
+    "probes",
 ]

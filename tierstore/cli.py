@@ -297,17 +297,27 @@ def bench() -> None:
 @click.option("--threads", default=8, show_default=True, help="I/O threads.")
 @click.option("--total", type=SIZE, default="1GiB", show_default=True,
               help="Bytes moved per measurement.")
+@click.option("--tiers", "tiers", default="nvme,pmem", show_default=True,
+              help="Comma-separated tiers to measure.")
+@click.option("--engines", default="posix-direct,posix-buffered", show_default=True,
+              help="NVMe I/O engines to measure (kvikio where CUDA and kvikio are present).")
+@click.option("--pmem-dir", type=click.Path(file_okay=False),
+              help="Directory for the PMem pool (a DAX mount such as /mnt/pmem0 in production; "
+                   "default: the scratch directory).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
 def bench_tiers(store: str | None, quick: bool, blocks: str, threads: int, total: int,
-                json_out: str | None) -> None:
-    """NVMe tier read/write bandwidth through the store's engines, beside fio on the same
-    file with the same block size, queue depth and O_DIRECT flag."""
+                tiers: str, engines: str, pmem_dir: str | None, json_out: str | None) -> None:
+    """Tier read/write bandwidth and latency, each beside its ceiling from the same run:
+    NVMe through the store's engines against fio on the same file with the same block size,
+    threads and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy."""
     from bench.tiers import run_tiers
 
     sizes = [parse_size(b) for b in blocks.split(",")]
     if quick:
         sizes, total = [s for s in sizes if s >= 4 << 20][:2] or sizes[:2], min(total, 256 << 20)
-    _run(lambda: run_tiers(store, sizes, threads, total, json_out, echo=click.echo))
+    _run(lambda: run_tiers(store, sizes, threads, total, json_out,
+                           engines=tuple(engines.split(",")), tiers=tuple(tiers.split(",")),
+                           pmem_dir=pmem_dir, echo=click.echo))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,13 @@ def as_bytes(tensor: torch.Tensor) -> np.ndarray:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    try:
+        t = t.contiguous()
+    except NotImplementedError as e:  # placeholder dtypes (int1..int7, bits*) have no kernels
+        raise UnsupportedTensorError(
+            f"a non-contiguous {tensor.dtype} tensor cannot be copied by torch; "
+            "store a contiguous one"
+        ) from e
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()

@@ -1,0 +1,545 @@
+"""A byte-capacity host-memory cache over one (pinned) allocation.
+
+Life of an entry:
+
+    h = cache.lookup(key)                 # hit: a pinned handle; miss: None
+    if h is None:
+        h = cache.insert(key, nbytes, meta)   # None: not cached (refused, or no room)
+        if h is not None and h.new:
+            read the bytes into h.view        # h.view is the slot, a uint8 tensor
+            cache.publish(h)                  # now other threads can see it
+    ... use h.view; after changing it: cache.mark_dirty(key, meta)
+    cache.release(h)                      # or `with h:`; unpinned entries may be evicted
+
+Pinning is a reference count: an entry with pins is never evicted. A lookup of an entry that
+another thread is still loading waits until it is published (so one read from the backing
+tier serves every thread), and a lookup of an entry being evicted waits until its write-back
+is done and then misses, so the caller reads what was just written back, not stale bytes.
+So a thread must publish (or release) a new handle before it looks up or inserts that same
+key again, or it would wait on itself.
+
+Keeping a dirty victim's slot safe during write-back, without holding the lock:
+1. Under the lock the policy picks victims and the allocator *claims* the block the new
+   entry will occupy: the block's free fragments leave the free lists and the victims are
+   marked EVICTING, which makes them unevictable, unpinnable and invisible to lookups
+   (callers wait on them). Their slots stay allocated, so no other insert can be given them.
+2. The lock is dropped and ``writeback(key, view, meta)`` runs for each dirty victim on its
+   intact slot; other threads keep using the cache meanwhile.
+3. Under the lock again the claim is committed: the victims' slots become the new entry's,
+   and threads waiting on the victims wake up and miss.
+If a write-back raises, step 3 is replaced by undoing step 1 (victims resident again, the
+ones already written back marked clean) and the error reaches the inserting caller.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .policies import Policy, make_policy
+from .slab import PAGE, BuddyAllocator, Claim
+
+__all__ = ["CacheStats", "Handle", "HostCache", "WriteBack"]
+
+Key = Hashable
+#: ``writeback(key, view, meta)``: persist ``view`` (the entry's bytes) to the backing tier.
+WriteBack = Callable[[Key, torch.Tensor, Any], None]
+
+_LOADING, _READY, _EVICTING = "loading", "ready", "evicting"
+
+
+class _Entry:
+    __slots__ = ("key", "nbytes", "start", "meta", "dirty", "gen", "pins", "state", "gone")
+
+    def __init__(self, key: Key, nbytes: int, meta: Any) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.start = -1  # page offset of the slot; -1 while the slot is being freed for it
+        self.meta = meta
+        self.dirty = False
+        self.gen = 0  # bumped by mark_dirty, so a flush never cleans a newer write
+        self.pins = 0
+        self.state = _LOADING
+        self.gone = False  # invalidated (or evicted): no longer in the index
+
+
+class Handle:
+    """A pinned reference to a cached entry; ``view`` is its bytes as a uint8 tensor.
+
+    ``new`` is true when ``insert`` allocated the slot: the caller fills ``view`` and then
+    publishes (``publish`` or ``release``). Release exactly once.
+    """
+
+    __slots__ = ("_cache", "_entry", "view", "new", "_released")
+
+    def __init__(self, cache: HostCache, entry: _Entry, view: torch.Tensor, new: bool) -> None:
+        self._cache = cache
+        self._entry = entry
+        self.view = view
+        self.new = new
+        self._released = False
+
+    @property
+    def key(self) -> Key:
+        return self._entry.key
+
+    @property
+    def nbytes(self) -> int:
+        return self._entry.nbytes
+
+    @property
+    def meta(self) -> Any:
+        return self._entry.meta
+
+    def release(self) -> None:
+        self._cache.release(self)
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._released:
+            self.release()
+
+    def __repr__(self) -> str:
+        return f"Handle({self.key!r}, nbytes={self.nbytes}, new={self.new})"
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of the cache's counters."""
+
+    hits: int
+    misses: int
+    hit_rate: float
+    evictions: int
+    writebacks: int
+    admissions_refused: int  # the policy declined a missed key
+    no_room: int  # nothing evictable could make room (pinned, too large, claimed)
+    entries: int
+    dirty_entries: int
+    bytes_resident: int  # sum of the cached entries' nbytes
+    bytes_allocated: int  # sum of their slot sizes (>= bytes_resident, <= capacity)
+    capacity_bytes: int
+
+
+@dataclass
+class _Pending:
+    """An insert waiting for its victims' write-backs (see the module docstring)."""
+
+    entry: _Entry
+    order: int
+    victims: list[_Entry]
+    claim: Claim | None
+    written: list[_Entry]
+
+
+class HostCache:
+    """A thread-safe byte-capacity cache of entries in one host allocation.
+
+    ``policy`` is a name from ``cache.POLICIES`` (built with ``policy_args``) or a ``Policy``
+    instance. ``writeback`` persists dirty victims; without it dirty entries are never
+    evicted (only ``flush`` with an explicit callback writes them). ``pin_memory`` defaults
+    to ``torch.cuda.is_available()``. The arena is ``capacity_bytes`` rounded down to 4 KiB.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        policy: str | Policy = "lfu-decay",
+        policy_args: dict[str, Any] | None = None,
+        writeback: WriteBack | None = None,
+        pin_memory: bool | None = None,
+    ) -> None:
+        self._alloc = BuddyAllocator(capacity_bytes)
+        self.capacity_bytes = self._alloc.pages * PAGE
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = bool(pin_memory)
+        self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        if isinstance(policy, Policy):
+            if policy_args:
+                raise ValueError("policy_args apply only when the policy is given by name")
+            self._policy = policy
+        else:
+            self._policy = make_policy(policy, **(policy_args or {}))
+        self._policy.attach(self.capacity_bytes)
+        self._writeback = writeback
+        self._cond = threading.Condition(threading.Lock())
+        self._entries: dict[Key, _Entry] = {}
+        self._by_start: dict[int, _Entry] = {}
+        self._hits = self._misses = self._evictions = self._writebacks = 0
+        self._refused = self._no_room = 0
+        self._bytes_resident = 0
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    # lookups
+    def lookup(self, key: Key) -> Handle | None:
+        """A pinned handle on a hit (waiting for a loading entry), None on a miss."""
+        with self._cond:
+            entry = self._wait_settled(key)
+            if entry is None:
+                self._misses += 1
+                return None
+            self._hits += 1
+            self._policy.record_hit(key)
+            return self._pin(entry, new=False)
+
+    def __contains__(self, key: object) -> bool:
+        with self._cond:
+            entry = self._entries.get(key)
+            return entry is not None and entry.state != _EVICTING
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._entries)
+
+    def _wait_settled(self, key: Key) -> _Entry | None:
+        """The READY entry for ``key`` once nothing is in flight for it; None if absent."""
+        while True:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if entry.state == _READY:
+                return entry
+            self._cond.wait()
+
+    def _pin(self, entry: _Entry, new: bool) -> Handle:
+        entry.pins += 1
+        return Handle(self, entry, self._view(entry), new)
+
+    def _view(self, entry: _Entry) -> torch.Tensor:
+        offset = entry.start * PAGE
+        return self._arena[offset : offset + entry.nbytes]
+
+    # inserts
+    def insert(self, key: Key, nbytes: int, meta: Any = None, *, data: Any = None) -> Handle | None:
+        """Make room for ``key`` and return a pinned handle on its slot, or None.
+
+        None means the entry is not cached: the policy refused it, or no evictable entries
+        could free a slot (all pinned, or ``nbytes`` exceeds the largest slot). If ``key`` is
+        already cached, its existing entry is returned (``new`` false; do not refill it).
+        With ``data`` (bytes-like or a tensor of ``nbytes`` bytes) a new slot is filled and
+        published before returning.
+        """
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        with self._cond:
+            outcome = self._begin_insert(key, nbytes, meta)
+        if isinstance(outcome, _Pending):
+            outcome = self._write_back_victims(outcome)
+        if outcome is not None and outcome.new and data is not None:
+            try:
+                _fill(outcome.view, data)
+            except BaseException:
+                self.invalidate(key)
+                outcome.release()
+                raise
+            self.publish(outcome)
+        return outcome
+
+    def _begin_insert(self, key: Key, nbytes: int, meta: Any) -> Handle | _Pending | None:
+        existing = self._wait_settled(key)
+        if existing is not None:
+            self._policy.record_hit(key)
+            return self._pin(existing, new=False)
+        policy = self._policy
+        policy.record_miss(key, nbytes)
+        order = BuddyAllocator.order_for(nbytes)
+        if order > self._alloc.max_order:
+            self._no_room += 1
+            return None
+        plan = self._plan(key, order)
+        if plan is None:
+            self._no_room += 1
+            return None
+        victims, block = plan
+        if not policy.admit(key, nbytes, [v.key for v in victims]):
+            self._refused += 1
+            return None
+        claim = self._alloc.claim(*block) if block is not None else None
+        entry = _Entry(key, nbytes, meta)
+        entry.pins = 1
+        if claim is None:
+            start = self._alloc.alloc(order)
+            if start is None:  # only when a forced-eviction policy gave no usable block
+                self._no_room += 1
+                return None
+            entry.start = start
+            self._by_start[start] = entry
+        for victim in victims:
+            policy.record_remove(victim.key, evicted=True)
+            victim.state = _EVICTING
+        policy.record_insert(key, nbytes)
+        self._entries[key] = entry
+        self._bytes_resident += nbytes
+        pending = _Pending(entry, order, victims, claim, [])
+        if any(v.dirty for v in victims):
+            return pending
+        return self._complete(pending)
+
+    def _plan(self, key: Key, order: int) -> tuple[list[_Entry], tuple[int, int] | None] | None:
+        """Victims to evict and the block they free for an ``order`` slot (None: allocate)."""
+        fits = self._alloc.can_alloc(order)
+        policy = self._policy
+        if not policy.evict_first(fits):
+            return [], None
+        candidates = policy.candidates(key, self._evictable)
+        if policy.evicts_all:
+            victims = [self._entries[k] for k in candidates]
+            starts = {v.start for v in victims}
+            for victim in victims:
+                block = self._alloc.anchor(victim.start, order)
+                occupants = self._alloc.occupants(*block) if block is not None else None
+                if occupants is not None and starts.issuperset(occupants):
+                    return victims, block
+            return (victims, None) if fits else None
+        for k in candidates:
+            victim = self._entries[k]
+            block = self._alloc.anchor(victim.start, order)
+            if block is None:
+                continue
+            occupants = self._alloc.occupants(*block)
+            if occupants is None:
+                continue
+            others = [self._by_start[s] for s in occupants if s != victim.start]
+            if all(self._entry_evictable(o) for o in others):
+                return [victim, *others], block
+        return None
+
+    def _evictable(self, key: Key) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and self._entry_evictable(entry)
+
+    def _entry_evictable(self, entry: _Entry) -> bool:
+        return (
+            entry.state == _READY
+            and entry.pins == 0
+            and not entry.gone
+            and (not entry.dirty or self._writeback is not None)
+        )
+
+    def _write_back_victims(self, pending: _Pending) -> Handle:
+        """Run the dirty victims' write-backs without the lock, then finish the insert."""
+        writeback = self._writeback
+        assert writeback is not None  # dirty entries are evictable only with a callback
+        try:
+            for victim in pending.victims:
+                if victim.dirty:
+                    writeback(victim.key, self._view(victim), victim.meta)
+                    pending.written.append(victim)
+        except BaseException:
+            with self._cond:
+                self._abort(pending)
+            raise
+        with self._cond:
+            return self._complete(pending)
+
+    def _complete(self, pending: _Pending) -> Handle:
+        entry, claim = pending.entry, pending.claim
+        for victim in pending.victims:
+            if self._entries.get(victim.key) is victim:
+                del self._entries[victim.key]
+            victim.gone = True
+            self._bytes_resident -= victim.nbytes
+            del self._by_start[victim.start]
+            inside = claim is not None and (
+                claim.start <= victim.start < claim.start + (1 << claim.order)
+            )
+            if not inside:
+                self._alloc.free(victim.start)
+        if claim is not None:
+            entry.start = self._alloc.commit(claim, pending.order)
+            self._by_start[entry.start] = entry
+        self._evictions += len(pending.victims)
+        self._writebacks += len(pending.written)
+        self._cond.notify_all()
+        return Handle(self, entry, self._view(entry), new=True)
+
+    def _abort(self, pending: _Pending) -> None:
+        entry = pending.entry
+        for victim in pending.victims:
+            victim.state = _READY
+            self._policy.record_insert(victim.key, victim.nbytes)
+        for victim in pending.written:
+            victim.dirty = False
+        self._writebacks += len(pending.written)
+        if pending.claim is not None:
+            self._alloc.cancel(pending.claim)
+        self._free_slot(entry)  # a slot it was given up front (no claim), if any
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+            self._policy.record_remove(entry.key, evicted=True)
+            self._bytes_resident -= entry.nbytes
+        entry.gone = True
+        self._cond.notify_all()
+
+    # handles
+    def publish(self, handle: Handle) -> None:
+        """Make a new entry visible to lookups (its bytes are in place)."""
+        with self._cond:
+            if handle._entry.state == _LOADING:
+                handle._entry.state = _READY
+                self._cond.notify_all()
+
+    def release(self, handle: Handle) -> None:
+        """Unpin; releasing a new, unpublished handle publishes it."""
+        with self._cond:
+            if handle._released:
+                raise RuntimeError(f"handle for {handle.key!r} released twice")
+            handle._released = True
+            entry = handle._entry
+            entry.pins -= 1
+            if entry.state == _LOADING and handle.new:
+                entry.state = _READY
+            if entry.gone and entry.pins == 0:
+                self._free_slot(entry)
+            self._cond.notify_all()
+
+    def _free_slot(self, entry: _Entry) -> None:
+        if entry.start >= 0 and self._by_start.get(entry.start) is entry:
+            del self._by_start[entry.start]
+            self._alloc.free(entry.start)
+
+    # dirty state
+    def mark_dirty(self, key: Key, meta: Any = None) -> None:
+        """Record that ``key``'s bytes changed (``meta``, if given, replaces its metadata)."""
+        with self._cond:
+            entry = self._entries.get(key)
+            if entry is None or entry.state == _EVICTING:
+                raise KeyError(key)
+            entry.dirty = True
+            entry.gen += 1
+            if meta is not None:
+                entry.meta = meta
+
+    def clean(self, key: Key) -> None:
+        """Record that ``key`` was written back by the caller (no-op if not cached)."""
+        with self._cond:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.dirty = False
+
+    def dirty_keys(self) -> list[Key]:
+        with self._cond:
+            return [k for k, e in self._entries.items() if e.dirty]
+
+    def flush(self, writeback: WriteBack | None = None) -> int:
+        """Write every dirty entry back; returns how many were written by this call.
+
+        Entries are pinned during their write-back and cleaned only if not re-dirtied
+        meanwhile. Write-backs of evictions already in flight are waited for, so when this
+        returns, everything dirty at the call has reached ``writeback``. Entries still being
+        loaded by their inserter (unpublished) are skipped.
+        """
+        writeback = writeback or self._writeback
+        if writeback is None:
+            raise ValueError("flush needs a writeback callable")
+        with self._cond:
+            targets = []
+            evicting = []
+            for entry in self._entries.values():
+                if entry.state == _EVICTING:
+                    evicting.append(entry)
+                elif entry.dirty and entry.state == _READY:
+                    entry.pins += 1
+                    targets.append((entry, entry.gen))
+        done = 0
+        try:
+            for i, (entry, gen) in enumerate(targets):
+                writeback(entry.key, self._view(entry), entry.meta)
+                with self._cond:
+                    if entry.gen == gen:
+                        entry.dirty = False
+                    self._unpin(entry)
+                    self._writebacks += 1
+                done = i + 1
+        finally:
+            with self._cond:
+                for entry, _ in targets[done:]:
+                    self._unpin(entry)
+        with self._cond:
+            while any(self._entries.get(e.key) is e for e in evicting):
+                self._cond.wait()
+        return done
+
+    def _unpin(self, entry: _Entry) -> None:
+        entry.pins -= 1
+        if entry.gone and entry.pins == 0:
+            self._free_slot(entry)
+        self._cond.notify_all()
+
+    def invalidate(self, key: Key) -> bool:
+        """Drop ``key`` without writing it back; its slot is freed once unpinned."""
+        with self._cond:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None:
+                    return False
+                if entry.state != _EVICTING:
+                    break
+                self._cond.wait()
+            del self._entries[key]
+            self._policy.record_remove(key, evicted=False)
+            entry.gone = True
+            entry.dirty = False
+            self._bytes_resident -= entry.nbytes
+            if entry.pins == 0:
+                self._free_slot(entry)
+            self._cond.notify_all()
+            return True
+
+    # clock and counters
+    def tick(self) -> None:
+        """Advance the policy's external clock (one training step, say)."""
+        with self._cond:
+            self._policy.tick()
+
+    def keys(self) -> list[Key]:
+        """The cached keys (a snapshot)."""
+        with self._cond:
+            return [k for k, e in self._entries.items() if e.state != _EVICTING]
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self.keys())
+
+    def stats(self) -> CacheStats:
+        with self._cond:
+            accesses = self._hits + self._misses
+            return CacheStats(
+                hits=self._hits,
+                misses=self._misses,
+                hit_rate=self._hits / accesses if accesses else 0.0,
+                evictions=self._evictions,
+                writebacks=self._writebacks,
+                admissions_refused=self._refused,
+                no_room=self._no_room,
+                entries=sum(e.state != _EVICTING for e in self._entries.values()),
+                dirty_entries=sum(e.dirty for e in self._entries.values()),
+                bytes_resident=self._bytes_resident,
+                bytes_allocated=self._alloc.allocated_pages * PAGE,
+                capacity_bytes=self.capacity_bytes,
+            )
+
+
+def _fill(view: torch.Tensor, data: Any) -> None:
+    """Copy ``data`` (a tensor or a bytes-like object) into a slot view of the same size."""
+    if isinstance(data, torch.Tensor):
+        src = data.detach().contiguous().view(torch.uint8).reshape(-1)
+        if src.numel() != view.numel():
+            raise ValueError(f"data has {src.numel()} bytes, the entry {view.numel()}")
+        view.copy_(src)
+        return
+    src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    if src.size != view.numel():
+        raise ValueError(f"data has {src.size} bytes, the entry {view.numel()}")
+    view.numpy()[:] = src
