@@ -44,11 +44,13 @@ import torch
 from .policies import Policy, make_policy
 from .slab import PAGE, BuddyAllocator, Claim
 
-__all__ = ["CacheStats", "Handle", "HostCache", "WriteBack"]
+__all__ = ["CacheStats", "Handle", "HostCache", "WriteBack", "WriteBackMany"]
 
 Key = Hashable
 #: ``writeback(key, view, meta)``: persist ``view`` (the entry's bytes) to the backing tier.
 WriteBack = Callable[[Key, torch.Tensor, Any], None]
+#: ``many([(key, view, meta), ...])``: persist several entries at once (one commit).
+WriteBackMany = Callable[[list[tuple[Key, torch.Tensor, Any]]], None]
 
 _LOADING, _READY, _EVICTING = "loading", "ready", "evicting"
 
@@ -161,7 +163,11 @@ class HostCache:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.pinned = bool(pin_memory)
-        self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        # Slots are PAGE-aligned within the arena; the arena itself must be too, for O_DIRECT
+        # and GDS reads straight into a slot (torch's CPU allocator only aligns to 64 bytes).
+        raw = torch.empty(self.capacity_bytes + PAGE, dtype=torch.uint8, pin_memory=self.pinned)
+        skip = -raw.data_ptr() % PAGE
+        self._arena = raw[skip : skip + self.capacity_bytes]
         if isinstance(policy, Policy):
             if policy_args:
                 raise ValueError("policy_args apply only when the policy is given by name")
@@ -433,16 +439,20 @@ class HostCache:
         with self._cond:
             return [k for k, e in self._entries.items() if e.dirty]
 
-    def flush(self, writeback: WriteBack | None = None) -> int:
+    def flush(
+        self, writeback: WriteBack | None = None, *, many: WriteBackMany | None = None
+    ) -> int:
         """Write every dirty entry back; returns how many were written by this call.
 
-        Entries are pinned during their write-back and cleaned only if not re-dirtied
-        meanwhile. Write-backs of evictions already in flight are waited for, so when this
-        returns, everything dirty at the call has reached ``writeback``. Entries still being
-        loaded by their inserter (unpublished) are skipped.
+        With ``many`` every dirty entry goes to one call (so a store can make them all
+        durable with one commit); otherwise ``writeback`` gets them one at a time. Entries
+        are pinned during their write-back and cleaned only if not re-dirtied meanwhile.
+        Write-backs of evictions already in flight are waited for, so when this returns,
+        everything dirty at the call has been written back. Entries still being loaded by
+        their inserter (unpublished) are skipped.
         """
         writeback = writeback or self._writeback
-        if writeback is None:
+        if writeback is None and many is None:
             raise ValueError("flush needs a writeback callable")
         with self._cond:
             targets = []
@@ -455,14 +465,16 @@ class HostCache:
                     targets.append((entry, entry.gen))
         done = 0
         try:
-            for i, (entry, gen) in enumerate(targets):
-                writeback(entry.key, self._view(entry), entry.meta)
-                with self._cond:
-                    if entry.gen == gen:
-                        entry.dirty = False
-                    self._unpin(entry)
-                    self._writebacks += 1
-                done = i + 1
+            if many is not None:
+                if targets:
+                    many([(e.key, self._view(e), e.meta) for e, _ in targets])
+                self._cleaned(targets)
+                done = len(targets)
+            else:
+                for i, (entry, gen) in enumerate(targets):
+                    writeback(entry.key, self._view(entry), entry.meta)
+                    self._cleaned([(entry, gen)])
+                    done = i + 1
         finally:
             with self._cond:
                 for entry, _ in targets[done:]:
@@ -471,6 +483,22 @@ class HostCache:
             while any(self._entries.get(e.key) is e for e in evicting):
                 self._cond.wait()
         return done
+
+    def _cleaned(self, written: list[tuple[_Entry, int]]) -> None:
+        with self._cond:
+            for entry, gen in written:
+                if entry.gen == gen:
+                    entry.dirty = False
+                self._unpin(entry)
+                self._writebacks += 1
+
+    def peek(self, key: Key) -> tuple[Any, bool] | None:
+        """(meta, dirty) of a resident entry without counting an access; None if absent."""
+        with self._cond:
+            entry = self._entries.get(key)
+            if entry is None or entry.state == _EVICTING:
+                return None
+            return entry.meta, entry.dirty
 
     def _unpin(self, entry: _Entry) -> None:
         entry.pins -= 1

@@ -6,7 +6,7 @@
 ...     w = st.get("layers.0.experts.3.w1")
 """
 
-from . import probes
+from . import lab, probes
 from .errors import (
     CorruptEntryError,
     EntryNotFoundError,
@@ -43,6 +43,7 @@ __all__ = [
     "UnsupportedTensorError",
     "__version__",
     "format_size",
+    "lab",
     "open",
     "parse_size",
     "probes",

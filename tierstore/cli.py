@@ -320,5 +320,38 @@ def bench_tiers(store: str | None, quick: bool, blocks: str, threads: int, total
                            pmem_dir=pmem_dir, echo=click.echo))
 
 
+@bench.command(name="cache")
+@click.option("--trace", "trace_file", type=click.Path(exists=True, dir_okay=False),
+              help="A routing trace: CSV with header step,layer,expert[,nbytes].")
+@click.option("--synthetic", metavar="SPEC",
+              help="Generate a trace, e.g. 'zipf:a=1.1,layers=8,experts=64,steps=200,topk=2,"
+                   "drift=0.05,burst=0.1,seed=0' (tokens=1 gives a decode-like trace).")
+@click.option("--capacity", "capacities", default="0.1,0.25,0.5", show_default=True,
+              help="Capacities: fractions of the trace's distinct bytes, or sizes (64MiB).")
+@click.option("--policies", default="all", show_default=True,
+              help="Comma-separated policies (lfu-decay, semoe, lru, lfu, arc, belady) or all.")
+@click.option("--write-fraction", default=0.0, show_default=True,
+              help="Share of accesses that update the entry (1.0 for training traces).")
+@click.option("--policy-arg", "policy_args", multiple=True, metavar="POLICY:K=V,...",
+              help="Policy parameters, e.g. lfu-decay:beta=0.5,period=512,theta=4.")
+@click.option("--overhead", "overhead_entries", default=0, show_default=True,
+              help="Also time each policy's per-access cost with this many resident entries.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+              help="Write a PNG of hit rate against capacity, every policy, belady on top.")
+def bench_cache(trace_file: str | None, synthetic: str | None, capacities: str, policies: str,
+                write_fraction: float, policy_args: tuple[str, ...], overhead_entries: int,
+                json_out: str | None, plot_out: str | None) -> None:
+    """Replay a routing trace against every eviction policy at each capacity, beside
+    Belady's offline optimum on the same trace."""
+    from bench.cache_lab import parse_policy_args, run_cache_lab
+
+    _run(lambda: run_cache_lab(
+        trace_file=trace_file, synthetic=synthetic, capacities=capacities, policies=policies,
+        write_fraction=write_fraction, policy_args=parse_policy_args(policy_args),
+        json_out=json_out, plot_out=plot_out, overhead_entries=overhead_entries,
+        echo=click.echo))
+
+
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ pieces in parallel, check each piece's crc32c as it lands, and raise
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -31,6 +32,7 @@ import crc32c
 import numpy as np
 import torch
 
+from cache import HostCache
 from nvme import aligned_empty
 
 from .alloc import ExtentAllocator
@@ -74,6 +76,26 @@ class EntryInfo:
     tier: str
     path: str | None
     offset: int | None
+
+
+@dataclass
+class _Meta:
+    """What a cache slot (or a freshly read buffer) holds: the entry's dtype, shape, size
+    and version."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    version: int
+
+
+def _slot_buffer(view: torch.Tensor, length: int) -> np.ndarray:
+    """The cache slot under ``view`` widened to ``length`` bytes (the entry rounded up to
+    4 KiB, as O_DIRECT reads need). Slots are 4 KiB-aligned powers of two, so the widened
+    range stays inside the slot."""
+    wide = torch.empty(0, dtype=torch.uint8)
+    wide.set_(view.untyped_storage(), view.storage_offset(), (length,))
+    return wide.numpy()
 
 
 @dataclass(frozen=True)
@@ -143,6 +165,9 @@ class Store:
         chunk_bytes: int,
         lock_fd: int,
         io_threads: int = 8,
+        host_cache: int = 0,
+        policy: str = "lfu-decay",
+        policy_args: dict[str, Any] | None = None,
     ) -> None:
         self.path = path
         self._catalog = catalog
@@ -166,6 +191,15 @@ class Store:
         self._grow_bytes = int(self._backing.get("grow_bytes", 0))
         medium.attach(segments)
         self._next_seg = max((s[0] for s in segments), default=-1) + 1
+        with catalog.read() as txn:
+            self._version = catalog.get_meta(txn, "version", 0)
+        self._version_lock = threading.Lock()
+        self._locks: dict[Key, list[Any]] = {}
+        self._locks_mutex = threading.Lock()
+        self._cache: HostCache | None = None
+        if host_cache:
+            self._cache = HostCache(host_cache, policy=policy, policy_args=policy_args,
+                                    writeback=self._write_back_one)
 
     # -- lifecycle ------------------------------------------------------------------
     def __enter__(self) -> Store:
@@ -175,10 +209,17 @@ class Store:
         self.close()
 
     def close(self) -> None:
-        """Close the store. Every acknowledged write is already committed."""
+        """Write back dirty entries and close the store."""
         if self._closed:
             return
-        self._closed = True
+        try:
+            if self._cache is not None:
+                self.flush()
+        finally:
+            self._closed = True
+            self._close_resources()
+
+    def _close_resources(self) -> None:
         self._workers.shutdown(wait=True)
         self._medium.close()
         self._catalog.close()
@@ -189,11 +230,17 @@ class Store:
             raise StoreClosedError(f"store {self.path} is closed")
 
     def flush(self) -> None:
-        """Make every acknowledged write durable. Writes are committed when ``put`` returns,
-        so today this only forces the catalog to disk; with a host cache it writes dirty
-        entries back."""
+        """Make every earlier ``put`` durable: dirty cache entries are written back
+        copy-on-write and committed in one transaction."""
         self._check_open()
+        if self._cache is not None:
+            self._cache.flush(many=self._write_back)
         self._catalog.env.sync(True)
+
+    def tick(self) -> None:
+        """Advance the cache policy's clock by one step (a training step, say)."""
+        if self._cache is not None:
+            self._cache.tick()
 
     @property
     def backing(self) -> str:
@@ -205,7 +252,13 @@ class Store:
 
     # -- writes ---------------------------------------------------------------------
     def put(self, name: str, tensor: torch.Tensor, kind: str = "param") -> int:
-        """Store ``tensor`` as (name, kind); returns the new version. Durable on return."""
+        """Store ``tensor`` as (name, kind); returns its new version.
+
+        With a host cache (the default) the entry lands there dirty and reaches the backing
+        tier on eviction, ``flush()``, ``snapshot()`` or ``close()``; without one
+        (``host_cache=0``) it is committed before ``put`` returns. Either way ``flush()``
+        returning means every earlier ``put`` is durable.
+        """
         return self.put_many([(name, kind, tensor)])[0]
 
     def put_many(
@@ -213,38 +266,43 @@ class Store:
         items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor] | tuple[str, str, torch.Tensor]],
         kind: str = "param",
     ) -> list[int]:
-        """Store several tensors with their I/O overlapped and ONE commit; returns versions.
+        """Store several tensors; returns their versions.
 
         ``items`` maps names to tensors, or yields ``(name, tensor)`` or
-        ``(name, kind, tensor)``. Either every tensor is committed or none is.
+        ``(name, kind, tensor)``. What bypasses the cache is written with overlapped I/O
+        and committed in ONE transaction: all of it or none of it.
         """
         self._check_open()
-        batch = list(self._normalize(items, kind))
-        taken: list[tuple[int, int, int]] = []
-        records: list[tuple[str, str, Record]] = []
-        try:
-            started = []
-            for name, k, tensor in batch:
-                rec, futs = self._write_bytes(tensor, taken)
-                records.append((name, k, rec))
-                started.append(futs)
-            for (_, _, rec), futs in zip(records, started):
-                rec.crc = rec.crc or [f.result() for f in futs]
-            self._medium.sync({seg for seg, _, length in taken if length})
-            freed, versions = self._catalog.write(lambda txn: self._commit(txn, records))
-        except OSError as e:
-            self._alloc.release(taken)
-            if e.errno in _FULL_ERRNOS:
-                raise StoreFullError(f"no space to write to {self.path}: {e}") from e
-            raise
-        except BaseException:
-            self._alloc.release(taken)
-            raise
-        self._alloc.release(freed)
-        with self._stats_lock:
-            self._tier.writes += len(records)
-            self._tier.bytes_written += sum(r.nbytes for _, _, r in records)
+        batch = [
+            (name, k, as_bytes(t), _Meta(dtype_name(t.dtype), tuple(t.shape), 0, 0))
+            for name, k, t in self._normalize(items, kind)
+        ]
+        versions = self._next_versions(len(batch))
+        for (_, _, src, meta), v in zip(batch, versions):
+            meta.nbytes, meta.version = src.nbytes, v
+        if self._cache is None:
+            self._write_through(batch)
+            return versions
+        with self._key_locks([(n, k) for n, k, _, _ in batch]):
+            through = []
+            for name, k, src, meta in batch:
+                # A new slot per write: readers still copying the old bytes keep them.
+                self._cache.invalidate((name, k))
+                h = self._cache.insert((name, k), meta.nbytes, meta, data=src) if meta.nbytes else None
+                if h is None:
+                    through.append((name, k, src, meta))
+                    continue
+                self._cache.mark_dirty((name, k), meta)
+                h.release()
+            if through:
+                self._write_through(through)
         return versions
+
+    def _next_versions(self, n: int) -> list[int]:
+        with self._version_lock:
+            first = self._version + 1
+            self._version += n
+        return list(range(first, first + n))
 
     def _normalize(self, items: Any, kind: str) -> Iterator[tuple[str, str, torch.Tensor]]:
         if isinstance(items, Mapping):
@@ -258,15 +316,48 @@ class Store:
             check_kind(k)
             yield name, k, tensor
 
+    def _write_back_one(self, key: Key, view: torch.Tensor, meta: _Meta) -> None:
+        self._write_back([(key, view, meta)])
+
+    def _write_back(self, items: list[tuple[Key, torch.Tensor, _Meta]]) -> None:
+        """The cache's write-back: dirty slots to the backing tier, one commit."""
+        self._write_through([(n, k, view.numpy(), meta) for (n, k), view, meta in items])
+
+    def _write_through(self, batch: list[tuple[str, str, np.ndarray, _Meta]]) -> None:
+        """Copy-on-write: fresh extents, parallel chunk writes, sync, then one commit."""
+        taken: list[tuple[int, int, int]] = []
+        records: list[tuple[str, str, Record]] = []
+        try:
+            started = []
+            for name, k, src, meta in batch:
+                rec, futs = self._write_bytes(src, meta, taken)
+                records.append((name, k, rec))
+                started.append(futs)
+            for (_, _, rec), futs in zip(records, started):
+                rec.crc = rec.crc or [f.result() for f in futs]
+            self._medium.sync({seg for seg, _, length in taken if length})
+            freed = self._catalog.write(lambda txn: self._commit(txn, records))
+        except OSError as e:
+            self._alloc.release(taken)
+            if e.errno in _FULL_ERRNOS:
+                raise StoreFullError(f"no space to write to {self.path}: {e}") from e
+            raise
+        except BaseException:
+            self._alloc.release(taken)
+            raise
+        self._alloc.release(freed)
+        with self._stats_lock:
+            self._tier.writes += len(records)
+            self._tier.bytes_written += sum(r.nbytes for _, _, r in records)
+
     def _write_bytes(
-        self, tensor: torch.Tensor, taken: list[tuple[int, int, int]]
+        self, src: np.ndarray, meta: _Meta, taken: list[tuple[int, int, int]]
     ) -> tuple[Record, list[Future[int]]]:
-        """Start writing ``tensor`` to fresh extents; the futures give each chunk's crc32c."""
-        src = as_bytes(tensor)
+        """Start writing ``src`` to fresh extents; the futures give each chunk's crc32c."""
         nbytes = src.nbytes
         rec = Record(
-            dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), nbytes=nbytes, crc=[],
-            chunk=self._chunk, version=0, seg=-1, off=0, length=0,
+            dtype=meta.dtype, shape=list(meta.shape), nbytes=nbytes, crc=[],
+            chunk=self._chunk, version=meta.version, seg=-1, off=0, length=0,
         )
         if nbytes == 0:
             rec.crc = [0]
@@ -275,10 +366,10 @@ class Store:
         seg, off = self._allocate(length)
         taken.append((seg, off, length))
         rec.seg, rec.off, rec.length = seg, off, length
-        # O_DIRECT and GDS need page-aligned memory. Each chunk is copied into the aligned
-        # buffer and checksummed by a worker just before its write, so copies, checksums and
-        # writes of different chunks overlap.
-        aligned = src.ctypes.data % ALIGNMENT == 0 and nbytes % ALIGNMENT == 0
+        # O_DIRECT and GDS need page-aligned memory (cache slots are). Otherwise each chunk
+        # is copied into an aligned buffer and checksummed by a worker just before its
+        # write, so copies, checksums and writes of different chunks overlap.
+        aligned = src.ctypes.data % ALIGNMENT == 0
         buf = src if aligned else aligned_empty(length)
 
         def chunk_job(start: int) -> int:
@@ -288,7 +379,13 @@ class Store:
                 buf[start:stop] = src[start:stop]
                 buf[stop:end] = 0
             crc = crc32c.crc32c(buf[start:stop])
-            self._medium.pwrite(seg, off + start, memoryview(buf[start:end])).result()
+            if aligned and end > nbytes:  # the tail page: pad it in a bounce buffer
+                tail = aligned_empty(end - start)
+                tail[: stop - start] = buf[start:stop]
+                tail[stop - start :] = 0
+                self._medium.pwrite(seg, off + start, memoryview(tail)).result()
+            else:
+                self._medium.pwrite(seg, off + start, memoryview(buf[start:end])).result()
             return crc
 
         return rec, [self._workers.submit(chunk_job, start) for start in range(0, length, self._chunk)]
@@ -311,31 +408,41 @@ class Store:
 
     def _commit(
         self, txn: Any, records: list[tuple[str, str, Record]]
-    ) -> tuple[list[tuple[int, int, int]], list[int]]:
+    ) -> list[tuple[int, int, int]]:
+        """Point entries at their new extents; returns extents to hand back to the allocator.
+
+        Versions are given out when ``put`` is called, so a record older than the one the
+        catalog holds (a slow write-back overtaken by a newer write) is dropped: the newest
+        version wins whatever order commits land in.
+        """
         cat = self._catalog
-        version = cat.get_meta(txn, "version", 0)
+        top = cat.get_meta(txn, "version", 0)
         live = cat.get_meta(txn, "live_bytes", 0)
-        freed, versions = [], []
+        freed = []
         for name, kind, rec in records:
-            version += 1
-            rec.version = version
-            versions.append(version)
-            cat.incref(txn, rec)
             old = cat.get_record(txn, name, kind)
+            if old is not None and old.version > rec.version:
+                if rec.seg >= 0:
+                    freed.append(rec.extent)  # taken in memory only, never carved
+                continue
+            cat.incref(txn, rec)
             if old is not None:
                 live -= old.nbytes
                 ext = cat.decref(txn, old)
                 if ext:
                     freed.append(ext)
             live += rec.nbytes
+            top = max(top, rec.version)
             txn.put(entry_key(name, kind), rec.encode(), db=cat.db["entries"])
-        cat.put_meta(txn, "version", version)
+        cat.put_meta(txn, "version", top)
         cat.put_meta(txn, "live_bytes", live)
-        return freed, versions
+        return freed
 
     def delete(self, name: str, kind: str = "param", *, missing_ok: bool = False) -> bool:
         """Remove an entry; its space is reused once no snapshot holds it."""
         self._check_open()
+        check_name(name)
+        check_kind(kind)
 
         def txn_delete(txn: Any) -> tuple[int, int, int] | None | bool:
             old = self._catalog.get_record(txn, name, kind)
@@ -346,8 +453,10 @@ class Store:
             self._catalog.put_meta(txn, "live_bytes", live - old.nbytes)
             return self._catalog.decref(txn, old)
 
-        freed = self._catalog.write(txn_delete)
-        if freed is False:
+        with self._key_locks([(name, kind)]):
+            cached = self._cache is not None and self._cache.invalidate((name, kind))
+            freed = self._catalog.write(txn_delete)
+        if freed is False and not cached:
             if missing_ok:
                 return False
             raise EntryNotFoundError(name, kind)
@@ -364,8 +473,9 @@ class Store:
         device: str | torch.device | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The stored tensor, checksum-verified. ``out`` receives it in place (same dtype
-        and shape, any device); ``device`` moves the result there."""
+        """The stored tensor: from the host cache, or read from the backing tier with every
+        chunk's crc32c verified. ``out`` receives it in place (same dtype and shape, any
+        device); ``device`` puts the result there."""
         return self._read([(name, kind)], device=device, outs=[out])[0]
 
     def get_many(
@@ -413,31 +523,91 @@ class Store:
         for name, kind in keys:
             check_name(name)
             check_kind(kind)
-        recs = self._lookup(keys)
+        found: dict[Key, tuple[_Meta, np.ndarray | torch.Tensor]] = {}
+        handles: list[Any] = []
         try:
-            for (name, kind), rec, out in zip(keys, recs, outs):
-                if out is not None:
-                    self._check_out(name, kind, rec, out)
-            bufs = self._fetch(keys, recs)
+            if self._cache is None:
+                misses = list(dict.fromkeys(keys))
+            else:
+                misses = []
+                for key in dict.fromkeys(keys):
+                    h = self._cache.lookup(key)
+                    if h is None:
+                        misses.append(key)
+                    else:
+                        handles.append(h)
+                        found[key] = (h.meta, h.view)
+            if misses:
+                with self._key_locks(misses if self._cache is not None else []):
+                    self._load(misses, found, handles)
+            with self._stats_lock:
+                self._tier.reads += len(misses)
+            results = []
+            for key, out in zip(keys, outs):
+                meta, raw = found[key]
+                results.append(self._deliver(key, meta, raw, out, device))
         finally:
-            self._unlease(recs)
-        with self._stats_lock:
-            self._tier.reads += len(recs)
-            self._tier.bytes_read += sum(r.nbytes for r in recs)
-        results = []
-        for rec, buf, out in zip(recs, bufs, outs):
-            t = from_bytes(buf, dtype_from_name(rec.dtype), tuple(rec.shape))
-            if out is not None:
-                out.copy_(t)
-                t = out
-            elif device is not None and torch.device(device).type != "cpu":
-                t = t.to(device)
-            results.append(t)
+            for h in handles:
+                h.release()
         return results
 
-    def _fetch(self, keys: list[Key], recs: list[Record]) -> list[np.ndarray]:
+    def _load(
+        self, keys: list[Key], found: dict[Key, Any], handles: list[Any]
+    ) -> None:
+        """Read missed entries from the backing tier, into cache slots where admitted."""
+        recs = self._lookup(keys)
+        try:
+            todo_keys, todo_recs, bufs, new = [], [], [], []
+            for key, rec in zip(keys, recs):
+                meta = _Meta(rec.dtype, tuple(rec.shape), rec.nbytes, rec.version)
+                h = None
+                if self._cache is not None and rec.nbytes:
+                    h = self._cache.insert(key, rec.nbytes, meta)
+                if h is not None:
+                    handles.append(h)
+                    found[key] = (h.meta, h.view)
+                    if not h.new:
+                        continue  # loaded by another thread meanwhile
+                    new.append(h)
+                    buf = _slot_buffer(h.view, rec.length)
+                else:
+                    buf = aligned_empty(rec.length)
+                    found[key] = (meta, buf)
+                todo_keys.append(key)
+                todo_recs.append(rec)
+                bufs.append(buf)
+            try:
+                self._fetch(todo_keys, todo_recs, bufs)
+            except BaseException:
+                for h in new:  # never publish unverified bytes
+                    self._cache.invalidate(h.key)
+                raise
+            for h in new:
+                self._cache.publish(h)
+            with self._stats_lock:
+                self._tier.bytes_read += sum(r.nbytes for r in todo_recs)
+        finally:
+            self._unlease(recs)
+
+    def _deliver(
+        self, key: Key, meta: _Meta, raw: np.ndarray | torch.Tensor,
+        out: torch.Tensor | None, device: str | torch.device | None,
+    ) -> torch.Tensor:
+        """The caller's own tensor: a copy out of a cache slot, or the freshly read buffer."""
+        t = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
+        if out is not None:
+            self._check_out(key, meta, out)
+            return out.copy_(t)
+        if device is not None and torch.device(device).type != "cpu":
+            return t.to(device)
+        return t.clone() if isinstance(raw, torch.Tensor) else t
+
+    def _fetch(
+        self, keys: list[Key], recs: list[Record], bufs: list[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
         """Read the records' extents in parallel chunks, verifying each chunk's crc32c."""
-        bufs = [aligned_empty(rec.length) for rec in recs]
+        if bufs is None:
+            bufs = [aligned_empty(rec.length) for rec in recs]
 
         def chunk_job(i: int, c: int) -> None:
             rec, buf, start = recs[i], bufs[i], c * recs[i].chunk
@@ -473,21 +643,24 @@ class Store:
         self._fetch([(name, kind)], [rec])
 
     @staticmethod
-    def _check_out(name: str, kind: str, rec: Record, out: torch.Tensor) -> None:
-        dtype, shape = dtype_from_name(rec.dtype), tuple(rec.shape)
-        if out.dtype != dtype or tuple(out.shape) != shape:
+    def _check_out(key: Key, meta: _Meta, out: torch.Tensor) -> None:
+        dtype = dtype_from_name(meta.dtype)
+        if out.dtype != dtype or tuple(out.shape) != tuple(meta.shape):
             raise ShapeMismatchError(
-                f"out= for {name!r} (kind {kind!r}) is {out.dtype} {tuple(out.shape)}, "
-                f"the entry is {dtype} {shape}"
+                f"out= for {key[0]!r} (kind {key[1]!r}) is {out.dtype} {tuple(out.shape)}, "
+                f"the entry is {dtype} {tuple(meta.shape)}"
             )
 
     def view(self, name: str, kind: str = "param") -> torch.Tensor:
         """A read-only zero-copy tensor over the stored bytes, where the medium is byte
-        addressable (PMem); a checksum-verified copy elsewhere.
+        addressable (PMem); a checksum-verified copy elsewhere, or while the host cache
+        holds a newer version than the backing tier.
 
         The entry's space stays reserved (not reused by later writes) while the returned
         tensor object is alive. Do not write into it.
         """
+        if self._cache is not None and self._cache.peek((name, kind)) is not None:
+            return self.get(name, kind)
         rec = self._lookup([(name, kind)])[0]
         try:
             mv = self._medium.view(rec.seg, rec.off, rec.nbytes) if rec.seg >= 0 else None
@@ -509,30 +682,66 @@ class Store:
         weakref.finalize(t, self._alloc.unlease, rec.seg, rec.off)
         return t
 
+    @contextlib.contextmanager
+    def _key_locks(self, keys: Iterable[Key]) -> Iterator[None]:
+        """Per-entry locks, taken in sorted order: a write and a cache fill of one entry
+        never interleave (so a stale read can never be cached over a newer write)."""
+        wanted = sorted(set(keys))
+        locks, held = [], []
+        with self._locks_mutex:
+            for key in wanted:
+                slot = self._locks.setdefault(key, [threading.Lock(), 0])
+                slot[1] += 1
+                locks.append(slot)
+        try:
+            for lock, _ in locks:
+                lock.acquire()
+                held.append(lock)
+            yield
+        finally:
+            for lock in held:
+                lock.release()
+            with self._locks_mutex:
+                for key, slot in zip(wanted, locks):
+                    slot[1] -= 1
+                    if slot[1] == 0:
+                        del self._locks[key]
+
     # -- catalog queries ------------------------------------------------------------
     def __contains__(self, key: str | Key) -> bool:
         name, kind = (key, "param") if isinstance(key, str) else key
+        if self._cache is not None and self._cache.peek((name, kind)) is not None:
+            return True
         with self._catalog.read() as txn:
             return self._catalog.get_record(txn, name, kind) is not None
 
     def names(self, prefix: str = "", kind: str | None = None) -> list[str]:
         """Sorted distinct names starting with ``prefix`` (of one kind, if given)."""
-        self._check_open()
-        seen: dict[str, None] = {}
-        with self._catalog.read() as txn:
-            for name, k, _ in self._catalog.iter_records(txn, prefix):
-                if kind is None or k == kind:
-                    seen[name] = None
-        return list(seen)
+        return list(dict.fromkeys(n for n, k in self.keys(prefix) if kind is None or k == kind))
 
     def keys(self, prefix: str = "") -> list[Key]:
-        """Every (name, kind) whose name starts with ``prefix``, in catalog order."""
+        """Every (name, kind) whose name starts with ``prefix``, sorted by name then kind
+        (entries not yet written back from the host cache included)."""
         self._check_open()
         with self._catalog.read() as txn:
-            return [(n, k) for n, k, _ in self._catalog.iter_records(txn, prefix)]
+            found = {(n, k) for n, k, _ in self._catalog.iter_records(txn, prefix)}
+        if self._cache is not None:
+            found.update(key for key in self._cache.dirty_keys() if key[0].startswith(prefix))
+        return sorted(found, key=lambda nk: entry_key(*nk))
 
     def info(self, name: str, kind: str = "param") -> EntryInfo:
+        """dtype, shape, size, version, checksum and location. An entry whose newest
+        version is still only in the host cache has tier ``"host"``, no path and no
+        checksum yet."""
         self._check_open()
+        cached = self._cache.peek((name, kind)) if self._cache is not None else None
+        if cached is not None and cached[1]:
+            meta = cached[0]
+            return EntryInfo(
+                name=name, kind=kind, dtype=dtype_from_name(meta.dtype), shape=tuple(meta.shape),
+                nbytes=meta.nbytes, version=meta.version, checksum="", tier="host", path=None,
+                offset=None,
+            )
         with self._catalog.read() as txn:
             rec = self._catalog.get_record(txn, name, kind)
         if rec is None:
@@ -548,7 +757,9 @@ class Store:
         )
 
     def stats(self) -> dict[str, Any]:
-        """Entry count, stored bytes, and reads/writes per tier since the store was opened."""
+        """Entries and bytes committed to the backing tier, reads/writes per tier since the
+        store was opened, and the host cache's hits, misses, hit rate, evictions,
+        write-backs and refused admissions."""
         self._check_open()
         with self._catalog.read() as txn:
             n = txn.stat(self._catalog.db["entries"])["entries"]
@@ -565,6 +776,8 @@ class Store:
             "free_bytes": self._alloc.free_bytes(),
             "catalog_map_bytes": self._catalog.map_size(),
             "tiers": {self._medium.kind: tier},
+            "cache": None if self._cache is None else {
+                "policy": self._cache.policy.name, **vars(self._cache.stats())},
         }
 
     # -- snapshots ------------------------------------------------------------------
@@ -601,6 +814,7 @@ class Store:
     def restore(self, tag: str) -> SnapshotInfo:
         """Make the live entries exactly the snapshot's (entries made since are removed)."""
         self._check_open()
+        self.flush()
         cat = self._catalog
 
         def txn_restore(txn: Any) -> tuple[list[tuple[int, int, int]], SnapshotInfo]:
@@ -623,6 +837,9 @@ class Store:
 
         freed, info = cat.write(txn_restore)
         self._alloc.release(freed)
+        if self._cache is not None:  # cached copies are of versions the restore replaced
+            for key in list(self._cache):
+                self._cache.invalidate(key)
         return info
 
     def drop_snapshot(self, tag: str) -> None:
@@ -649,7 +866,7 @@ class Store:
         the free map. ``progress`` is called with the bytes verified so far."""
         from .fsck import check_store
 
-        self._check_open()
+        self.flush()
         return check_store(self, progress)
 
 
@@ -697,14 +914,20 @@ def open_store(
     io_threads: int = 8,
     chunk_size: int | str = "8MiB",
     map_size: int | str = "1GiB",
+    host_cache: int | str | None = "1GiB",
+    policy: str = "lfu-decay",
+    policy_args: dict[str, Any] | None = None,
 ) -> Store:
     """Open the store at ``path`` (``create=True`` makes it if missing).
 
     ``backing`` is ``"nvme"`` (slab files under the store directory, the default) or
     ``"pmem"`` (a libpmem pool at ``pmem_path`` of ``pmem_size``); it is recorded at
     creation, so reopening needs only the path. ``engine`` picks the NVMe I/O engine
-    (``auto``: kvikio with CUDA, else POSIX O_DIRECT). Sizes take bytes or strings
-    such as ``"2GiB"``.
+    (``auto``: kvikio with CUDA, else POSIX O_DIRECT). ``host_cache`` is the host-memory
+    cache's capacity (0 or None: no cache, every ``put`` is committed before it returns);
+    ``policy`` names its eviction policy (``lfu-decay``, ``lru``, ``lfu``, ``arc``,
+    ``semoe``) and ``policy_args`` its parameters. Sizes take bytes or strings such as
+    ``"2GiB"``.
     """
     path = os.path.abspath(os.fspath(path))
     marker = os.path.join(path, MARKER)
@@ -735,7 +958,8 @@ def open_store(
         catalog = Catalog(os.path.join(path, "catalog"), map_size=parse_size(map_size))
         medium = _make_medium(path, meta["backing"], engine, io_threads)
         return Store(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd,
-                     io_threads=io_threads)
+                     io_threads=io_threads, host_cache=parse_size(host_cache or 0),
+                     policy=policy, policy_args=policy_args)
     except BaseException:
         os.close(lock_fd)
         raise
