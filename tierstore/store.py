@@ -3,8 +3,9 @@
 Write path (copy-on-write): take free aligned extents, write the new bytes there, make them
 durable (``Medium.sync``), then one LMDB transaction points the entries at the new extents
 and frees the old ones. Until that commit nothing the catalog references has changed, so a
-crash at any instant leaves every entry at its last committed version. A bare ``put``
-returns only after its commit: it is durable on return.
+crash at any instant leaves every entry at its last committed version. With the host cache,
+``put`` lands in a cache slot as a dirty entry and takes that path on eviction or
+``flush()``; without it, ``put`` takes it before returning.
 
 Read path: look the record up and lease its extent, read the extent in ``chunk``-sized
 pieces in parallel, check each piece's crc32c as it lands, and raise
@@ -24,7 +25,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -327,8 +328,8 @@ class Store:
         """Copy-on-write: fresh extents, parallel chunk writes, sync, then one commit."""
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
+        started: list[list[Future[int]]] = []
         try:
-            started = []
             for name, k, src, meta in batch:
                 rec, futs = self._write_bytes(src, meta, taken)
                 records.append((name, k, rec))
@@ -337,13 +338,12 @@ class Store:
                 rec.crc = rec.crc or [f.result() for f in futs]
             self._medium.sync({seg for seg, _, length in taken if length})
             freed = self._catalog.write(lambda txn: self._commit(txn, records))
-        except OSError as e:
+        except BaseException as e:
+            # A write still in flight must land before its extent can be handed out again.
+            wait([f for futs in started for f in futs])
             self._alloc.release(taken)
-            if e.errno in _FULL_ERRNOS:
+            if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
                 raise StoreFullError(f"no space to write to {self.path}: {e}") from e
-            raise
-        except BaseException:
-            self._alloc.release(taken)
             raise
         self._alloc.release(freed)
         with self._stats_lock:
@@ -594,13 +594,18 @@ class Store:
         out: torch.Tensor | None, device: str | torch.device | None,
     ) -> torch.Tensor:
         """The caller's own tensor: a copy out of a cache slot, or the freshly read buffer."""
-        t = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
         if out is not None:
             self._check_out(key, meta, out)
+        elif isinstance(raw, torch.Tensor) and (device is None or torch.device(device).type == "cpu"):
+            # A cache slot: copy the raw bytes out (typed copies have no kernel for some
+            # dtypes and would canonicalise others, e.g. bool bytes other than 0/1).
+            raw = raw.clone()
+        t = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
+        if out is not None:
             return out.copy_(t)
         if device is not None and torch.device(device).type != "cpu":
             return t.to(device)
-        return t.clone() if isinstance(raw, torch.Tensor) else t
+        return t
 
     def _fetch(
         self, keys: list[Key], recs: list[Record], bufs: list[np.ndarray] | None = None
@@ -659,6 +664,7 @@ class Store:
         The entry's space stays reserved (not reused by later writes) while the returned
         tensor object is alive. Do not write into it.
         """
+        self._check_open()
         if self._cache is not None and self._cache.peek((name, kind)) is not None:
             return self.get(name, kind)
         rec = self._lookup([(name, kind)])[0]
@@ -710,6 +716,7 @@ class Store:
     # -- catalog queries ------------------------------------------------------------
     def __contains__(self, key: str | Key) -> bool:
         name, kind = (key, "param") if isinstance(key, str) else key
+        self._check_open()
         if self._cache is not None and self._cache.peek((name, kind)) is not None:
             return True
         with self._catalog.read() as txn:
@@ -862,12 +869,22 @@ class Store:
 
     # -- verification ---------------------------------------------------------------
     def fsck(self, progress: Callable[[int], None] | None = None) -> FsckReport:
-        """Verify every checksum (live and snapshot versions), the reference counts and
-        the free map. ``progress`` is called with the bytes verified so far."""
+        """Flush, then verify the backing tier: every checksum (live and snapshot versions),
+        the reference counts and the free map. If the flush fails for lack of space, the
+        committed state is still verified and the report notes what is unflushed. ``progress`` is called with the bytes verified so far."""
         from .fsck import check_store
 
-        self.flush()
-        return check_store(self, progress)
+        self._check_open()
+        unflushed = None
+        try:
+            self.flush()
+        except StoreFullError as e:  # a full store must still be checkable
+            unflushed = e
+        report = check_store(self, progress)
+        if unflushed is not None:
+            dirty = self._cache.stats().dirty_entries if self._cache is not None else 0
+            report.notes.append(f"{dirty} entries are only in the host cache: {unflushed}")
+        return report
 
 
 # -- opening --------------------------------------------------------------------------
@@ -936,6 +953,8 @@ def open_store(
         raise StoreError(f"chunk_size must be a positive multiple of {ALIGNMENT}, got {chunk}")
     if io_threads < 1:
         raise StoreError("io_threads must be >= 1")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotAStoreError(f"{path} is a file, not a store directory")
     if not os.path.exists(marker):
         if not create:
             what = "does not exist" if not os.path.exists(path) else "is not a tierstore store"
@@ -977,7 +996,7 @@ def _init_dir(
             raise StoreError("a pmem store needs pmem_path= (the pool file) and pmem_size=")
         pool_bytes = align_up(parse_size(pmem_size))
         conf = {"kind": "pmem", "pool": os.path.abspath(os.fspath(pmem_path)),
-                "pool_bytes": pool_bytes, "grow_bytes": max(64 << 20, pool_bytes // 4)}
+                "pool_bytes": pool_bytes, "grow_bytes": max(1 << 20, pool_bytes // 4)}
         if os.path.exists(conf["pool"]):
             raise StoreError(f"{conf['pool']} exists; a new pmem store needs a new pool file")
     else:

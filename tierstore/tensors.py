@@ -42,10 +42,14 @@ def as_bytes(tensor: torch.Tensor) -> np.ndarray:
     """
     if not isinstance(tensor, torch.Tensor):
         raise UnsupportedTensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.is_sparse or tensor.is_quantized or tensor.layout != torch.strided:
+    if tensor.is_quantized:
+        raise UnsupportedTensorError("cannot store a quantized tensor; dequantize it first")
+    if tensor.is_sparse or tensor.layout != torch.strided:
         raise UnsupportedTensorError(f"cannot store a {tensor.layout} tensor; densify it first")
+    if tensor.is_meta or tensor.is_nested:
+        raise UnsupportedTensorError("cannot store a meta or nested tensor: it has no flat bytes")
     dtype_name(tensor.dtype)
-    t = tensor.detach()
+    t = tensor.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     try:

@@ -1,0 +1,127 @@
+"""Shared test setup.
+
+- ``gpu`` marker: tests marked ``@pytest.mark.gpu`` are skipped where CUDA is absent.
+- ``backing``: every store test runs once per backing tier (``nvme``, ``pmem``); select one
+  with ``-k "not pmem"`` and so on.
+- ``make_store``: a factory that opens stores on the parametrized backing, closes them at
+  teardown and then deletes their files (slabs and pools are preallocated: hundreds of
+  tests would otherwise leave gigabytes behind in pytest's retained temp directories);
+  ``store`` is one such store at the default path (with the default host cache).
+- ``cache_kw``: ``{}`` (the default host cache: puts land in memory, ``flush()`` commits) or
+  ``{"host_cache": 0}`` (every put committed before it returns), for tests whose subject
+  behaves differently on the two paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tierstore
+
+BACKINGS = ("nvme", "pmem")
+
+# Options that only mean something to one backing; make_store drops the other backing's.
+_NVME_ONLY = {"slab_size"}
+_PMEM_ONLY = {"pmem_path", "pmem_size"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=BACKINGS)
+def backing(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def backing_options(backing: str, path: Path, default_pool: Path | None = None) -> dict[str, Any]:
+    """Creation options for a small store at ``path`` on ``backing``. (A pmem store grows
+    its pool by at least 64 MiB at a time, so a small pool also exercises pool growth.)"""
+    if backing == "nvme":
+        return {"backing": "nvme", "slab_size": "8MiB"}
+    pool = default_pool if default_pool is not None else Path(f"{path}.pool")
+    return {"backing": "pmem", "pmem_path": str(pool), "pmem_size": "16MiB"}
+
+
+class StoreFactory:
+    """``make_store(path=None, *, reopen=False, **kw)``.
+
+    Creates a store (``create=True`` with the backing's small defaults, overridden by
+    ``kw``) or, with ``reopen=True``, opens an existing one with only ``kw``. Options that
+    belong to the other backing (``slab_size`` vs ``pmem_path``/``pmem_size``) are dropped,
+    so one call serves both backings.
+    """
+
+    def __init__(self, backing: str, tmp_path: Path) -> None:
+        self.backing = backing
+        self.tmp_path = tmp_path
+        self.default_path = tmp_path / "store"
+        self.opened: list[tierstore.Store] = []
+        self.created: list[Path] = []  # store directories and pool files, to delete
+
+    def options(self, path: str | os.PathLike[str] | None = None, **kw: Any) -> dict[str, Any]:
+        p = Path(path) if path is not None else self.default_path
+        pool = self.tmp_path / "pool" if p == self.default_path else None
+        opts = backing_options(self.backing, p, pool)
+        opts.update(kw)
+        drop = _PMEM_ONLY if self.backing == "nvme" else _NVME_ONLY
+        return {k: v for k, v in opts.items() if k not in drop}
+
+    def __call__(
+        self, path: str | os.PathLike[str] | None = None, *, reopen: bool = False, **kw: Any
+    ) -> tierstore.Store:
+        p = Path(path) if path is not None else self.default_path
+        if reopen:
+            st = tierstore.open(p, **kw)
+        else:
+            opts = self.options(p, **kw)
+            self.created.append(p)
+            if "pmem_path" in opts:
+                self.created.append(Path(opts["pmem_path"]))
+            st = tierstore.open(p, create=True, **opts)
+        self.opened.append(st)
+        return st
+
+    def close_all(self) -> None:
+        try:
+            for st in reversed(self.opened):
+                st.close()
+        finally:
+            for p in self.created:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+
+
+@pytest.fixture(params=["cache", "nocache"])
+def cache_kw(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return {} if request.param == "cache" else {"host_cache": 0}
+
+
+@pytest.fixture
+def make_store(backing: str, tmp_path: Path) -> Iterator[StoreFactory]:
+    factory = StoreFactory(backing, tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.close_all()
+
+
+@pytest.fixture
+def store(make_store: Callable[..., tierstore.Store]) -> tierstore.Store:
+    return make_store()

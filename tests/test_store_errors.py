@@ -1,0 +1,339 @@
+"""Every failure is a :class:`tierstore.StoreError` of the right kind, and leaves the store as
+it was: missing entries, non-stores, locks, closed stores, unsupported tensors, bad names."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import tierstore
+
+
+# -- missing entries -------------------------------------------------------------------------
+def test_missing_entry(store) -> None:
+    store.put("present", torch.arange(3))
+    for call in (lambda: store.get("absent"), lambda: store.info("absent"),
+                 lambda: store.delete("absent"), lambda: store.get("present", "grad"),
+                 lambda: store.view("absent")):
+        with pytest.raises(tierstore.EntryNotFoundError) as ei:
+            call()
+        assert isinstance(ei.value, KeyError) and isinstance(ei.value, tierstore.StoreError)
+    err = pytest.raises(tierstore.EntryNotFoundError, store.get, "absent", "grad").value
+    assert (err.name, err.kind) == ("absent", "grad")
+    assert "absent" in str(err) and "grad" in str(err)
+    assert torch.equal(store.get("present"), torch.arange(3))
+
+
+# -- paths that are not stores -----------------------------------------------------------------
+def test_open_missing_path_without_create(make_store, tmp_path) -> None:
+    path = tmp_path / "nothing-here"
+    with pytest.raises(tierstore.NotAStoreError):
+        tierstore.open(path)
+    assert not path.exists(), "a failed open must not create anything"
+
+
+def test_open_empty_directory_without_create(make_store, tmp_path) -> None:
+    path = tmp_path / "empty"
+    path.mkdir()
+    with pytest.raises(tierstore.NotAStoreError):
+        tierstore.open(path)
+    assert os.listdir(path) == []
+
+
+def test_create_in_foreign_directory_refused(make_store, tmp_path) -> None:
+    path = tmp_path / "foreign"
+    path.mkdir()
+    (path / "precious.txt").write_text("do not touch")
+    with pytest.raises(tierstore.NotAStoreError):
+        tierstore.open(path, create=True, **make_store.options(path))
+    assert os.listdir(path) == ["precious.txt"]
+    assert (path / "precious.txt").read_text() == "do not touch"
+
+
+@pytest.mark.parametrize("create", [False, True])
+def test_open_regular_file(make_store, tmp_path, create: bool) -> None:
+    path = tmp_path / "a-file"
+    path.write_bytes(b"not a store")
+    with pytest.raises(tierstore.NotAStoreError):
+        if create:
+            tierstore.open(path, create=True, **make_store.options(path))
+        else:
+            tierstore.open(path)
+    assert path.read_bytes() == b"not a store"
+
+
+@pytest.mark.parametrize("marker", [b"", b"{not json", json.dumps({"format": 999}).encode()],
+                         ids=["empty", "garbage", "future-format"])
+def test_bad_marker(make_store, marker: bytes) -> None:
+    st = make_store()
+    st.put("a", torch.arange(3))
+    path = st.path
+    st.close()
+    with open(os.path.join(path, "TIERSTORE"), "rb") as f:
+        good = f.read()
+    with open(os.path.join(path, "TIERSTORE"), "wb") as f:
+        f.write(marker)
+    with pytest.raises(tierstore.NotAStoreError):
+        tierstore.open(path)
+    with open(os.path.join(path, "TIERSTORE"), "wb") as f:
+        f.write(good)
+    st = make_store(path, reopen=True)  # the lock was not leaked by the failed opens
+    assert torch.equal(st.get("a"), torch.arange(3))
+
+
+def test_reopen_with_the_other_backing_refused(make_store, backing) -> None:
+    st = make_store()
+    st.put("a", torch.arange(3))
+    st.close()
+    other = "pmem" if backing == "nvme" else "nvme"
+    with pytest.raises(tierstore.StoreError):
+        tierstore.open(st.path, backing=other)
+    st = make_store(st.path, reopen=True, backing=backing)
+    assert torch.equal(st.get("a"), torch.arange(3))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"chunk_size": 1000}, {"chunk_size": 0}, {"io_threads": 0}, {"backing": "tape"},
+     {"slab_size": 0}],
+    ids=["chunk-unaligned", "chunk-zero", "no-threads", "unknown-backing", "slab-zero"],
+)
+def test_bad_open_options(make_store, tmp_path, bad) -> None:
+    opts = make_store.options(tmp_path / "s")
+    opts.update(bad)
+    if "slab_size" in bad and opts.get("backing") == "pmem":
+        opts["backing"] = "nvme"  # slab_size only means something to nvme
+    with pytest.raises(tierstore.StoreError):
+        tierstore.open(tmp_path / "s", create=True, **opts)
+
+
+def test_pmem_needs_pool_path_and_size(make_store, tmp_path) -> None:
+    with pytest.raises(tierstore.StoreError):
+        tierstore.open(tmp_path / "p1", create=True, backing="pmem", pmem_size="8MiB")
+    with pytest.raises(tierstore.StoreError):
+        tierstore.open(tmp_path / "p2", create=True, backing="pmem",
+                       pmem_path=tmp_path / "pool2")
+
+
+# -- one owner at a time ---------------------------------------------------------------------
+def test_second_open_in_same_process_is_locked(make_store) -> None:
+    st = make_store()
+    st.put("a", torch.arange(3))
+    with pytest.raises(tierstore.StoreLockedError):
+        make_store(st.path, reopen=True)
+    # the refused open did not disturb the owner
+    st.put("b", torch.arange(4))
+    assert torch.equal(st.get("a"), torch.arange(3))
+    st.close()
+    st2 = make_store(st.path, reopen=True)
+    assert torch.equal(st2.get("b"), torch.arange(4))
+
+
+_CHILD_OPEN = """
+import sys, tierstore
+try:
+    st = tierstore.open(sys.argv[1])
+except tierstore.StoreLockedError as e:
+    print("LOCKED", e)
+    sys.exit(0)
+except Exception as e:
+    print("OTHER", type(e).__name__, e)
+    sys.exit(2)
+print("OPENED")
+sys.exit(1)
+"""
+
+
+def test_second_process_is_locked(make_store) -> None:
+    st = make_store()
+    st.put("a", torch.arange(3))
+    res = subprocess.run([sys.executable, "-c", _CHILD_OPEN, st.path],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert res.stdout.startswith("LOCKED")
+    assert str(os.getpid()) in res.stdout, "the message should name the owning process"
+    st.put("b", torch.arange(4))  # still ours
+    assert torch.equal(st.get("a"), torch.arange(3))
+
+
+# -- closed stores ---------------------------------------------------------------------------
+CLOSED_CALLS = {
+    "put": lambda st: st.put("a", torch.arange(3)),
+    "put_many": lambda st: st.put_many({"a": torch.arange(3)}),
+    "get": lambda st: st.get("a"),
+    "get_out": lambda st: st.get("a", out=torch.empty(3, dtype=torch.int64)),
+    "get_many": lambda st: st.get_many(["a"]),
+    "delete": lambda st: st.delete("a"),
+    "names": lambda st: st.names(),
+    "keys": lambda st: st.keys(),
+    "info": lambda st: st.info("a"),
+    "stats": lambda st: st.stats(),
+    "snapshot": lambda st: st.snapshot("new"),
+    "snapshots": lambda st: st.snapshots(),
+    "restore": lambda st: st.restore("snap"),
+    "drop_snapshot": lambda st: st.drop_snapshot("snap"),
+    "fsck": lambda st: st.fsck(),
+    "view": lambda st: st.view("a"),
+    "flush": lambda st: st.flush(),
+    "contains": lambda st: "a" in st,
+}
+
+
+@pytest.mark.parametrize("call", list(CLOSED_CALLS))
+def test_use_after_close(make_store, cache_kw, call: str) -> None:
+    st = make_store(**cache_kw)
+    st.put("a", torch.arange(3))
+    st.snapshot("snap")
+    st.close()
+    st.close()  # idempotent
+    with pytest.raises(tierstore.StoreClosedError):
+        CLOSED_CALLS[call](st)
+
+
+def test_context_manager_closes_and_unlocks(make_store) -> None:
+    with make_store() as st:
+        st.put("a", torch.arange(3))
+    with pytest.raises(tierstore.StoreClosedError):
+        st.get("a")
+    st2 = make_store(st.path, reopen=True)
+    assert torch.equal(st2.get("a"), torch.arange(3))
+
+
+# -- tensors the store cannot hold -----------------------------------------------------------
+UNSUPPORTED = {
+    "sparse_coo": lambda: torch.eye(3).to_sparse(),
+    "sparse_csr": lambda: torch.eye(3).to_sparse_csr(),
+    "quantized": lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8),
+    "meta": lambda: torch.empty(3, device="meta"),
+    "nested": lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+    "numpy": lambda: torch.arange(3).numpy(),
+    "list": lambda: [1, 2, 3],
+    "none": lambda: None,
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("what", list(UNSUPPORTED))
+def test_unsupported_tensor(store, what: str) -> None:
+    store.put("x", torch.arange(3))
+    stats = store.stats()
+    with pytest.raises(tierstore.UnsupportedTensorError) as ei:
+        store.put("x", UNSUPPORTED[what]())
+    assert isinstance(ei.value, TypeError)
+    with pytest.raises(tierstore.UnsupportedTensorError):
+        store.put_many({"y": torch.arange(2), "x": UNSUPPORTED[what]()})
+    assert torch.equal(store.get("x"), torch.arange(3)), "a refused put changed the entry"
+    assert "y" not in store
+    after = store.stats()
+    assert (after["entries"], after["bytes_stored"], after["free_bytes"]) == (
+        stats["entries"], stats["bytes_stored"], stats["free_bytes"])
+
+
+def test_lazy_views_are_stored_resolved(store) -> None:
+    """conj() and neg views are ordinary dense tensors; the store must keep their values."""
+    z = torch.randn(6, dtype=torch.complex64)
+    x = torch.randn(6)
+    store.put("conj", z.conj())
+    assert torch.equal(store.get("conj"), z.conj().resolve_conj())
+    store.put("neg", x._neg_view())
+    assert torch.equal(store.get("neg"), -x)
+
+
+def test_failed_batch_leaves_no_write_in_flight(make_store, monkeypatch) -> None:
+    """When a batch fails (here: no room for a new segment for its second tensor), the
+    first tensor's chunk writes may still be running. Its extents must not be handed to the
+    next writer before they finish, or the stale bytes land on that writer's entry.
+
+    White-box: the first tensor's write is held back until the next put has committed (or
+    for at most 2 s, which is what a store that waits for it will see)."""
+    st = make_store(host_cache=0, io_threads=4)
+    st.put("seed", torch.arange(10))  # the first segment exists
+    medium = st._medium
+    real_pwrite = medium.pwrite
+    hold = {"armed": True}
+    gate, stale_done = threading.Event(), threading.Event()
+
+    def pwrite(seg, offset, buf):
+        if hold.pop("armed", False):
+            gate.wait(2)
+            fut = real_pwrite(seg, offset, buf)
+            fut.result()
+            stale_done.set()
+            return fut
+        return real_pwrite(seg, offset, buf)
+
+    def no_room(seg, min_bytes):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    monkeypatch.setattr(medium, "pwrite", pwrite)
+    monkeypatch.setattr(medium, "create_segment", no_room)
+    a = torch.full((1 << 18,), 1, dtype=torch.int32)  # 1 MiB, one chunk
+    too_big = torch.empty(200 << 20, dtype=torch.uint8)  # needs a segment it cannot get
+    with pytest.raises(tierstore.StoreFullError):
+        st.put_many({"a": a, "too_big": too_big})
+    assert "a" not in st and "too_big" not in st
+    c = torch.full((1 << 18,), 2, dtype=torch.int32)  # same size: first fit offers a's space
+    st.put("c", c)
+    gate.set()
+    stale_done.wait(10)
+    monkeypatch.undo()
+    assert torch.equal(st.get("c"), c)
+    report = st.fsck()
+    assert report.ok, report.problems
+
+
+def test_requires_grad_tensor_is_stored_detached(store) -> None:
+    w = torch.randn(5, requires_grad=True)
+    store.put("w", w)
+    got = store.get("w")
+    assert not got.requires_grad
+    assert torch.equal(got, w.detach())
+
+
+# -- invalid names, kinds and tags -----------------------------------------------------------
+BAD_NAMES = ["", "a\0b", "x" * 401, "é" * 201, 7, None, b"bytes"]
+BAD_KINDS = ["", "Param", "1st", "exp-avg", "a b", "k" * 33, None, 3]
+BAD_TAGS = ["", "bad tag", "-leading-dash", ".hidden", "a/b", "x" * 129, "tag\0", None, 5]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_bad_names_rejected(store, name) -> None:
+    for call in (lambda: store.put(name, torch.arange(3)),
+                 lambda: store.put_many([(name, torch.arange(3))]),
+                 lambda: store.get(name)):
+        with pytest.raises(tierstore.StoreError):
+            call()
+    assert store.keys() == []
+
+
+def test_longest_name_accepted(store) -> None:
+    name = "n" * 400
+    store.put(name, torch.arange(3))
+    assert torch.equal(store.get(name), torch.arange(3))
+    assert store.names() == [name]
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS, ids=repr)
+def test_bad_kinds_rejected(store, kind) -> None:
+    for call in (lambda: store.put("a", torch.arange(3), kind=kind),
+                 lambda: store.put_many({"a": torch.arange(3)}, kind=kind),
+                 lambda: store.put_many([("a", kind, torch.arange(3))]),
+                 lambda: store.get("a", kind)):
+        with pytest.raises(tierstore.StoreError):
+            call()
+    assert store.keys() == []
+
+
+@pytest.mark.parametrize("tag", BAD_TAGS, ids=repr)
+def test_bad_tags_rejected(store, tag) -> None:
+    store.put("a", torch.arange(3))
+    with pytest.raises(tierstore.SnapshotError):
+        store.snapshot(tag)
+    assert store.snapshots() == []

@@ -1,0 +1,306 @@
+"""Bytes in, same bytes out: every storable dtype, awkward shapes and sizes, ``out=``, devices."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import tierstore
+from tierstore.tensors import DTYPES, element_size
+
+CHUNK = 64 * 1024  # small chunk_size so chunk boundaries are cheap to hit
+DTYPE_NAMES = sorted(DTYPES)
+
+# complex32 is "experimental" in torch and warns on every allocation; the bytes are fine.
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+
+
+def _esize(dtype: torch.dtype) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return element_size(dtype)
+
+
+def rand_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random bytes reinterpreted as ``dtype``: every bit pattern (NaN payloads, bools that
+    are neither 0 nor 1, subnormals) can show up."""
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    u8 = torch.randint(0, 256, (numel * _esize(dtype),), dtype=torch.uint8, generator=gen)
+    return u8.view(dtype).reshape(shape)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor, as uint8 (works for 0-d and empty tensors)."""
+    assert t.is_contiguous()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def assert_same(got: torch.Tensor, want_dtype: torch.dtype, want_shape: tuple[int, ...],
+                want_bytes: torch.Tensor) -> None:
+    assert got.dtype == want_dtype
+    assert tuple(got.shape) == tuple(want_shape)
+    assert got.device.type == "cpu"
+    assert torch.equal(raw(got), want_bytes), "stored bytes came back different"
+
+
+def shapes_for(dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
+    es = _esize(dtype)
+    return {
+        "scalar": (),
+        "empty": (0, 5),
+        "one": (1,),
+        "odd4097": (-(-4097 // es),),  # at least 4097 bytes, never a multiple of 4 KiB
+        "odd2d": (3, 7, 11),
+        "page": (4096 // es,),
+        "chunk": (CHUNK // es,),
+        "chunk_plus_1": (CHUNK // es + 1,),
+        "multi_chunk": (3, -(-(CHUNK + 4097) // es)),
+    }
+
+
+@pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
+def test_every_dtype_and_shape_round_trips(make_store, cache_kw, dtype_name: str) -> None:
+    """Read back three ways: right after the put (from the host cache, where there is one),
+    after a reopen (from the backing tier), and once more (cached again)."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(DTYPE_NAMES.index(dtype_name))
+    st = make_store(chunk_size=CHUNK, **cache_kw)
+    written = {}
+    for label, shape in shapes_for(dtype).items():
+        t = rand_tensor(dtype, shape, gen)
+        written[label] = (shape, raw(t).clone())
+        st.put(f"{dtype_name}.{label}", t)
+    for label, (shape, want) in written.items():
+        assert_same(st.get(f"{dtype_name}.{label}"), dtype, shape, want)
+    # the same bytes through the batched read path
+    got = st.get_many([f"{dtype_name}.{label}" for label in written])
+    for label, (shape, want) in written.items():
+        assert_same(got[f"{dtype_name}.{label}"], dtype, shape, want)
+    # and after a reopen, through a fresh medium (close writes cached entries back)
+    st.close()
+    st = make_store(st.path, reopen=True, **cache_kw)
+    for _ in range(2):
+        for label, (shape, want) in written.items():
+            assert_same(st.get(f"{dtype_name}.{label}"), dtype, shape, want)
+            info = st.info(f"{dtype_name}.{label}")
+            assert info.dtype == dtype and info.shape == tuple(shape)
+    report = st.fsck()
+    assert report.ok, report.problems
+
+
+def _torch_can_copy(dtype: torch.dtype) -> bool:
+    """False for torch's placeholder dtypes (int1..int7, uint1..uint7): no copy kernels."""
+    try:
+        torch.zeros(2, 2 * _esize(dtype), dtype=torch.uint8).view(dtype).t().contiguous()
+    except NotImplementedError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
+def test_non_contiguous_input_round_trips(make_store, dtype_name: str) -> None:
+    """A transposed and a strided-slice view are stored as their logical (row-major) bytes.
+
+    Placeholder dtypes that torch itself cannot copy are refused with a clear
+    UnsupportedTensorError (tensors.as_bytes documents that), never a raw torch error."""
+    dtype = DTYPES[dtype_name]
+    es = _esize(dtype)
+    a, b = 37, 53
+    gen = torch.Generator().manual_seed(7)
+    u8 = torch.randint(0, 256, (a, b, es), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        # torch's strided copy normalises bool bytes to 0/1 (the value is the same), so only
+        # canonical bools have one right answer here; contiguous bools keep every byte above.
+        u8 &= 1
+    x = u8.reshape(a, b * es).view(dtype)  # (a, b) of dtype over the same bytes
+    transposed, sliced = x.t(), x[::2, 1::3]
+    assert not transposed.is_contiguous() and not sliced.is_contiguous()
+    want_t = u8.permute(1, 0, 2).contiguous().reshape(-1)
+    want_s = u8[::2, 1::3].contiguous().reshape(-1)
+
+    st = make_store(chunk_size=CHUNK)
+    if not _torch_can_copy(dtype):
+        for name, t in (("transposed", transposed), ("sliced", sliced)):
+            with pytest.raises(tierstore.UnsupportedTensorError, match=dtype_name):
+                st.put(name, t)
+        assert st.keys() == []
+        return
+    st.put("transposed", transposed)
+    st.put("sliced", sliced)
+    assert_same(st.get("transposed"), dtype, (b, a), want_t)
+    assert_same(st.get("sliced"), dtype, tuple(sliced.shape), want_s)
+    st.close()
+    st = make_store(st.path, reopen=True)
+    assert_same(st.get("transposed"), dtype, (b, a), want_t)
+    assert_same(st.get("sliced"), dtype, tuple(sliced.shape), want_s)
+
+
+def test_page_aligned_input_is_stored_intact(make_store, cache_kw) -> None:
+    """A page-aligned, page-multiple source takes the zero-copy write path."""
+    n = 3 * CHUNK + 4096
+    base = torch.empty(n + 4096, dtype=torch.uint8)
+    skip = -base.data_ptr() % 4096
+    t = base[skip : skip + n]
+    assert t.data_ptr() % 4096 == 0
+    t.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+    want = t.clone()
+    st = make_store(chunk_size=CHUNK, **cache_kw)
+    st.put("aligned", t)
+    assert torch.equal(st.get("aligned"), want)
+    t.fill_(0)  # the caller reuses its buffer: the store must hold its own copy
+    assert torch.equal(st.get("aligned"), want)
+    st.close()
+    st = make_store(st.path, reopen=True, **cache_kw)
+    assert torch.equal(st.get("aligned"), want)
+
+
+def test_default_chunk_size_boundaries(make_store) -> None:
+    """Exactly one 8 MiB chunk, one byte more, and one element more, at the default chunk."""
+    st = make_store(host_cache=0)  # chunk_size defaults to 8 MiB; straight to the medium
+    chunk = tierstore.parse_size("8MiB")
+    gen = torch.Generator().manual_seed(11)
+    cases = {
+        "chunk": rand_tensor(torch.uint8, (chunk,), gen),
+        "chunk_plus_1": rand_tensor(torch.uint8, (chunk + 1,), gen),
+        "chunk_plus_elem": rand_tensor(torch.float32, (chunk // 4 + 1,), gen),
+    }
+    for name, t in cases.items():
+        st.put(name, t)
+    for name, t in cases.items():
+        assert_same(st.get(name), t.dtype, tuple(t.shape), raw(t))
+    st.close()
+    st = make_store(st.path, reopen=True)
+    for name, t in cases.items():
+        assert_same(st.get(name), t.dtype, tuple(t.shape), raw(t))
+
+
+def test_caller_may_modify_tensor_after_put(make_store, cache_kw) -> None:
+    """put copies: changing the tensor afterwards changes nothing stored; and get returns
+    the caller's own tensor, so changing it changes nothing stored either."""
+    st = make_store(**cache_kw)
+    t = torch.arange(1000, dtype=torch.float32)
+    st.put("w", t)
+    t.add_(1)
+    got = st.get("w")
+    assert torch.equal(got, torch.arange(1000, dtype=torch.float32))
+    got.mul_(0)
+    assert torch.equal(st.get("w"), torch.arange(1000, dtype=torch.float32))
+    many = st.get_many(["w"])
+    many["w"].fill_(7)
+    assert torch.equal(st.get("w"), torch.arange(1000, dtype=torch.float32))
+    st.flush()
+    assert torch.equal(st.get("w"), torch.arange(1000, dtype=torch.float32))
+
+
+@pytest.mark.slow
+def test_entry_of_256_mib(make_store) -> None:
+    """One entry larger than a slab (nvme: its own segment) and than the default pmem pool."""
+    nbytes = (256 << 20) + 4097
+    st = make_store(slab_size="32MiB")  # pmem: the pool grows to fit it
+    gen = torch.Generator().manual_seed(256)
+    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    st.put("small.before", torch.arange(10))
+    st.put("big", t)
+    st.put("small.after", torch.arange(20))
+    info = st.info("big")
+    assert info.nbytes == nbytes
+    got = st.get("big")
+    assert got.dtype == torch.uint8 and got.shape == t.shape
+    assert torch.equal(got, t)
+    del got
+    report = st.fsck()  # writes back whatever the host cache holds, then reads it all
+    assert report.ok, report.problems
+    assert report.nbytes >= nbytes
+    st.close()
+    st = make_store(st.path, reopen=True)  # empty cache: the bytes come from the medium
+    assert st.info("big").nbytes == nbytes
+    got = st.get("big")
+    assert torch.equal(got, t)
+    del got
+    assert torch.equal(st.get("small.before"), torch.arange(10))
+    assert torch.equal(st.get("small.after"), torch.arange(20))
+
+
+# -- out= and device= ----------------------------------------------------------------------
+def test_get_into_out_fills_in_place(store) -> None:
+    t = torch.randn(33, 65)
+    store.put("w", t)
+    out = torch.full((33, 65), float("nan"))
+    ptr = out.data_ptr()
+    got = store.get("w", out=out)
+    assert got is out
+    assert out.data_ptr() == ptr
+    assert torch.equal(out, t)
+
+
+def test_get_into_non_contiguous_out(store) -> None:
+    t = torch.randn(8, 5)
+    store.put("w", t)
+    backing = torch.zeros(5, 8)
+    out = backing.t()  # (8, 5), not contiguous
+    store.get("w", out=out)
+    assert torch.equal(out, t)
+    assert torch.equal(backing, t.t())
+
+
+def test_get_into_out_for_empty_and_scalar(store) -> None:
+    store.put("empty", torch.empty(0, 5, dtype=torch.float16))
+    store.put("scalar", torch.tensor(3.5, dtype=torch.float64))
+    out_e = torch.empty(0, 5, dtype=torch.float16)
+    assert store.get("empty", out=out_e) is out_e
+    out_s = torch.tensor(0.0, dtype=torch.float64)
+    store.get("scalar", out=out_s)
+    assert out_s.item() == 3.5
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda: torch.zeros(33, 65, dtype=torch.float64), id="dtype"),
+        pytest.param(lambda: torch.zeros(65, 33), id="shape-transposed"),
+        pytest.param(lambda: torch.zeros(33 * 65), id="shape-flat"),
+        pytest.param(lambda: torch.zeros(33, 65, 1), id="shape-extra-dim"),
+        pytest.param(lambda: torch.zeros(33, 65, dtype=torch.bfloat16), id="dtype-same-size-class"),
+    ],
+)
+def test_get_into_mismatched_out_raises(store, bad) -> None:
+    store.put("w", torch.randn(33, 65))
+    out = bad()
+    before = out.clone()
+    with pytest.raises(tierstore.ShapeMismatchError) as ei:
+        store.get("w", out=out)
+    assert isinstance(ei.value, ValueError)
+    assert "'w'" in str(ei.value)
+    assert torch.equal(out, before), "a rejected out= must not be written"
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), None])
+def test_get_on_cpu_device(store, device) -> None:
+    t = torch.arange(1000, dtype=torch.int32).reshape(10, 100)
+    store.put("w", t)
+    got = store.get("w", device=device)
+    assert got.device.type == "cpu"
+    assert torch.equal(got, t)
+    many = store.get_many(["w"], device=device)
+    assert torch.equal(many["w"], t)
+
+
+@pytest.mark.gpu
+def test_get_to_cuda_device(store) -> None:
+    t = torch.randn(128, 64, dtype=torch.bfloat16)
+    store.put("w", t)
+    got = store.get("w", device="cuda")
+    assert got.device.type == "cuda"
+    assert torch.equal(got.cpu(), t)
+    out = torch.empty(128, 64, dtype=torch.bfloat16, device="cuda")
+    assert store.get("w", out=out) is out
+    assert torch.equal(out.cpu(), t)
+    store.put("from_cuda", t.cuda())
+    assert torch.equal(store.get("from_cuda"), t)
