@@ -2,10 +2,10 @@
 
 ``python crash_writer.py crash STORE SEED``
     Waits for a line on stdin (so the parent can start the interpreter ahead of time), opens
-    the store (with the default host cache for even seeds, without one for odd seeds), then
+    the store (with the default host cache, without one, or with one smaller than the entries), then
     loops forever writing new versions of ``ENTRIES`` with ``put`` and ``put_many`` (and now
     and then taking/dropping a snapshot). After each ``flush()`` returns it prints
-    ``ack NAME KIND VERSION`` for what that round wrote. The parent kills it with SIGKILL.
+    ``ack NAME KIND VERSION`` for what that round wrote, and ``evictions N`` (the cache's). The parent kills it with SIGKILL.
 
 ``python crash_writer.py fill STORE LIMIT CACHE``
     Sets RLIMIT_FSIZE to LIMIT bytes, opens the store with (CACHE ``cache``) or without
@@ -65,8 +65,10 @@ def crash(path: str, seed: int) -> None:
 
     rng = random.Random(seed)
     sys.stdin.readline()  # the parent says go
-    # small chunks: entries span several, written and checksummed in parallel
-    cache = {} if seed % 2 == 0 else {"host_cache": 0}
+    # small chunks: entries span several, written and checksummed in parallel. Cache modes
+    # by seed: the default cache, none, and one smaller than the entries, so dirty entries
+    # are evicted (written back) while the writer runs.
+    cache = ({}, {"host_cache": 0}, {"host_cache": "6MiB"})[seed % 3]
     st = tierstore.open(path, chunk_size="256KiB", **cache)
     versions = []
     for idx, (name, kind, _) in enumerate(ENTRIES):
@@ -87,8 +89,10 @@ def crash(path: str, seed: int) -> None:
         else:
             st.put_many([(ENTRIES[i][0], ENTRIES[i][1], encode(i, versions[i])) for i in chosen])
         st.flush()
+        cached = st.stats()["cache"]
         sys.stdout.write("".join(
-            f"ack {ENTRIES[i][0]} {ENTRIES[i][1]} {versions[i]}\n" for i in chosen))
+            f"ack {ENTRIES[i][0]} {ENTRIES[i][1]} {versions[i]}\n" for i in chosen)
+            + (f"evictions {cached['evictions']}\n" if cached else ""))
         sys.stdout.flush()
         if rounds % 5 == 0:  # snapshot churn: commits that touch every reference count
             tags = {s.tag for s in st.snapshots()}

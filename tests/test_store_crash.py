@@ -49,6 +49,7 @@ class Child:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
         )
         self.acks: list[tuple[str, str, int]] = []
+        self.evictions = 0  # the most its host cache reported, if it had one
         self.first_ack = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
 
@@ -57,8 +58,12 @@ class Child:
         for line in self.proc.stdout:
             if not line.endswith("\n"):  # cut short by the kill: not an acknowledgement
                 break
-            word, name, kind, version = line.split()
-            assert word == "ack"
+            word, *rest = line.split()
+            if word == "evictions":
+                self.evictions = max(self.evictions, int(rest[0]))
+                continue
+            assert word == "ack", line
+            name, kind, version = rest
             self.acks.append((name, kind, int(version)))
             self.first_ack.set()
 
@@ -113,7 +118,7 @@ def test_sigkill_never_loses_acknowledged_writes(make_store, backing, tmp_path) 
     acked: dict[tuple[str, str], int] = {}
     waiting: deque[Child] = deque()
     seeds = iter(range(1000))
-    total_acks = 0
+    total_acks = evictions = 0
     try:
         for _ in range(PRESTART):
             waiting.append(Child(path, next(seeds), tmp_path))
@@ -132,6 +137,7 @@ def test_sigkill_never_loses_acknowledged_writes(make_store, backing, tmp_path) 
             for name, kind, version in child.acks:
                 acked[(name, kind)] = max(acked.get((name, kind), 0), version)
             total_acks += len(child.acks)
+            evictions = max(evictions, child.evictions)
 
             st = make_store(path, reopen=True)  # only the path: the backing is recorded
             try:
@@ -142,6 +148,7 @@ def test_sigkill_never_loses_acknowledged_writes(make_store, backing, tmp_path) 
         while waiting:
             waiting.popleft().finish()
     assert total_acks >= KILLS
+    assert evictions > 0, "no writer ever evicted a dirty entry from its small host cache"
     assert len(acked) == len(crash_writer.ENTRIES), "some entry was never written"
 
 
