@@ -523,6 +523,21 @@ class Store:
         for name, kind in keys:
             check_name(name)
             check_kind(kind)
+        found, handles = self._host_bytes(keys)
+        try:
+            return [
+                self._deliver(key, *found[key], out, device) for key, out in zip(keys, outs)
+            ]
+        finally:
+            for h in handles:
+                h.release()
+
+    def _host_bytes(
+        self, keys: list[Key]
+    ) -> tuple[dict[Key, tuple[_Meta, np.ndarray | torch.Tensor]], list[Any]]:
+        """Every key's bytes in host memory, without a copy: a pinned cache slot (hit, or
+        filled from the backing tier) or, where the cache holds no slot for it, a freshly
+        read buffer. Release the returned handles when done with the bytes."""
         found: dict[Key, tuple[_Meta, np.ndarray | torch.Tensor]] = {}
         handles: list[Any] = []
         try:
@@ -542,14 +557,11 @@ class Store:
                     self._load(misses, found, handles)
             with self._stats_lock:
                 self._tier.reads += len(misses)
-            results = []
-            for key, out in zip(keys, outs):
-                meta, raw = found[key]
-                results.append(self._deliver(key, meta, raw, out, device))
-        finally:
+        except BaseException:
             for h in handles:
                 h.release()
-        return results
+            raise
+        return found, handles
 
     def _load(
         self, keys: list[Key], found: dict[Key, Any], handles: list[Any]
@@ -562,7 +574,10 @@ class Store:
                 meta = _Meta(rec.dtype, tuple(rec.shape), rec.nbytes, rec.version)
                 h = None
                 if self._cache is not None and rec.nbytes:
-                    h = self._cache.insert(key, rec.nbytes, meta)
+                    try:
+                        h = self._cache.insert(key, rec.nbytes, meta)
+                    except StoreFullError:
+                        h = None  # a victim's write-back found no space: serve uncached
                 if h is not None:
                     handles.append(h)
                     found[key] = (h.meta, h.view)
