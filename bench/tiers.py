@@ -1,5 +1,9 @@
 """Tier bandwidth against a ceiling measured in the same run.
 
+The NVMe and PMem tiers are measured with the host cache off (``host_cache=0``), so the
+figures are the tiers' own; the host cache is measured on its own (hits against memcpy), and
+host-device copies where CUDA is present (against a plain pinned copy).
+
 PMem tier: the same ``put_many``/``get_many`` on a pmem-backed store, beside
 ``pmem_memcpy_persist`` into a file on the pool's filesystem (writes) and plain memcpy
 (reads) with the same bytes and threads.
@@ -109,7 +113,7 @@ def measure_nvme(
     n = max(threads, total // block)
     path = os.path.join(root, f"{engine}-{block}")
     direct = engine == "posix-direct"
-    with tierstore.open(path, create=True, engine=engine, io_threads=threads,
+    with tierstore.open(path, create=True, engine=engine, io_threads=threads, host_cache=0,
                         slab_size=2 * n * block + (64 << 20), chunk_size=CHUNK) as st:
         got = _store_rw(st, block, n, drop_cache=True)
         infos = got["infos"]
@@ -136,7 +140,7 @@ def measure_pmem(
     try:
         with tierstore.open(path, create=True, backing="pmem", pmem_path=pool,
                             pmem_size=n * block + (64 << 20), io_threads=threads,
-                            chunk_size=CHUNK) as st:
+                            chunk_size=CHUNK, host_cache=0) as st:
             engine = st.describe().split(": ", 1)[1].split(",")[0]
             got = _store_rw(st, block, n, drop_cache=False)
     finally:
@@ -156,18 +160,116 @@ def measure_pmem(
     ]
 
 
+def measure_host(root: str, block: int, threads: int, total: int) -> list[dict[str, Any]]:
+    """Host cache hits: ``get`` of resident entries (a copy out of the slot) against a plain
+    memcpy of the same bytes."""
+    n = max(1, min(total, 512 << 20) // block)
+    path = os.path.join(root, f"host-{block}")
+    with tierstore.open(path, create=True, host_cache=2 * n * block + (16 << 20),
+                        slab_size=n * block + (16 << 20)) as st:
+        data = torch.randint(0, 255, (block,), dtype=torch.uint8)
+        names = [f"bench.experts.{i}.w" for i in range(n)]
+        st.put_many([(name, data) for name in names])
+        st.get_many(names)  # every page of the slots and results touched once
+        lat = []
+        t0 = time.perf_counter()
+        for name in names:
+            t1 = time.perf_counter()
+            st.get(name)
+            lat.append(time.perf_counter() - t1)
+        gbps = n * block / (time.perf_counter() - t0) / 1e9
+        hits = st.stats()["cache"]["hits"]
+    shutil.rmtree(path, ignore_errors=True)
+    if hits < n:
+        raise tierstore.StoreError(f"host cache benchmark: only {hits} of {n} gets were hits")
+    ceiling = tierstore.probes.memcpy_gbps(block, 1, repeat=5)
+    return [_row("host", "read", "cache hit", block, 1, gbps, lat, ceiling, "memcpy")]
+
+
+def measure_gpu(root: str, block: int) -> list[dict[str, Any]]:
+    """Host to device through the store (a pinned cache slot copied to the GPU) against a
+    plain pinned-to-device copy of the same size; device to host likewise for ``put``."""
+    dev = torch.device("cuda")
+    path = os.path.join(root, f"gpu-{block}")
+    with tierstore.open(path, create=True, host_cache=4 * block + (16 << 20),
+                        slab_size=2 * block + (16 << 20)) as st:
+        src = torch.randint(0, 255, (block,), dtype=torch.uint8, device=dev)
+        st.put("bench.w", src)
+        st.get("bench.w", device=dev)
+        h2d, d2h = [], []
+        for _ in range(8):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            st.get("bench.w", device=dev)
+            torch.cuda.synchronize()
+            h2d.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            st.put("bench.w", src)
+            d2h.append(time.perf_counter() - t0)
+    shutil.rmtree(path, ignore_errors=True)
+    pinned = torch.empty(block, dtype=torch.uint8, pin_memory=True)
+
+    def copy_secs(fn: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(8):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    up = block / copy_secs(lambda: pinned.to(dev, non_blocking=True)) / 1e9
+    down = block / copy_secs(lambda: pinned.copy_(src, non_blocking=True)) / 1e9
+    name = torch.cuda.get_device_name(dev)
+    return [
+        _row("gpu", "h2d", name, block, 1, block / min(h2d) / 1e9, h2d, up, "pinned copy"),
+        _row("gpu", "d2h", name, block, 1, block / min(d2h) / 1e9, d2h, down, "pinned copy"),
+    ]
+
+
+def plot(rows: list[dict[str, Any]], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["tier"], r["op"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.6), squeeze=False)
+    for ax, (tier, op) in zip(axes[0], groups):
+        series = sorted({(r["engine"], r["threads"]) for r in rows if (r["tier"], r["op"]) == (tier, op)})
+        for engine, threads in series:
+            pts = sorted((r["block_bytes"], r["gbps"], r["ceiling_gbps"]) for r in rows
+                         if (r["tier"], r["op"], r["engine"], r["threads"]) == (tier, op, engine, threads))
+            xs = [p[0] / 2**20 for p in pts]
+            line, = ax.plot(xs, [p[1] for p in pts], marker="o", label=f"{engine} x{threads}")
+            ax.plot(xs, [p[2] for p in pts], linestyle="--", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("entry size (MiB)")
+        ax.set_ylabel("GB/s (dashed: ceiling)")
+        ax.set_title(f"{tier} {op}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def run_tiers(
     store: str | None,
     sizes: list[int],
-    threads: int,
+    threads: list[int],
     total: int,
     json_out: str | None,
     *,
     engines: tuple[str, ...] = ("posix-direct", "posix-buffered"),
-    tiers: tuple[str, ...] = ("nvme", "pmem"),
+    tiers: tuple[str, ...] = ("nvme", "pmem", "host", "gpu"),
     pmem_dir: str | None = None,
+    plot_out: str | None = None,
     echo: Callable[[str], object] = print,
 ) -> int:
+    """Measure the chosen tiers at every entry size (and thread count, for the NVMe and
+    PMem tiers); print a table, and write JSON and a plot if asked."""
     if "nvme" in tiers and shutil.which("fio") is None:
         raise tierstore.StoreError("fio is not installed (apt-get install fio): it measures "
                                    "the ceiling every figure is compared with")
@@ -177,24 +279,36 @@ def run_tiers(
     os.makedirs(root, exist_ok=True)
     rows: list[dict[str, Any]] = []
     try:
-        plan = [("nvme", e, b) for e in engines for b in sizes if "nvme" in tiers]
-        plan += [("pmem", "", b) for b in sizes if "pmem" in tiers]
-        for tier, engine, block in tqdm(plan, desc="bench tiers", disable=None):
+        plan: list[tuple[str, Any, int, int]] = []
+        for block in sizes:
+            for t in threads:
+                plan += [("nvme", e, block, t) for e in engines if "nvme" in tiers]
+                plan += [("pmem", "", block, t)] if "pmem" in tiers else []
+            plan += [("host", "", block, 1)] if "host" in tiers else []
+            if "gpu" in tiers and torch.cuda.is_available():
+                plan.append(("gpu", "", block, 1))
+        for tier, engine, block, t in tqdm(plan, desc="bench tiers", disable=None):
             if tier == "nvme":
-                rows += measure_nvme(root, engine, block, threads, total)
+                rows += measure_nvme(root, engine, block, t, total)
+            elif tier == "pmem":
+                rows += measure_pmem(root, pmem_dir or root, block, t, total)
+            elif tier == "host":
+                rows += measure_host(root, block, t, total)
             else:
-                rows += measure_pmem(root, pmem_dir or root, block, threads, total)
+                rows += measure_gpu(root, block)
     finally:
         if store is None:
             shutil.rmtree(root, ignore_errors=True)
     echo(f"{'tier':5} {'op':5} {'engine':15} {'block':>9} {'thr':>3} {'GB/s':>7} "
          f"{'ceiling':>20} {'GB/s':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
-        echo(f"{r['tier']:5} {r['op']:5} {r['engine']:15} "
+        echo(f"{r['tier']:5} {r['op']:5} {r['engine'][:15]:15} "
              f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} {r['gbps']:7.3f} "
              f"{r['ceiling']:>20} {r['ceiling_gbps']:7.3f} {r['ratio']:6.2f} "
              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"benchmark": "tiers", "results": rows}, f, indent=1)
+    if plot_out:
+        plot(rows, plot_out)
     return 0

@@ -289,35 +289,46 @@ def bench() -> None:
 
 @bench.command(name="tiers")
 @click.option("--store", "store", type=click.Path(file_okay=False),
-              help="Scratch store directory (default: a temporary directory on the current "
-                   "filesystem, removed afterwards).")
-@click.option("--quick", is_flag=True, help="Fewer sizes and bytes: finishes in about a minute.")
-@click.option("--blocks", default="1MiB,4MiB,16MiB,64MiB", show_default=True,
+              help="Scratch directory (default: a temporary directory in the current directory, "
+                   "removed afterwards; put it on the drive you want to measure).")
+@click.option("--quick", is_flag=True,
+              help="4 and 64 MiB entries, 8 threads, O_DIRECT only, 256 MiB per figure: about "
+                   "a minute.")
+@click.option("--blocks", default="64KiB,1MiB,4MiB,16MiB,64MiB", show_default=True,
               help="Comma-separated entry sizes.")
-@click.option("--threads", default=8, show_default=True, help="I/O threads.")
+@click.option("--threads", default="1,8", show_default=True,
+              help="Comma-separated I/O thread counts (NVMe and PMem tiers).")
 @click.option("--total", type=SIZE, default="1GiB", show_default=True,
               help="Bytes moved per measurement.")
-@click.option("--tiers", "tiers", default="nvme,pmem", show_default=True,
-              help="Comma-separated tiers to measure.")
+@click.option("--tiers", "tiers", default="nvme,pmem,host,gpu", show_default=True,
+              help="Comma-separated tiers: nvme, pmem, host (cache hits), gpu (if CUDA).")
 @click.option("--engines", default="posix-direct,posix-buffered", show_default=True,
-              help="NVMe I/O engines to measure (kvikio where CUDA and kvikio are present).")
+              help="NVMe I/O engines (add kvikio where CUDA and kvikio are present: GDS, or "
+                   "its compat mode with KVIKIO_COMPAT_MODE=ON).")
 @click.option("--pmem-dir", type=click.Path(file_okay=False),
               help="Directory for the PMem pool (a DAX mount such as /mnt/pmem0 in production; "
                    "default: the scratch directory).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
-def bench_tiers(store: str | None, quick: bool, blocks: str, threads: int, total: int,
-                tiers: str, engines: str, pmem_dir: str | None, json_out: str | None) -> None:
-    """Tier read/write bandwidth and latency, each beside its ceiling from the same run:
-    NVMe through the store's engines against fio on the same file with the same block size,
-    threads and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy."""
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+              help="Write a PNG: GB/s against entry size per tier, ceilings dashed.")
+def bench_tiers(store: str | None, quick: bool, blocks: str, threads: str, total: int,
+                tiers: str, engines: str, pmem_dir: str | None, json_out: str | None,
+                plot_out: str | None) -> None:
+    """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
+    run: NVMe through the store's engines against fio on the same file with the same request
+    size, threads and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy; host cache
+    hits against memcpy; host<->device against plain pinned copies."""
     from bench.tiers import run_tiers
 
     sizes = [parse_size(b) for b in blocks.split(",")]
+    counts = [int(t) for t in threads.split(",")]
+    engine_list = tuple(engines.split(","))
     if quick:
-        sizes, total = [s for s in sizes if s >= 4 << 20][:2] or sizes[:2], min(total, 256 << 20)
-    _run(lambda: run_tiers(store, sizes, threads, total, json_out,
-                           engines=tuple(engines.split(",")), tiers=tuple(tiers.split(",")),
-                           pmem_dir=pmem_dir, echo=click.echo))
+        sizes, counts, total = [4 << 20, 64 << 20], [8], min(total, 256 << 20)
+        engine_list = tuple(e for e in engine_list if e != "posix-buffered")
+    _run(lambda: run_tiers(store, sizes, counts, total, json_out, engines=engine_list,
+                           tiers=tuple(tiers.split(",")), pmem_dir=pmem_dir,
+                           plot_out=plot_out, echo=click.echo))
 
 
 @bench.command(name="cache")
