@@ -97,11 +97,19 @@ def run_demo(
     echo("")
     echo(f"  entries        {stats['entries']} ({format_size(stats['bytes_stored'])})")
     echo(f"  write          {format_size(per_layer * layers)} in {t_write:.2f} s "
-         f"({per_layer * layers / t_write / 1e9:.2f} GB/s, copy-on-write + fdatasync + commit)")
+         f"({per_layer * layers / t_write / 1e9:.2f} GB/s: into the host cache, written back "
+         "copy-on-write, fdatasync, one commit per flush)")
     echo(f"  read           {format_size(read_bytes)} of routed experts in {t_read:.2f} s "
-         f"({read_bytes / t_read / 1e9:.2f} GB/s, crc32c-verified), {mismatches} mismatches")
+         f"({read_bytes / t_read / 1e9:.2f} GB/s: host cache hits, or crc32c-verified reads "
+         f"from the tier), {mismatches} mismatches")
     echo(f"  snapshot       '{tag}' holds v{before} of {name} [exp_avg]; live is now v{after}")
     echo(f"  fsck           {report.entries} stored versions verified: "
          f"{'clean' if report.ok else report.problems}")
-    echo(f"  tier traffic   {stats['tiers']}")
+    cache = stats["cache"]
+    echo(f"  host cache     {cache['policy']}, {format_size(cache['capacity_bytes'])}: "
+         f"hit rate {cache['hit_rate']:.2f}, {cache['evictions']} evictions, "
+         f"{cache['writebacks']} write-backs")
+    for tier, t in stats["tiers"].items():
+        echo(f"  {tier} tier      {t['reads']} reads ({format_size(t['bytes_read'])}), "
+             f"{t['writes']} writes ({format_size(t['bytes_written'])})")
     return 0 if report.ok and mismatches == 0 else 1
