@@ -15,6 +15,7 @@ engine decides the open flags (O_DIRECT) and, for kvikio, owns a ``CuFile`` hand
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -115,21 +116,20 @@ class KvikioEngine(PosixEngine):
     """
 
     def __init__(self, threads: int = 8) -> None:
-        import kvikio  # noqa: F401  (fail early with ImportError where it is missing)
+        import kvikio  # fails with ImportError where kvikio is missing
         import kvikio.defaults
 
         super().__init__(threads=threads, direct=False)
         self._kvikio = kvikio
-        self._compat = bool(kvikio.defaults.is_compat_mode_preferred()) if hasattr(
-            kvikio.defaults, "is_compat_mode_preferred"
-        ) else bool(getattr(kvikio.defaults, "compat_mode", lambda: False)())
+        self._mode = _kvikio_compat_mode(kvikio)
 
     @property
     def name(self) -> str:
         return "kvikio"
 
     def describe(self) -> str:
-        return f"kvikio {'compat mode' if self._compat else 'GDS'}, {self.threads} threads"
+        # AUTO uses GDS where cuFile is usable and falls back to POSIX I/O elsewhere.
+        return f"kvikio (compat mode {self._mode}), {self.threads} threads"
 
     def open(self, path: str, create: bool = False) -> FileHandle:
         fh = super().open(path, create)
@@ -145,6 +145,17 @@ class KvikioEngine(PosixEngine):
 
     def pwrite(self, fh: FileHandle, buf: Any, offset: int) -> Future[int]:
         return self._pool.submit(lambda: fh.extra.pwrite(buf, len(buf), offset).get())
+
+
+def _kvikio_compat_mode(kvikio: Any) -> str:
+    """kvikio's configured compatibility mode (ON, OFF or AUTO), across its API versions."""
+    defaults = kvikio.defaults
+    if hasattr(defaults, "get"):
+        with contextlib.suppress(KeyError, ValueError, TypeError):
+            return str(defaults.get("compat_mode")).rsplit(".", 1)[-1]
+    if hasattr(defaults, "compat_mode"):
+        return "ON" if defaults.compat_mode() else "OFF"
+    return "unknown"
 
 
 ENGINES = ("auto", "posix-direct", "posix-buffered", "kvikio")

@@ -1,0 +1,121 @@
+"""The NVMe tier's I/O engines and slab medium, below the store."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from nvme import PosixEngine, SlabMedium, StagingPool, aligned_empty, is_aligned, make_engine
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_engine_round_trip_at_offsets(tmp_path, direct: bool) -> None:
+    eng = PosixEngine(threads=4, direct=direct)
+    try:
+        fh = eng.open(str(tmp_path / "f"), create=True)
+        os.posix_fallocate(fh.fd, 0, 1 << 20)
+        data = aligned_empty(256 << 10)
+        data[:] = np.random.default_rng(0).integers(0, 256, data.size, dtype=np.uint8)
+        futures = [eng.pwrite(fh, memoryview(data[i : i + 65536]), (1 << 19) + i)
+                   for i in range(0, data.size, 65536)]
+        assert [f.result() for f in futures] == [65536] * 4
+        back = aligned_empty(data.size)
+        assert eng.read(fh, memoryview(back), 1 << 19) == data.size
+        assert np.array_equal(back, data)
+        eng.close_file(fh)
+    finally:
+        eng.close()
+
+
+def test_short_read_past_end_of_file_is_an_error(tmp_path) -> None:
+    eng = PosixEngine(threads=1, direct=False)
+    try:
+        fh = eng.open(str(tmp_path / "f"), create=True)
+        os.pwrite(fh.fd, b"x" * 4096, 0)
+        with pytest.raises(OSError) as ei:
+            eng.read(fh, memoryview(aligned_empty(8192)), 0)
+        assert ei.value.errno == errno.EIO
+        eng.close_file(fh)
+    finally:
+        eng.close()
+
+
+def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT refused")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    eng = PosixEngine(threads=1, direct=True)
+    try:
+        fh = eng.open(str(tmp_path / "f"), create=True)
+        assert not fh.direct
+        assert "refused" in eng.describe()
+        eng.close_file(fh)
+    finally:
+        eng.close()
+
+
+def test_unknown_engine_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown I/O engine"):
+        make_engine("spdk")
+
+
+def test_slab_medium_segments_and_orphans(tmp_path) -> None:
+    m = SlabMedium(str(tmp_path), slab_bytes=1 << 20, engine="posix-direct", threads=2)
+    try:
+        seg, rel, base, size = m.create_segment(0, 4096)
+        assert (seg, base, size) == (0, 0, 1 << 20) and not os.path.isabs(rel)
+        big = m.create_segment(1, (3 << 20) + 1)  # an entry larger than a slab gets its own
+        assert big[3] == (3 << 20) + 4096
+        buf = aligned_empty(8192)
+        buf[:] = 7
+        m.pwrite(1, 1 << 20, memoryview(buf)).result()
+        m.sync([1])
+        back = aligned_empty(8192)
+        m.pread(1, 1 << 20, memoryview(back)).result()
+        assert np.array_equal(back, buf)
+        assert m.location(1, 4096) == (str(tmp_path / "slabs" / "slab-000001.dat"), 4096)
+        (tmp_path / "slabs" / "slab-000009.dat").write_bytes(b"")
+        assert m.orphans([0, 1]) == [str(tmp_path / "slabs" / "slab-000009.dat")]
+    finally:
+        m.close()
+
+
+def test_aligned_buffers_and_staging_pool() -> None:
+    for n in (4096, 12288, 1 << 20):
+        assert is_aligned(aligned_empty(n))
+    pool = StagingPool(8192, keep=1)
+    a, b = pool.take(), pool.take()
+    assert a.ctypes.data != b.ctypes.data and is_aligned(a)
+    pool.give(a)
+    pool.give(b)  # beyond keep: dropped
+    assert pool.take() is a
+    assert pool.take() is not b
+
+
+@pytest.mark.gpu
+def test_kvikio_reads_into_device_memory_match(tmp_path) -> None:
+    pytest.importorskip("kvikio")
+    from nvme import KvikioEngine
+
+    eng = KvikioEngine(threads=2)
+    try:
+        fh = eng.open(str(tmp_path / "f"), create=True)
+        os.posix_fallocate(fh.fd, 0, 1 << 20)
+        host = aligned_empty(1 << 20)
+        host[:] = np.random.default_rng(1).integers(0, 256, host.size, dtype=np.uint8)
+        eng.write(fh, host, 0)
+        dev = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        assert eng.read(fh, dev, 0) == 1 << 20
+        assert torch.equal(dev.cpu(), torch.from_numpy(host))
+        eng.close_file(fh)
+    finally:
+        eng.close()
