@@ -493,12 +493,19 @@ class HostCache:
                 self._writebacks += 1
 
     def peek(self, key: Key) -> tuple[Any, bool] | None:
-        """(meta, dirty) of a resident entry without counting an access; None if absent."""
+        """(meta, dirty) of a resident entry without counting an access; None if absent.
+
+        An entry being evicted is waited for: until its write-back has committed, neither
+        the cache nor the backing tier would otherwise answer for it.
+        """
         with self._cond:
-            entry = self._entries.get(key)
-            if entry is None or entry.state == _EVICTING:
-                return None
-            return entry.meta, entry.dirty
+            while True:
+                entry = self._entries.get(key)
+                if entry is None:
+                    return None
+                if entry.state != _EVICTING:
+                    return entry.meta, entry.dirty
+                self._cond.wait()
 
     def _unpin(self, entry: _Entry) -> None:
         entry.pins -= 1

@@ -50,6 +50,7 @@ from .errors import (
     StoreLockedError,
 )
 from .media import ALIGNMENT, Medium, align_up
+from .prefetch import DeviceQueues
 from .sizes import parse_size
 from .tensors import as_bytes, dtype_from_name, dtype_name, from_bytes
 
@@ -169,7 +170,12 @@ class Store:
         host_cache: int = 0,
         policy: str = "lfu-decay",
         policy_args: dict[str, Any] | None = None,
+        device_budget: int | str | Mapping[str, int | str] | None = None,
     ) -> None:
+        # Device prefetch queues; first, so a bad budget fails before the store starts.
+        # Their threads start with a device's first request.
+        self._queues = DeviceQueues(lambda keys: self._host_bytes(keys),
+                                    lambda key: self._entry_nbytes(key), device_budget)
         self.path = path
         self._catalog = catalog
         self._medium = medium
@@ -214,6 +220,9 @@ class Store:
         if self._closed:
             return
         try:
+            # Queued transfers are cancelled and running ones land while the medium and
+            # the chunk workers they read through are still open.
+            self._queues.close()
             if self._cache is not None:
                 self.flush()
         finally:
@@ -728,6 +737,97 @@ class Store:
                     if slot[1] == 0:
                         del self._locks[key]
 
+    # -- device prefetch ------------------------------------------------------------
+    def prefetch(
+        self,
+        names: str | Iterable[str | Key],
+        *,
+        device: str | torch.device | None = None,
+        priority: float | tuple[float, ...] = 0,
+        kind: str = "param",
+    ) -> list[Future[torch.Tensor]]:
+        """Start moving entries to ``device`` (None: the CPU "device") and return one future
+        per name, resolved with the device copy once it has landed.
+
+        ``names`` holds names (of ``kind``) or ``(name, kind)`` pairs. ``priority`` says
+        when they are needed, smaller is sooner: a number or a tuple such as
+        ``(step, layer)``. A request for an entry already queued, in flight or resident
+        shares its transfer and future (and raises its priority if this one is sooner).
+        Transfers take the entry's bytes from the device's budget when they start and give
+        them back on :meth:`release` or :meth:`cancel`. A failed read fails its future only.
+        """
+        self._check_open()
+        return self._queues.get(device).request(self._prefetch_keys(names, kind), priority)
+
+    def acquire(
+        self,
+        name: str,
+        *,
+        device: str | torch.device | None = None,
+        kind: str = "param",
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """The entry's copy on ``device``, waiting only while its transfer has not landed;
+        an entry never prefetched is fetched now, ahead of every queued request. The time
+        spent waiting is the stall reported in ``stats()["prefetch"]``. On CUDA the current
+        stream waits on the copy's event, not the host. The copy holds its budget until
+        :meth:`release`. ``timeout`` (seconds) raises TimeoutError rather than waiting for
+        a budget that nothing releases."""
+        self._check_open()
+        (key,) = self._prefetch_keys([(name, kind)], kind)
+        return self._queues.get(device).acquire(key, timeout)
+
+    def release(
+        self, name: str, *, device: str | torch.device | None = None, kind: str = "param"
+    ) -> bool:
+        """Drop the device copy of an entry and give its bytes back to the budget (a queued
+        or in-flight request is cancelled instead). Tensors already handed out stay valid;
+        a later :meth:`acquire` transfers the entry again. Returns whether there was one."""
+        self._check_open()
+        (key,) = self._prefetch_keys([(name, kind)], kind)
+        return self._queues.get(device).drop([key], release=True) == 1
+
+    def cancel(
+        self,
+        names: str | Iterable[str | Key],
+        *,
+        device: str | torch.device | None = None,
+        kind: str = "param",
+    ) -> int:
+        """Cancel requests: a queued one never takes budget and its future is cancelled; an
+        in-flight one is cancelled and its budget comes back once its bytes have landed; a
+        resident copy is dropped as by :meth:`release`. Returns how many were found."""
+        self._check_open()
+        return self._queues.get(device).drop(self._prefetch_keys(names, kind), release=False)
+
+    def _entry_nbytes(self, key: Key) -> int:
+        """An entry's size, for the credits its transfer will take."""
+        try:
+            return self.info(*key).nbytes
+        except EntryNotFoundError:
+            # info() misses an entry whose dirty cache slot is being written back (neither
+            # visible in the cache nor committed yet); the host-bytes path waits for that
+            # write-back, then reads it or raises EntryNotFoundError for a real miss.
+            found, handles = self._host_bytes([key])
+            for h in handles:
+                h.release()
+            return found[key][0].nbytes
+
+    @staticmethod
+    def _prefetch_keys(names: str | Iterable[str | Key], kind: str) -> list[Key]:
+        keys = []
+        for item in [names] if isinstance(names, str) else names:
+            if isinstance(item, str):
+                name, k = item, kind
+            elif isinstance(item, (tuple, list)) and len(item) == 2:
+                name, k = item
+            else:
+                raise StoreError(f"expected a name or a (name, kind) pair, got {item!r}")
+            check_name(name)
+            check_kind(k)
+            keys.append((name, k))
+        return keys
+
     # -- catalog queries ------------------------------------------------------------
     def __contains__(self, key: str | Key) -> bool:
         name, kind = (key, "param") if isinstance(key, str) else key
@@ -800,6 +900,7 @@ class Store:
             "tiers": {self._medium.kind: tier},
             "cache": None if self._cache is None else {
                 "policy": self._cache.policy.name, **vars(self._cache.stats())},
+            "prefetch": self._queues.stats(),
         }
 
     # -- snapshots ------------------------------------------------------------------
@@ -949,6 +1050,7 @@ def open_store(
     host_cache: int | str | None = "1GiB",
     policy: str = "lfu-decay",
     policy_args: dict[str, Any] | None = None,
+    device_budget: int | str | Mapping[str, int | str] | None = None,
 ) -> Store:
     """Open the store at ``path`` (``create=True`` makes it if missing).
 
@@ -958,8 +1060,10 @@ def open_store(
     (``auto``: kvikio with CUDA, else POSIX O_DIRECT). ``host_cache`` is the host-memory
     cache's capacity (0 or None: no cache, every ``put`` is committed before it returns);
     ``policy`` names its eviction policy (``lfu-decay``, ``lru``, ``lfu``, ``arc``,
-    ``semoe``) and ``policy_args`` its parameters. Sizes take bytes or strings such as
-    ``"2GiB"``.
+    ``semoe``) and ``policy_args`` its parameters. ``device_budget`` is the byte budget of
+    the prefetch queues (:meth:`Store.prefetch`): one size for every device, or a mapping
+    from a device (``"cpu"``, ``"cuda"``, ``"cuda:1"``) to its size; unset, it is 1 GiB on
+    the CPU and half of a GPU's memory. Sizes take bytes or strings such as ``"2GiB"``.
     """
     path = os.path.abspath(os.fspath(path))
     marker = os.path.join(path, MARKER)
@@ -993,7 +1097,7 @@ def open_store(
         medium = _make_medium(path, meta["backing"], engine, io_threads)
         return Store(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd,
                      io_threads=io_threads, host_cache=parse_size(host_cache or 0),
-                     policy=policy, policy_args=policy_args)
+                     policy=policy, policy_args=policy_args, device_budget=device_budget)
     except BaseException:
         os.close(lock_fd)
         raise
