@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from cache import HostCache
-from nvme import aligned_empty
+from nvme import StagingPool, aligned_empty
 
 from .alloc import ExtentAllocator
 from .catalog import FORMAT_VERSION, Catalog, Record, entry_key
@@ -185,6 +185,7 @@ class Store:
         # Chunk jobs (copy, checksum, then the medium's own I/O call) run here, so the
         # CPU work of one chunk overlaps the I/O of the others.
         self._workers = ThreadPoolExecutor(io_threads, thread_name_prefix="tierstore-chunk")
+        self._staging = StagingPool(chunk_bytes, keep=2 * io_threads)
         self._seg_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._tier = _TierStats()
@@ -376,25 +377,24 @@ class Store:
         taken.append((seg, off, length))
         rec.seg, rec.off, rec.length = seg, off, length
         # O_DIRECT and GDS need page-aligned memory (cache slots are). Otherwise each chunk
-        # is copied into an aligned buffer and checksummed by a worker just before its
-        # write, so copies, checksums and writes of different chunks overlap.
+        # is copied into an aligned staging buffer by a worker just before its write, so
+        # copies, checksums and writes of different chunks overlap.
         aligned = src.ctypes.data % ALIGNMENT == 0
-        buf = src if aligned else aligned_empty(length)
 
         def chunk_job(start: int) -> int:
             end = min(start + self._chunk, length)
             stop = min(end, nbytes)
-            if not aligned:
-                buf[start:stop] = src[start:stop]
-                buf[stop:end] = 0
-            crc = crc32c.crc32c(buf[start:stop])
-            if aligned and end > nbytes:  # the tail page: pad it in a bounce buffer
-                tail = aligned_empty(end - start)
-                tail[: stop - start] = buf[start:stop]
-                tail[stop - start :] = 0
-                self._medium.pwrite(seg, off + start, memoryview(tail)).result()
-            else:
-                self._medium.pwrite(seg, off + start, memoryview(buf[start:end])).result()
+            crc = crc32c.crc32c(src[start:stop])
+            if aligned and end <= nbytes:
+                self._medium.pwrite(seg, off + start, memoryview(src[start:end])).result()
+                return crc
+            stage = self._staging.take()  # reused, so no page faults on the hot path
+            try:
+                stage[: stop - start] = src[start:stop]
+                stage[stop - start : end - start] = 0
+                self._medium.pwrite(seg, off + start, memoryview(stage[: end - start])).result()
+            finally:
+                self._staging.give(stage)
             return crc
 
         return rec, [self._workers.submit(chunk_job, start) for start in range(0, length, self._chunk)]
