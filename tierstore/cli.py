@@ -282,6 +282,116 @@ def demo(store: str, layers: int, experts: int, hidden: int, ffn: int, seed: int
                           seed=seed, fresh=fresh, echo=click.echo))
 
 
+def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from trainer.model import presets_table
+
+    click.echo(presets_table())
+    ctx.exit()
+
+
+@main.command()
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Store directory holding the experts (created if missing). With --resident: "
+                   "the checkpoint directory (optional).")
+@click.option("--resident", is_flag=True,
+              help="Train the same model with everything in memory as plain torch modules "
+                   "(the reference and the performance baseline).")
+@click.option("--model",
+              help="Model preset: tiny, small, medium, large, xl (see --list-models) [tiny].")
+@click.option("--list-models", is_flag=True, is_eager=True, expose_value=False,
+              callback=_list_models, help="Print the presets' sizes and exit.")
+@click.option("--steps", type=click.IntRange(min=0), required=True,
+              help="Total optimizer steps; --resume continues up to this count.")
+@click.option("--seed", type=int, help="Initial weights and batch order [0].")
+@click.option("--device", default="auto", show_default=True,
+              help="Where dense parameters and compute live: cpu, cuda, cuda:N (auto: cuda if "
+                   "available).")
+@click.option("--device-budget", type=SIZE,
+              help="Bytes of expert weights the device may hold at once: the prefetch queue's "
+                   "budget (default: the store's, 1GiB on the CPU, half of a GPU); with "
+                   "get_many fetching, unbounded unless given.")
+@click.option("--host-cache", type=SIZE, default="1GiB", show_default=True,
+              help="Host-memory cache in front of the backing tier (0: none).")
+@click.option("--backing", type=click.Choice(["nvme", "pmem"]),
+              help="Backing tier of a new store (default nvme); checked against an existing one.")
+@click.option("--pmem-path", type=click.Path(dir_okay=False), help="Pool file for --backing pmem.")
+@click.option("--pmem-size", type=SIZE, help="Pool size for --backing pmem, e.g. 16GiB.")
+@click.option("--slab-size", type=SIZE, default="1GiB", show_default=True,
+              help="NVMe slab file size of a new store.")
+@click.option("--fetch", type=click.Choice(["auto", "queue", "direct"]), default="auto",
+              show_default=True,
+              help="How experts reach the device: the prefetch queue (next layer predicted from "
+                   "routing history), get_many, or auto (queue on a GPU, get_many on the CPU).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Checkpoint every N steps (and always after the last).")
+@click.option("--resume", is_flag=True,
+              help="Continue from the latest checkpoint, with the model, hyperparameters and "
+                   "seed the run started with (options given must agree with them).")
+@click.option("--metrics", type=click.Path(dir_okay=False),
+              help="Write one JSON object per step (step, loss, tokens_per_s, hit_rate, "
+                   "stall_frac, ...).")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
+                   "cache --trace`).")
+@click.option("--corpus", multiple=True, type=click.Path(exists=True),
+              help="Text files or directories to train on (repeatable; default: the Python "
+                   "standard library's sources).")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per micro-batch [8].")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence [128].")
+@click.option("--lr", type=float, help="Peak learning rate [3e-3].")
+@click.option("--grad-accum", type=click.IntRange(min=1), help="Micro-batches per step [1].")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]),
+              help="Compute dtype (master weights and optimizer states stay fp32) [float32].")
+@click.option("--eval-every", type=click.IntRange(min=0),
+              help="Validation loss every N steps and at the last (0: never) [50].")
+def train(store: str | None, resident: bool, model: str | None, steps: int, seed: int | None,
+          device: str,
+          device_budget: int | None, host_cache: int, backing: str | None,
+          pmem_path: str | None, pmem_size: int | None, slab_size: int, fetch: str,
+          checkpoint_every: int, resume: bool, metrics: str | None, trace: str | None,
+          corpus: tuple[str, ...], batch_size: int | None, seq_len: int | None,
+          lr: float | None, grad_accum: int | None, dtype: str | None,
+          eval_every: int | None) -> None:
+    """Train an MoE model whose experts live in a store: dense parameters on the device,
+    expert weights and AdamW moments in STORE, fetched per step for the experts the routers
+    picked and written back through the host cache. With --resident, the same model held in
+    memory.
+
+    \b
+    tierstore train --store run --model tiny --steps 200 --metrics m.jsonl
+    tierstore train --store run --model tiny --steps 400 --resume
+    tierstore train --resident --model tiny --steps 200
+    """
+    if not resident and store is None:
+        raise click.UsageError("--store is required (or pass --resident)")
+    if resident and trace is not None:
+        raise click.UsageError("--trace records the store trainer's routing; drop --resident")
+    if resident and store is None and (resume or checkpoint_every):
+        raise click.UsageError("--resume and --checkpoint-every with --resident need --store")
+    from trainer.cli_train import run_train
+
+    given = {"batch_size": batch_size, "seq_len": seq_len, "lr": lr, "grad_accum": grad_accum,
+             "dtype": dtype, "eval_every": eval_every}
+
+    def go() -> int:
+        try:
+            run_train(store=store, resident=resident, model=model, steps=steps, seed=seed,
+                      device_budget=device_budget, host_cache=host_cache, backing=backing,
+                      pmem_path=pmem_path, pmem_size=pmem_size, slab_size=slab_size,
+                      checkpoint_every=checkpoint_every, resume=resume, metrics=metrics,
+                      trace=trace, corpus=corpus, device=device, fetch=fetch,
+                      overrides={k: v for k, v in given.items() if v is not None},
+                      echo=click.echo)
+        except ValueError as e:  # bad configuration or corpus: one line, like store errors
+            click.echo(f"tierstore train: {e}", err=True)
+            return 2
+        return 0
+
+    _run(go)
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks; each reports ratios against a ceiling measured in the same run."""
@@ -362,6 +472,39 @@ def bench_cache(trace_file: str | None, synthetic: str | None, capacities: str, 
         write_fraction=write_fraction, policy_args=parse_policy_args(policy_args),
         json_out=json_out, plot_out=plot_out, overhead_entries=overhead_entries,
         echo=click.echo))
+
+
+@bench.command(name="prefetch")
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Scratch directory (default: a temporary directory here, removed after).")
+@click.option("--layers", default=8, show_default=True, help="MoE layers.")
+@click.option("--experts", default=8, show_default=True, help="Experts per layer.")
+@click.option("--expert-bytes", type=SIZE, default="4MiB", show_default=True,
+              help="Size of one expert (a multiple of 4 x hidden).")
+@click.option("--hidden", default=1024, show_default=True, help="Matmul width.")
+@click.option("--tokens", default=256, show_default=True, help="Tokens per layer's matmuls.")
+@click.option("--repeat", type=int, default=None,
+              help="Matmul repeats per expert (default: calibrated so a layer computes for "
+                   "about 1.5x its transfer time).")
+@click.option("--steps", default=5, show_default=True, help="Measured steps per mode.")
+@click.option("--device-budget", type=SIZE, default=None,
+              help="Prefetch budget (default: three layers).")
+@click.option("--host-cache", type=SIZE, default=None,
+              help="Host cache (default: half a layer, so reads hit the backing tier).")
+@click.option("--device", default=None, help="Compute device (default: cpu).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: int, hidden: int,
+                   tokens: int, repeat: int | None, steps: int, device_budget: int | None,
+                   host_cache: int | None, device: str | None, json_out: str | None) -> None:
+    """A layered workload (real matmuls per layer, experts in the store) run with on-demand
+    loading and with prefetch of the next layers; reports step time, stall fraction and bytes
+    moved."""
+    from bench.prefetch import run_prefetch
+
+    _run(lambda: run_prefetch(
+        store, layers=layers, experts=experts, expert_bytes=expert_bytes, hidden=hidden,
+        tokens=tokens, repeat=repeat, steps=steps, device_budget=device_budget,
+        host_cache=host_cache, device=device, json_out=json_out, echo=click.echo))
 
 
 if __name__ == "__main__":
