@@ -408,7 +408,9 @@ class PrefetchQueue:
                 event.record(self._stream)
         else:
             dst = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
-            dst.copy_(src)
+            # numpy's copy stays on this thread; torch's would start a second OpenMP pool
+            # that competes with the caller's compute threads for the cores.
+            np.copyto(dst.numpy(), src.numpy())
         tensor = (from_bytes(dst, dtype, shape) if meta.nbytes
                   else torch.empty(shape, dtype=dtype, device=self.device))
         if self._cuda:
