@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -108,24 +109,34 @@ def _row(tier: str, op: str, engine: str, block: int, threads: int, gbps: float,
 
 
 def measure_nvme(
-    root: str, engine: str, block: int, threads: int, total: int
+    root: str, engine: str, block: int, threads: int, total: int, repeats: int = 3
 ) -> list[dict[str, Any]]:
+    """Store and fio in turn, ``repeats`` times, on the same slab file; medians of each, so
+    a burst of noise on a shared disk does not land on one side only."""
     n = max(threads, total // block)
     path = os.path.join(root, f"{engine}-{block}")
     direct = engine == "posix-direct"
-    with tierstore.open(path, create=True, engine=engine, io_threads=threads, host_cache=0,
-                        slab_size=2 * n * block + (64 << 20), chunk_size=CHUNK) as st:
-        got = _store_rw(st, block, n, drop_cache=True)
-        infos = got["infos"]
-        slab = infos[0].path
-        used_end = max(i.offset + block for i in infos)
-        bs = min(block, CHUNK)
-        fio = {
-            "read": _fio(slab, "read", bs, threads, 0, used_end // bs * bs, direct),
-            "write": _fio(slab, "write", bs, threads, -(-used_end // bs) * bs, n * block, direct),
-        }
-    shutil.rmtree(path, ignore_errors=True)
-    return [_row("nvme", op, engine, block, threads, got[op][0], got[op][1], fio[op], "fio psync")
+    gbps: dict[str, list[float]] = {"write": [], "read": []}
+    fio: dict[str, list[float]] = {"write": [], "read": []}
+    lat: dict[str, list[float]] = {"write": [], "read": []}
+    for _ in range(repeats):  # a fresh store each time: same free layout, same slab state
+        with tierstore.open(path, create=True, engine=engine, io_threads=threads,
+                            host_cache=0, slab_size=2 * n * block + (64 << 20),
+                            chunk_size=CHUNK) as st:
+            got = _store_rw(st, block, n, drop_cache=True)
+            infos = got["infos"]
+            slab = infos[0].path
+            used_end = max(i.offset + block for i in infos)
+            bs = min(block, CHUNK)
+            fio["read"].append(_fio(slab, "read", bs, threads, 0, used_end // bs * bs, direct))
+            fio["write"].append(_fio(slab, "write", bs, threads, -(-used_end // bs) * bs,
+                                     n * block, direct))
+        shutil.rmtree(path, ignore_errors=True)
+        for op in ("write", "read"):
+            gbps[op].append(got[op][0])
+            lat[op] += got[op][1]
+    return [_row("nvme", op, engine, block, threads, statistics.median(gbps[op]), lat[op],
+                 statistics.median(fio[op]), "fio psync", repeats=repeats)
             for op in ("write", "read")]
 
 
@@ -266,6 +277,7 @@ def run_tiers(
     tiers: tuple[str, ...] = ("nvme", "pmem", "host", "gpu"),
     pmem_dir: str | None = None,
     plot_out: str | None = None,
+    repeats: int = 3,
     echo: Callable[[str], object] = print,
 ) -> int:
     """Measure the chosen tiers at every entry size (and thread count, for the NVMe and
@@ -289,7 +301,7 @@ def run_tiers(
                 plan.append(("gpu", "", block, 1))
         for tier, engine, block, t in tqdm(plan, desc="bench tiers", disable=None):
             if tier == "nvme":
-                rows += measure_nvme(root, engine, block, t, total)
+                rows += measure_nvme(root, engine, block, t, total, repeats)
             elif tier == "pmem":
                 rows += measure_pmem(root, pmem_dir or root, block, t, total)
             elif tier == "host":

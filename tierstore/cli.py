@@ -418,12 +418,14 @@ def bench() -> None:
 @click.option("--pmem-dir", type=click.Path(file_okay=False),
               help="Directory for the PMem pool (a DAX mount such as /mnt/pmem0 in production; "
                    "default: the scratch directory).")
+@click.option("--repeat", "repeats", default=3, show_default=True,
+              help="NVMe: store and fio measured in turn this many times; medians reported.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
               help="Write a PNG: GB/s against entry size per tier, ceilings dashed.")
 def bench_tiers(store: str | None, quick: bool, blocks: str, threads: str, total: int,
-                tiers: str, engines: str, pmem_dir: str | None, json_out: str | None,
-                plot_out: str | None) -> None:
+                tiers: str, engines: str, pmem_dir: str | None, repeats: int,
+                json_out: str | None, plot_out: str | None) -> None:
     """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
     run: NVMe through the store's engines against fio on the same file with the same request
     size, threads and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy; host cache
@@ -434,11 +436,11 @@ def bench_tiers(store: str | None, quick: bool, blocks: str, threads: str, total
     counts = [int(t) for t in threads.split(",")]
     engine_list = tuple(engines.split(","))
     if quick:
-        sizes, counts, total = [4 << 20, 64 << 20], [8], min(total, 256 << 20)
+        sizes, counts, total, repeats = [4 << 20, 64 << 20], [8], min(total, 256 << 20), 1
         engine_list = tuple(e for e in engine_list if e != "posix-buffered")
     _run(lambda: run_tiers(store, sizes, counts, total, json_out, engines=engine_list,
                            tiers=tuple(tiers.split(",")), pmem_dir=pmem_dir,
-                           plot_out=plot_out, echo=click.echo))
+                           plot_out=plot_out, repeats=repeats, echo=click.echo))
 
 
 @bench.command(name="cache")
