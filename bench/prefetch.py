@@ -37,17 +37,9 @@ import torch
 
 import tierstore
 
+from .tiers import drop_page_cache
+
 MiB = 1 << 20
-
-
-def _drop_page_cache(paths: set[str]) -> None:
-    """Evict the slab files from the page cache so the first read of each run is cold."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _sync(device: torch.device) -> None:
@@ -238,11 +230,11 @@ def run_prefetch(
         x = torch.randn(tokens, hidden, device=dev)
         out = torch.empty(tokens, rows, device=dev)
         if repeat is None:
-            _drop_page_cache(slabs)
+            drop_page_cache(slabs)
             with tierstore.open(path, **opts) as st:
                 repeat = _calibrate(st, names[: min(2, layers)], x, out, dev)
         for mode in ("on-demand", "prefetch"):
-            _drop_page_cache(slabs)
+            drop_page_cache(slabs)
             with tierstore.open(path, **opts) as st:
                 results.append(_run_mode(st, mode, names, x, out, repeat, steps, dev, lookahead))
     finally:

@@ -53,7 +53,8 @@ def _fio(path: str, op: str, bs: int, threads: int, offset: int, span: int, dire
     return job["bw_bytes"] / 1e9
 
 
-def _drop_cache(paths: set[str]) -> None:
+def drop_page_cache(paths: set[str]) -> None:
+    """Evict files from the page cache, so buffered reads that follow really hit the disk."""
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -82,7 +83,7 @@ def _store_rw(st: tierstore.Store, block: int, n: int, drop_cache: bool) -> dict
         w_lat.append(time.perf_counter() - t0)
     infos = [st.info(name) for name in names]
     if drop_cache:
-        _drop_cache({i.path for i in infos})
+        drop_page_cache({i.path for i in infos})
     group = max(1, (256 << 20) // block)
     t0 = time.perf_counter()
     for i in range(0, n, group):

@@ -150,6 +150,24 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def step_metrics(
+    step: int, tc: TrainConfig, dev: torch.device, t0: float, ce_sum: float, aux_sum: float,
+    z_sum: float, norm: torch.Tensor, lr: float,
+) -> Metrics:
+    """The metrics every trainer reports for a finished step (losses averaged over the
+    micro-batches; the step's time measured once the device has caught up)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    dt = time.perf_counter() - t0
+    n_tok = tc.grad_accum * tc.batch_size * tc.seq_len
+    return {
+        "step": step + 1, "loss": ce_sum / tc.grad_accum,
+        "aux_loss": aux_sum / tc.grad_accum, "z_loss": z_sum / tc.grad_accum,
+        "grad_norm": float(norm), "lr": lr, "tokens": n_tok, "step_time_s": dt,
+        "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
+    }
+
+
 def train_resident(
     model: MoEConfig | str,
     steps: int,
@@ -234,16 +252,7 @@ def train_resident(
                 else total_norm(grad_norms(grads)))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        dt = time.perf_counter() - t0
-        n_tok = tc.grad_accum * tc.batch_size * tc.seq_len
-        m: Metrics = {
-            "step": step + 1, "loss": ce_sum / tc.grad_accum,
-            "aux_loss": aux_sum / tc.grad_accum, "z_loss": z_sum / tc.grad_accum,
-            "grad_norm": float(norm), "lr": lr, "tokens": n_tok, "step_time_s": dt,
-            "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
-        }
+        m = step_metrics(step, tc, dev, t0, ce_sum, aux_sum, z_sum, norm, lr)
         done = step + 1
         if tc.eval_every > 0 and (done % tc.eval_every == 0 or done == steps):
             m["val_loss"] = evaluate(net, val_batches, dev)

@@ -95,6 +95,7 @@ from .resident import (
     resolve_model_config,
     rng_state,
     set_rng_state,
+    step_metrics,
 )
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -858,15 +859,9 @@ class _Run:
         predicted, used = experts.predicted, experts.predicted_used
         routed = experts.end()
         self.store.tick()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        dt = time.perf_counter() - t0
-        n_tok = tc.grad_accum * tc.batch_size * tc.seq_len
-        m: Metrics = {
-            "step": step + 1, "loss": ce_sum / tc.grad_accum,
-            "aux_loss": aux_sum / tc.grad_accum, "z_loss": z_sum / tc.grad_accum,
-            "grad_norm": float(norm), "lr": lr, "tokens": n_tok, "step_time_s": dt,
-            "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
+        m = step_metrics(step, tc, dev, t0, ce_sum, aux_sum, z_sum, norm, lr)
+        dt = m["step_time_s"]
+        m |= {
             **_store_metrics(before, _store_counters(self.store)),
             "stall_s": stall_s, "stall_frac": stall_s / dt if dt > 0 else 0.0,
             "write_s": write_s, "experts_touched": touched, "peak_rss_bytes": _peak_rss(),
