@@ -802,16 +802,7 @@ class Store:
 
     def _entry_nbytes(self, key: Key) -> int:
         """An entry's size, for the credits its transfer will take."""
-        try:
-            return self.info(*key).nbytes
-        except EntryNotFoundError:
-            # info() misses an entry whose dirty cache slot is being written back (neither
-            # visible in the cache nor committed yet); the host-bytes path waits for that
-            # write-back, then reads it or raises EntryNotFoundError for a real miss.
-            found, handles = self._host_bytes([key])
-            for h in handles:
-                h.release()
-            return found[key][0].nbytes
+        return self.info(*key).nbytes
 
     @staticmethod
     def _prefetch_keys(names: str | Iterable[str | Key], kind: str) -> list[Key]:
