@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from cache import HostCache
-from nvme import StagingPool, aligned_empty
+from nvme import ENGINES, StagingPool, aligned_empty
 
 from .alloc import ExtentAllocator
 from .catalog import FORMAT_VERSION, Catalog, Record, entry_key
@@ -149,12 +149,6 @@ def check_tag(tag: str) -> None:
         raise SnapshotError(f"invalid snapshot tag {tag!r}: letters, digits, '.', '_', '-'")
 
 
-def _crcs(buf: np.ndarray, nbytes: int, chunk: int) -> list[int]:
-    if nbytes == 0:
-        return [0]
-    return [crc32c.crc32c(buf[i : min(i + chunk, nbytes)]) for i in range(0, nbytes, chunk)]
-
-
 class Store:
     """A tiered tensor store. Open one with :func:`tierstore.open`; thread-safe."""
 
@@ -174,6 +168,8 @@ class Store:
     ) -> None:
         # Device prefetch queues; first, so a bad budget fails before the store starts.
         # Their threads start with a device's first request.
+        # Looked up at call time (not bound now) so an instrumented or patched store's
+        # methods are the ones the queues call.
         self._queues = DeviceQueues(lambda keys: self._host_bytes(keys),
                                     lambda key: self._entry_nbytes(key), device_budget)
         self.path = path
@@ -193,14 +189,12 @@ class Store:
         with catalog.read() as txn:
             segments = catalog.segments(txn)
             self._alloc.load(catalog.free_extents(txn))
-            self._backing = catalog.get_meta(txn, "backing", {})
-        # A medium grows by at least this much at a time, so growth is rare (NVMe slabs are
-        # sized by the medium itself).
-        self._grow_bytes = int(self._backing.get("grow_bytes", 0))
+            # A medium grows by at least this much at a time, so growth is rare (NVMe slabs
+            # are sized by the medium itself).
+            self._grow_bytes = int(catalog.get_meta(txn, "backing", {}).get("grow_bytes", 0))
+            self._version = catalog.get_meta(txn, "version", 0)
         medium.attach(segments)
         self._next_seg = max((s[0] for s in segments), default=-1) + 1
-        with catalog.read() as txn:
-            self._version = catalog.get_meta(txn, "version", 0)
         self._version_lock = threading.Lock()
         self._locks: dict[Key, list[Any]] = {}
         self._locks_mutex = threading.Lock()
@@ -1061,6 +1055,8 @@ def open_store(
     chunk = parse_size(chunk_size)
     if chunk < ALIGNMENT or chunk % ALIGNMENT:
         raise StoreError(f"chunk_size must be a positive multiple of {ALIGNMENT}, got {chunk}")
+    if engine not in ENGINES:  # checked for every backing: a typo is never ignored
+        raise StoreError(f"unknown I/O engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if io_threads < 1:
         raise StoreError("io_threads must be >= 1")
     if os.path.exists(path) and not os.path.isdir(path):
