@@ -182,6 +182,8 @@ class HostCache:
         self._hits = self._misses = self._evictions = self._writebacks = 0
         self._refused = self._no_room = 0
         self._bytes_resident = 0
+        # Kept up to date as entries change, so stats() costs O(1) under the lock.
+        self._n_dirty = self._n_evicting = 0
 
     @property
     def policy(self) -> Policy:
@@ -285,6 +287,7 @@ class HostCache:
         for victim in victims:
             policy.record_remove(victim.key, evicted=True)
             victim.state = _EVICTING
+            self._n_evicting += 1
         policy.record_insert(key, nbytes)
         self._entries[key] = entry
         self._bytes_resident += nbytes
@@ -354,7 +357,7 @@ class HostCache:
         entry, claim = pending.entry, pending.claim
         for victim in pending.victims:
             if self._entries.get(victim.key) is victim:
-                del self._entries[victim.key]
+                self._unindex(victim)
             victim.gone = True
             self._bytes_resident -= victim.nbytes
             del self._by_start[victim.start]
@@ -375,15 +378,16 @@ class HostCache:
         entry = pending.entry
         for victim in pending.victims:
             victim.state = _READY
+            self._n_evicting -= 1
             self._policy.record_insert(victim.key, victim.nbytes)
         for victim in pending.written:
-            victim.dirty = False
+            self._set_dirty(victim, False)
         self._writebacks += len(pending.written)
         if pending.claim is not None:
             self._alloc.cancel(pending.claim)
         self._free_slot(entry)  # a slot it was given up front (no claim), if any
         if self._entries.get(entry.key) is entry:
-            del self._entries[entry.key]
+            self._unindex(entry)
             self._policy.record_remove(entry.key, evicted=True)
             self._bytes_resident -= entry.nbytes
         entry.gone = True
@@ -423,7 +427,7 @@ class HostCache:
             entry = self._entries.get(key)
             if entry is None or entry.state == _EVICTING:
                 raise KeyError(key)
-            entry.dirty = True
+            self._set_dirty(entry, True)
             entry.gen += 1
             if meta is not None:
                 entry.meta = meta
@@ -433,7 +437,19 @@ class HostCache:
         with self._cond:
             entry = self._entries.get(key)
             if entry is not None:
-                entry.dirty = False
+                self._set_dirty(entry, False)
+
+    def _set_dirty(self, entry: _Entry, dirty: bool) -> None:
+        """Change an entry's dirty flag, counting it while the entry is indexed."""
+        if entry.dirty != dirty and self._entries.get(entry.key) is entry:
+            self._n_dirty += 1 if dirty else -1
+        entry.dirty = dirty
+
+    def _unindex(self, entry: _Entry) -> None:
+        """Take an entry out of the index (its flags stop counting)."""
+        del self._entries[entry.key]
+        self._n_dirty -= entry.dirty
+        self._n_evicting -= entry.state == _EVICTING
 
     def dirty_keys(self) -> list[Key]:
         with self._cond:
@@ -488,7 +504,7 @@ class HostCache:
         with self._cond:
             for entry, gen in written:
                 if entry.gen == gen:
-                    entry.dirty = False
+                    self._set_dirty(entry, False)
                 self._unpin(entry)
                 self._writebacks += 1
 
@@ -523,7 +539,7 @@ class HostCache:
                 if entry.state != _EVICTING:
                     break
                 self._cond.wait()
-            del self._entries[key]
+            self._unindex(entry)
             self._policy.record_remove(key, evicted=False)
             entry.gone = True
             entry.dirty = False
@@ -558,8 +574,8 @@ class HostCache:
                 writebacks=self._writebacks,
                 admissions_refused=self._refused,
                 no_room=self._no_room,
-                entries=sum(e.state != _EVICTING for e in self._entries.values()),
-                dirty_entries=sum(e.dirty for e in self._entries.values()),
+                entries=len(self._entries) - self._n_evicting,
+                dirty_entries=self._n_dirty,
                 bytes_resident=self._bytes_resident,
                 bytes_allocated=self._alloc.allocated_pages * PAGE,
                 capacity_bytes=self.capacity_bytes,

@@ -410,3 +410,46 @@ def test_arena_is_pinned_with_cuda_and_copies_to_device():
         on_device = h.view.to("cuda", non_blocking=True)
         torch.cuda.synchronize()
         assert torch.equal(on_device.cpu(), pattern("a", 5000))
+
+
+def test_stats_counters_always_equal_a_recount() -> None:
+    """stats() keeps entry and dirty counts incrementally; they must match the index after
+    every kind of change, a failed write-back (which undoes an eviction) included."""
+    import random
+
+    rng = random.Random(7)
+    fail = {"now": False}
+
+    def writeback(key, view, meta) -> None:
+        if fail["now"]:
+            raise OSError("disk full")
+
+    cache = HostCache(64 * 4096, policy="lru", writeback=writeback, pin_memory=False)
+    for _ in range(2000):
+        key, op = rng.randrange(40), rng.random()
+        fail["now"] = rng.random() < 0.1
+        try:
+            if op < 0.4:
+                h = cache.insert(key, 4096 * rng.randint(1, 4), data=None)
+                if h is not None:
+                    if h.new and rng.random() < 0.6:
+                        cache.mark_dirty(key)
+                    h.release()
+            elif op < 0.55:
+                if key in cache:
+                    cache.mark_dirty(key)
+            elif op < 0.65:
+                cache.clean(key)
+            elif op < 0.75:
+                cache.invalidate(key)
+            elif op < 0.8:
+                cache.flush()
+            else:
+                h = cache.lookup(key)
+                if h is not None:
+                    h.release()
+        except (OSError, KeyError):
+            pass
+        s = cache.stats()
+        assert s.entries == len(cache.keys())
+        assert s.dirty_entries == len(cache.dirty_keys())
