@@ -12,14 +12,18 @@ NVMe tier: the store writes ``n`` entries of a block size with ``put_many`` (cop
 fdatasync, one commit) and reads them back with ``get_many`` (crc32c-verified). Beside each,
 fio runs on the same slab file with the request size the store issues (the entry, cut into
 the store's chunks), the same number of threads and the same O_DIRECT flag: fio reads the
-region the entries occupy and writes the slab's unused half, ending with an fsync as the
-store does. The ratio store/fio is the figure of merit.
+region the entries occupy and writes a never-written part of the slab, ending with an fsync
+as the store does. Both sides are timed in their steady state (see :func:`measure_nvme`).
+The ratio store/fio is the figure of merit. Where CUDA, kvikio and ``gdsio`` are present,
+the same measurement runs with the kvikio engine against gdsio (GPUDirect Storage) as the
+``gds`` rows.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -36,21 +40,57 @@ CHUNK = 8 << 20
 
 
 def _fio(path: str, op: str, bs: int, threads: int, offset: int, span: int, direct: bool) -> float:
-    """fio bandwidth in GB/s over ``span`` bytes of ``path`` from ``offset``."""
+    """fio bandwidth in GB/s over ``span`` bytes of ``path`` from ``offset``: ``threads`` jobs,
+    each reading (or writing) its own contiguous share in ``bs`` requests with ``psync``: as
+    many requests in flight as the store's I/O threads issue. fio's bandwidth counts from its first request to the last
+    job's last one; its buffers are allocated (and faulted in) before that."""
     per_job = max(bs, span // threads // bs * bs)
     cmd = [
         "fio", "--name=ceiling", f"--filename={path}", f"--rw={op}", f"--bs={bs}",
         f"--direct={int(direct)}", "--ioengine=psync", f"--numjobs={threads}",
         f"--offset={offset}", f"--size={per_job}", f"--offset_increment={per_job}",
         "--group_reporting", "--output-format=json", "--allow_file_create=0",
+        # Buffered reads start cold on both sides: the store's are preceded by
+        # drop_page_cache, fio's by this (fio's default, stated so it cannot drift).
+        "--invalidate=1",
     ]
     if op == "write":
         cmd.append("--end_fsync=1")
-    if not direct and op == "read":
-        cmd.append("--invalidate=1")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     job = json.loads(out[out.index("{"):])["jobs"][0][op]
     return job["bw_bytes"] / 1e9
+
+
+def _gdsio(path: str, op: str, bs: int, threads: int, span: int) -> float:
+    """gdsio (GPUDirect Storage, device memory as the target: ``-x 0``) bandwidth in GB/s
+    over ``span`` bytes of ``path`` with ``threads`` workers and ``bs`` requests."""
+    gdsio = _gdsio_path()
+    assert gdsio is not None
+    cmd = [gdsio, "-f", path, "-d", "0", "-w", str(threads), "-s", str(span), "-i", str(bs),
+           "-x", "0", "-I", "0" if op == "read" else "1"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    m = re.search(r"Throughput:\s*([0-9.]+)\s*GiB/sec", out)
+    if m is None:
+        raise tierstore.StoreError(f"gdsio printed no throughput: {out.strip()[-200:]}")
+    return float(m.group(1)) * 2**30 / 1e9
+
+
+def _gdsio_path() -> str | None:
+    return shutil.which("gdsio") or next(
+        (p for p in ("/usr/local/cuda/gds/tools/gdsio",) if os.access(p, os.X_OK)), None)
+
+
+def gds_unavailable() -> str | None:
+    """Why the GDS rows cannot run here, or None when they can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        return "kvikio is not installed"
+    if _gdsio_path() is None:
+        return "gdsio is not on PATH (it ships with the CUDA toolkit's GDS tools)"
+    return None
 
 
 def drop_page_cache(paths: set[str]) -> None:
@@ -68,34 +108,54 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
     return s[len(s) // 2] * 1e3, s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3
 
 
-def _store_rw(st: tierstore.Store, block: int, n: int, drop_cache: bool) -> dict[str, Any]:
-    """Time ``put_many`` and ``get_many`` of ``n`` entries of ``block`` bytes, and the
-    latency of single puts and gets."""
-    data = torch.randint(0, 255, (block,), dtype=torch.uint8)
-    names = [f"bench.experts.{i}.w" for i in range(n)]
+def _store_write(st: tierstore.Store, names: list[str], data: torch.Tensor) -> float:
+    """GB/s of one ``put_many`` of every name (copy-on-write, fdatasync, one commit)."""
     t0 = time.perf_counter()
     st.put_many([(name, data) for name in names])
-    t_write = time.perf_counter() - t0
-    w_lat = []
+    return len(names) * data.numel() / (time.perf_counter() - t0) / 1e9
+
+
+def _store_read(st: tierstore.Store, names: list[str], block: int, paths: set[str]) -> float:
+    """GB/s of reading every name with ``get_many`` (crc32c-verified), 256 MiB per call, the
+    results dropped as a caller moving on to the next batch would. ``paths`` are evicted from
+    the page cache first, so buffered reads start cold as fio's do."""
+    if paths:
+        drop_page_cache(paths)
+    group = max(1, (256 << 20) // block)
+    t0 = time.perf_counter()
+    for i in range(0, len(names), group):
+        st.get_many(names[i : i + group])
+    return len(names) * block / (time.perf_counter() - t0) / 1e9
+
+
+def _latencies(st: tierstore.Store, names: list[str], data: torch.Tensor) -> dict[str, list[float]]:
+    """Seconds per single ``put`` and per single ``get`` of the first 16 names."""
+    lat: dict[str, list[float]] = {"write": [], "read": []}
     for name in names[:16]:
         t0 = time.perf_counter()
         st.put(name, data)
-        w_lat.append(time.perf_counter() - t0)
-    infos = [st.info(name) for name in names]
-    if drop_cache:
-        drop_page_cache({i.path for i in infos})
-    group = max(1, (256 << 20) // block)
-    t0 = time.perf_counter()
-    for i in range(0, n, group):
-        st.get_many(names[i : i + group])
-    t_read = time.perf_counter() - t0
-    r_lat = []
+        lat["write"].append(time.perf_counter() - t0)
     for name in names[:16]:
         t0 = time.perf_counter()
         st.get(name)
-        r_lat.append(time.perf_counter() - t0)
-    return {"write": (n * block / t_write / 1e9, w_lat), "read": (n * block / t_read / 1e9, r_lat),
-            "infos": infos}
+        lat["read"].append(time.perf_counter() - t0)
+    return lat
+
+
+def _store_rw(st: tierstore.Store, block: int, n: int, drop_cache: bool) -> dict[str, Any]:
+    """Time ``put_many`` and ``get_many`` of ``n`` entries of ``block`` bytes, and the
+    latency of single puts and gets. One untimed read pass comes first: the timed one then
+    lands in memory the process already has, as a steady stream of reads does (and as fio's
+    reused buffers do)."""
+    data = torch.randint(0, 255, (block,), dtype=torch.uint8)
+    names = [f"bench.experts.{i}.w" for i in range(n)]
+    write = _store_write(st, names, data)
+    infos = [st.info(name) for name in names]
+    paths = {i.path for i in infos if i.path} if drop_cache else set()
+    _store_read(st, names, block, paths)
+    read = _store_read(st, names, block, paths)
+    lat = _latencies(st, names, data)
+    return {"write": (write, lat["write"]), "read": (read, lat["read"]), "infos": infos}
 
 
 def _row(tier: str, op: str, engine: str, block: int, threads: int, gbps: float,
@@ -110,34 +170,69 @@ def _row(tier: str, op: str, engine: str, block: int, threads: int, gbps: float,
 
 
 def measure_nvme(
-    root: str, engine: str, block: int, threads: int, total: int, repeats: int = 3
+    root: str, engine: str, block: int, threads: int, total: int, repeats: int = 3,
+    ceiling: str = "fio",
 ) -> list[dict[str, Any]]:
-    """Store and fio in turn, ``repeats`` times, on the same slab file; medians of each, so
-    a burst of noise on a shared disk does not land on one side only."""
+    """Store and its ceiling (fio, or gdsio for the kvikio engine's GDS rows) on the same
+    slab file, same request size, threads and O_DIRECT flag; medians over ``repeats`` fresh
+    stores.
+
+    Writes: the store's second ``put_many`` of ``n`` entries (the first, untimed, sets up its
+    staging buffers as fio sets up its own before timing), then the ceiling writing as many
+    bytes into the slab's never-written last third, ending with an fsync as the store's
+    fdatasync. Reads: one
+    untimed store pass (so the store reads into memory it already has, as fio reads into
+    buffers allocated before its clock starts), then store and ceiling read the same region
+    twice each in the order A B B A, with A alternating between rounds, so a drift of the
+    shared disk during the round lands on both sides alike."""
     n = max(threads, total // block)
-    path = os.path.join(root, f"{engine}-{block}")
-    direct = engine == "posix-direct"
-    gbps: dict[str, list[float]] = {"write": [], "read": []}
-    fio: dict[str, list[float]] = {"write": [], "read": []}
+    path = os.path.join(root, f"{engine}-{ceiling}-{block}")
+    direct = engine in ("posix-direct", "kvikio")
+    bs = min(block, CHUNK)
+    runs: dict[str, dict[str, list[float]]] = {op: {"store": [], "ceiling": []}
+                                               for op in ("write", "read")}
     lat: dict[str, list[float]] = {"write": [], "read": []}
-    for _ in range(repeats):  # a fresh store each time: same free layout, same slab state
+    data = torch.randint(0, 255, (block,), dtype=torch.uint8)
+    names = [f"bench.experts.{i}.w" for i in range(n)]
+
+    def outside(op: str, slab: str, offset: int, span: int) -> float:
+        if ceiling == "gdsio":
+            return _gdsio(slab, op, bs, threads, span)
+        return _fio(slab, op, bs, threads, offset, span, direct)
+
+    for r in range(repeats):  # a fresh store each time: same free layout, same slab state
         with tierstore.open(path, create=True, engine=engine, io_threads=threads,
-                            host_cache=0, slab_size=2 * n * block + (64 << 20),
+                            host_cache=0, slab_size=3 * n * block + (64 << 20),
                             chunk_size=CHUNK) as st:
-            got = _store_rw(st, block, n, drop_cache=True)
-            infos = got["infos"]
+            # The untimed first put_many faults in the store's staging buffers (fio's are
+            # set up before its clock starts); the timed one copies-on-write into the next
+            # never-written third of the slab, and fio writes the last third.
+            _store_write(st, names, data)
+            runs["write"]["store"].append(_store_write(st, names, data))
+            infos = [st.info(name) for name in names]
             slab = infos[0].path
-            used_end = max(i.offset + block for i in infos)
-            bs = min(block, CHUNK)
-            fio["read"].append(_fio(slab, "read", bs, threads, 0, used_end // bs * bs, direct))
-            fio["write"].append(_fio(slab, "write", bs, threads, -(-used_end // bs) * bs,
-                                     n * block, direct))
+            paths = {slab} if not direct else set()
+            used = (min(i.offset for i in infos) // bs * bs, max(i.offset + block for i in infos))
+            runs["write"]["ceiling"].append(
+                outside("write", slab, -(-used[1] // bs) * bs, n * block))
+            _store_read(st, names, block, paths)
+            sides = ["store", "ceiling"] if r % 2 == 0 else ["ceiling", "store"]
+            for side in sides + sides[::-1]:
+                if side == "store":
+                    runs["read"]["store"].append(_store_read(st, names, block, paths))
+                else:
+                    runs["read"]["ceiling"].append(
+                        outside("read", slab, used[0], (used[1] - used[0]) // bs * bs))
+            got = _latencies(st, names, data)
         shutil.rmtree(path, ignore_errors=True)
         for op in ("write", "read"):
-            gbps[op].append(got[op][0])
-            lat[op] += got[op][1]
-    return [_row("nvme", op, engine, block, threads, statistics.median(gbps[op]), lat[op],
-                 statistics.median(fio[op]), "fio psync", repeats=repeats)
+            lat[op] += got[op]
+    name = "fio psync" if ceiling == "fio" else "gdsio GDS"
+    tier = "nvme" if ceiling == "fio" else "gds"
+    return [_row(tier, op, engine, block, threads, statistics.median(runs[op]["store"]),
+                 lat[op], statistics.median(runs[op]["ceiling"]), name, repeats=repeats,
+                 store_runs=[round(x, 3) for x in runs[op]["store"]],
+                 ceiling_runs=[round(x, 3) for x in runs[op]["ceiling"]])
             for op in ("write", "read")]
 
 
@@ -291,6 +386,11 @@ def run_tiers(
     root = store or tempfile.mkdtemp(prefix="tierstore-bench-", dir=os.getcwd())
     os.makedirs(root, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    gds = gds_unavailable() if "gpu" in tiers else None
+    if gds is not None:
+        notes.append(f"gds: not measured ({gds}); the GDS ceiling row runs gdsio where CUDA, "
+                     "kvikio and gdsio are all present")
     try:
         plan: list[tuple[str, Any, int, int]] = []
         for block in sizes:
@@ -300,11 +400,15 @@ def run_tiers(
             plan += [("host", "", block, 1)] if "host" in tiers else []
             if "gpu" in tiers and torch.cuda.is_available():
                 plan.append(("gpu", "", block, 1))
+            if "gpu" in tiers and gds is None:
+                plan += [("gds", "kvikio", block, t) for t in threads]
         for tier, engine, block, t in tqdm(plan, desc="bench tiers", disable=None):
             if tier == "nvme":
                 rows += measure_nvme(root, engine, block, t, total, repeats)
             elif tier == "pmem":
                 rows += measure_pmem(root, pmem_dir or root, block, t, total)
+            elif tier == "gds":
+                rows += measure_nvme(root, engine, block, t, total, repeats, ceiling="gdsio")
             elif tier == "host":
                 rows += measure_host(root, block, t, total)
             else:
@@ -319,9 +423,11 @@ def run_tiers(
              f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} {r['gbps']:7.3f} "
              f"{r['ceiling']:>20} {r['ceiling_gbps']:7.3f} {r['ratio']:6.2f} "
              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
+    for note in notes:
+        echo(note)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"benchmark": "tiers", "results": rows}, f, indent=1)
+            json.dump({"benchmark": "tiers", "results": rows, "notes": notes}, f, indent=1)
     if plot_out:
         plot(rows, plot_out)
     return 0

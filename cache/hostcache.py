@@ -33,9 +33,10 @@ ones already written back marked clean) and the error reaches the inserting call
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,8 @@ _LOADING, _READY, _EVICTING = "loading", "ready", "evicting"
 
 
 class _Entry:
-    __slots__ = ("key", "nbytes", "start", "meta", "dirty", "gen", "pins", "state", "gone")
+    __slots__ = ("key", "nbytes", "start", "meta", "dirty", "gen", "pins", "state", "gone",
+                 "staged")
 
     def __init__(self, key: Key, nbytes: int, meta: Any) -> None:
         self.key = key
@@ -68,6 +70,7 @@ class _Entry:
         self.pins = 0
         self.state = _LOADING
         self.gone = False  # invalidated (or evicted): no longer in the index
+        self.staged = False  # a slot for a next version, indexed only by commit_staged
 
 
 class Handle:
@@ -139,6 +142,7 @@ class _Pending:
     victims: list[_Entry]
     claim: Claim | None
     written: list[_Entry]
+    ahead: list[tuple[_Entry, int]] = field(default_factory=list)  # (entry, gen), pinned
 
 
 class HostCache:
@@ -147,7 +151,9 @@ class HostCache:
     ``policy`` is a name from ``cache.POLICIES`` (built with ``policy_args``) or a ``Policy``
     instance. ``writeback`` persists dirty victims; without it dirty entries are never
     evicted (only ``flush`` with an explicit callback writes them). ``pin_memory`` defaults
-    to ``torch.cuda.is_available()``. The arena is ``capacity_bytes`` rounded down to 4 KiB.
+    to ``torch.cuda.is_available()``. The arena is ``capacity_bytes`` rounded down to 4 KiB;
+    ``arena``, if given, is the memory to use instead of a fresh allocation (a page-aligned
+    flat uint8 tensor, e.g. over a shared-memory mapping; it is not pinned).
     """
 
     def __init__(
@@ -157,17 +163,27 @@ class HostCache:
         policy_args: dict[str, Any] | None = None,
         writeback: WriteBack | None = None,
         pin_memory: bool | None = None,
+        arena: torch.Tensor | None = None,
+        writeback_many: WriteBackMany | None = None,
+        writeback_batch: int = 64 << 20,
     ) -> None:
         self._alloc = BuddyAllocator(capacity_bytes)
         self.capacity_bytes = self._alloc.pages * PAGE
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
-        self.pinned = bool(pin_memory)
-        # Slots are PAGE-aligned within the arena; the arena itself must be too, for O_DIRECT
-        # and GDS reads straight into a slot (torch's CPU allocator only aligns to 64 bytes).
-        raw = torch.empty(self.capacity_bytes + PAGE, dtype=torch.uint8, pin_memory=self.pinned)
-        skip = -raw.data_ptr() % PAGE
-        self._arena = raw[skip : skip + self.capacity_bytes]
+        if arena is not None:
+            # Memory the caller owns (a shared-memory mapping that other processes read).
+            self._arena = _check_arena(arena, self.capacity_bytes)
+            self.pinned = False
+        else:
+            if pin_memory is None:
+                pin_memory = torch.cuda.is_available()
+            self.pinned = bool(pin_memory)
+            # Slots are PAGE-aligned within the arena; the arena itself must be too, for
+            # O_DIRECT and GDS reads straight into a slot (torch's CPU allocator only aligns
+            # to 64 bytes).
+            raw = torch.empty(self.capacity_bytes + PAGE, dtype=torch.uint8,
+                              pin_memory=self.pinned)
+            skip = -raw.data_ptr() % PAGE
+            self._arena = raw[skip : skip + self.capacity_bytes]
         if isinstance(policy, Policy):
             if policy_args:
                 raise ValueError("policy_args apply only when the policy is given by name")
@@ -176,6 +192,11 @@ class HostCache:
             self._policy = make_policy(policy, **(policy_args or {}))
         self._policy.attach(self.capacity_bytes)
         self._writeback = writeback
+        # With a batch callback, an eviction that must write a dirty victim also cleans the
+        # next dirty entries in eviction order, up to this many bytes, in the same call (one
+        # commit): later evictions then find clean victims instead of each paying a commit.
+        self._writeback_many = writeback_many if writeback is not None else None
+        self._writeback_batch = max(0, int(writeback_batch))
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[Key, _Entry] = {}
         self._by_start: dict[int, _Entry] = {}
@@ -189,6 +210,11 @@ class HostCache:
     def policy(self) -> Policy:
         return self._policy
 
+    @property
+    def arena(self) -> torch.Tensor:
+        """The whole slot arena (uint8): a slot's offset is its view's distance from it."""
+        return self._arena
+
     # lookups
     def lookup(self, key: Key) -> Handle | None:
         """A pinned handle on a hit (waiting for a loading entry), None on a miss."""
@@ -200,6 +226,21 @@ class HostCache:
             self._hits += 1
             self._policy.record_hit(key)
             return self._pin(entry, new=False)
+
+    def lookup_many(self, keys: list[Key]) -> list[Handle | None]:
+        """:meth:`lookup` of several keys under one acquisition of the lock."""
+        out: list[Handle | None] = []
+        with self._cond:
+            for key in keys:
+                entry = self._wait_settled(key)
+                if entry is None:
+                    self._misses += 1
+                    out.append(None)
+                    continue
+                self._hits += 1
+                self._policy.record_hit(key)
+                out.append(self._pin(entry, new=False))
+        return out
 
     def __contains__(self, key: object) -> bool:
         with self._cond:
@@ -255,13 +296,21 @@ class HostCache:
             self.publish(outcome)
         return outcome
 
-    def _begin_insert(self, key: Key, nbytes: int, meta: Any) -> Handle | _Pending | None:
-        existing = self._wait_settled(key)
-        if existing is not None:
-            self._policy.record_hit(key)
-            return self._pin(existing, new=False)
+    def _begin_insert(self, key: Key, nbytes: int, meta: Any,
+                      staged: bool = False) -> Handle | _Pending | None:
         policy = self._policy
-        policy.record_miss(key, nbytes)
+        if staged:
+            # A next version of a resident key needs no admission: the key is cached
+            # already and commit_staged swaps the slots.
+            resident = key in self._entries
+        else:
+            existing = self._wait_settled(key)
+            if existing is not None:
+                policy.record_hit(key)
+                return self._pin(existing, new=False)
+            resident = False
+        if not resident:
+            policy.record_miss(key, nbytes)
         order = BuddyAllocator.order_for(nbytes)
         if order > self._alloc.max_order:
             self._no_room += 1
@@ -271,7 +320,7 @@ class HostCache:
             self._no_room += 1
             return None
         victims, block = plan
-        if not policy.admit(key, nbytes, [v.key for v in victims]):
+        if not resident and not policy.admit(key, nbytes, [v.key for v in victims]):
             self._refused += 1
             return None
         claim = self._alloc.claim(*block) if block is not None else None
@@ -288,11 +337,16 @@ class HostCache:
             policy.record_remove(victim.key, evicted=True)
             victim.state = _EVICTING
             self._n_evicting += 1
-        policy.record_insert(key, nbytes)
-        self._entries[key] = entry
+        if staged:
+            entry.staged = True
+        else:
+            policy.record_insert(key, nbytes)
+            self._entries[key] = entry
         self._bytes_resident += nbytes
         pending = _Pending(entry, order, victims, claim, [])
         if any(v.dirty for v in victims):
+            if self._writeback_many is not None:
+                pending.ahead = self._clean_ahead(victims)
             return pending
         return self._complete(pending)
 
@@ -337,19 +391,47 @@ class HostCache:
             and (not entry.dirty or self._writeback is not None)
         )
 
+    def _clean_ahead(self, victims: list[_Entry], scan: int = 512) -> list[tuple[_Entry, int]]:
+        """Dirty entries next in eviction order (at most ``scan`` looked at) whose bytes fit
+        the write-back batch besides the victims'; pinned, with their generation."""
+        budget = self._writeback_batch - sum(v.nbytes for v in victims if v.dirty)
+        taken: list[tuple[_Entry, int]] = []
+        if budget <= 0:
+            return taken
+        for key in itertools.islice(self._policy.candidates(None, self._evictable), scan):
+            entry = self._entries[key]
+            if not entry.dirty or entry.nbytes > budget:
+                continue
+            entry.pins += 1
+            taken.append((entry, entry.gen))
+            budget -= entry.nbytes
+            if budget < PAGE:
+                break
+        return taken
+
     def _write_back_victims(self, pending: _Pending) -> Handle:
         """Run the dirty victims' write-backs without the lock, then finish the insert."""
         writeback = self._writeback
         assert writeback is not None  # dirty entries are evictable only with a callback
         try:
-            for victim in pending.victims:
-                if victim.dirty:
+            dirty = [v for v in pending.victims if v.dirty]
+            if self._writeback_many is not None:
+                self._writeback_many(
+                    [(e.key, self._view(e), e.meta) for e in dirty]
+                    + [(e.key, self._view(e), e.meta) for e, _ in pending.ahead])
+                pending.written.extend(dirty)
+            else:
+                for victim in dirty:
                     writeback(victim.key, self._view(victim), victim.meta)
                     pending.written.append(victim)
         except BaseException:
             with self._cond:
+                for entry, _ in pending.ahead:
+                    self._unpin(entry)
                 self._abort(pending)
             raise
+        if pending.ahead:
+            self._cleaned(pending.ahead)
         with self._cond:
             return self._complete(pending)
 
@@ -390,7 +472,105 @@ class HostCache:
             self._unindex(entry)
             self._policy.record_remove(entry.key, evicted=True)
             self._bytes_resident -= entry.nbytes
+        elif entry.staged:
+            self._bytes_resident -= entry.nbytes
         entry.gone = True
+        self._cond.notify_all()
+
+    # staged versions
+    def stage(self, key: Key, nbytes: int) -> Handle | None:
+        """A fresh slot for the next version of ``key``, invisible to lookups until
+        :meth:`commit_staged` (``None``: not cached, as for :meth:`insert`).
+
+        The caller writes the new bytes straight into ``handle.view`` (no copy through a
+        buffer of its own), then commits or discards. Until the commit, readers keep
+        seeing the current version, so a writer that fails half-way leaves nothing behind.
+        """
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        with self._cond:
+            outcome = self._begin_insert(key, nbytes, None, staged=True)
+        if isinstance(outcome, _Pending):
+            outcome = self._write_back_victims(outcome)
+        return outcome
+
+    def stage_many(self, items: list[tuple[Key, int]]) -> list[Handle | None]:
+        """:meth:`stage` of several ``(key, nbytes)`` at once: one acquisition of the lock
+        for all of them, unless making room means writing dirty victims back."""
+        out: list[Handle | None] = []
+        with self._cond:
+            outcomes = [self._begin_insert(key, int(nbytes), None, staged=True)
+                        for key, nbytes in items]
+        for outcome in outcomes:
+            if isinstance(outcome, _Pending):
+                outcome = self._write_back_victims(outcome)
+            out.append(outcome)
+        return out
+
+    def commit_staged(self, handle: Handle, meta: Any = None) -> None:
+        """Make a staged slot ``key``'s current, dirty version (``meta`` its metadata).
+
+        The version it replaces leaves the index at once; readers still holding it keep its
+        slot until they release it. A same-sized replacement counts as an access to the
+        key (its frequency history stays); otherwise the key is removed and re-inserted.
+        """
+        with self._cond:
+            self._commit_staged_locked(handle, meta)
+
+    def commit_staged_many(self, pairs: list[tuple[Handle, Any]]) -> None:
+        """:meth:`commit_staged` of several ``(handle, meta)`` under one lock acquisition."""
+        with self._cond:
+            for handle, meta in pairs:
+                self._commit_staged_locked(handle, meta)
+
+    def _commit_staged_locked(self, handle: Handle, meta: Any) -> None:
+        entry = handle._entry
+        if not entry.staged or handle._released:
+            raise RuntimeError(f"{handle!r} is not a staged, unreleased slot")
+        key = entry.key
+        old = self._wait_settled(key)
+        if old is not None:
+            self._unindex(old)
+            old.gone = True
+            self._bytes_resident -= old.nbytes
+            if old.pins == 0:
+                self._free_slot(old)
+            if old.nbytes == entry.nbytes:
+                self._policy.record_hit(key)
+            else:
+                self._policy.record_remove(key, evicted=False)
+                self._policy.record_insert(key, entry.nbytes)
+        else:
+            self._policy.record_insert(key, entry.nbytes)
+        entry.staged = False
+        entry.state = _READY
+        self._entries[key] = entry
+        self._set_dirty(entry, True)
+        entry.gen += 1
+        entry.meta = meta
+        handle._released = True
+        entry.pins -= 1
+        self._cond.notify_all()
+
+    def discard_staged(self, handle: Handle) -> None:
+        """Give a staged slot back without making it a version of anything."""
+        entry = handle._entry
+        with self._cond:
+            if handle._released:
+                return
+            if not entry.staged:
+                raise RuntimeError(f"{handle!r} is not a staged slot")
+            handle._released = True
+            self._drop_staged(entry)
+
+    def _drop_staged(self, entry: _Entry) -> None:
+        entry.pins -= 1
+        entry.staged = False
+        entry.gone = True
+        self._bytes_resident -= entry.nbytes
+        if entry.pins == 0:
+            self._free_slot(entry)
         self._cond.notify_all()
 
     # handles
@@ -404,15 +584,28 @@ class HostCache:
     def release(self, handle: Handle) -> None:
         """Unpin; releasing a new, unpublished handle publishes it."""
         with self._cond:
-            if handle._released:
-                raise RuntimeError(f"handle for {handle.key!r} released twice")
-            handle._released = True
-            entry = handle._entry
-            entry.pins -= 1
-            if entry.state == _LOADING and handle.new:
-                entry.state = _READY
-            if entry.gone and entry.pins == 0:
-                self._free_slot(entry)
+            self._release_locked(handle)
+            self._cond.notify_all()
+
+    def _release_locked(self, handle: Handle) -> None:
+        if handle._released:
+            raise RuntimeError(f"handle for {handle.key!r} released twice")
+        handle._released = True
+        entry = handle._entry
+        if entry.staged:  # released instead of committed: the slot was never a version
+            self._drop_staged(entry)
+            return
+        entry.pins -= 1
+        if entry.state == _LOADING and handle.new:
+            entry.state = _READY
+        if entry.gone and entry.pins == 0:
+            self._free_slot(entry)
+
+    def release_many(self, handles: list[Handle]) -> None:
+        """:meth:`release` of several handles under one acquisition of the lock."""
+        with self._cond:
+            for handle in handles:
+                self._release_locked(handle)
             self._cond.notify_all()
 
     def _free_slot(self, entry: _Entry) -> None:
@@ -421,6 +614,41 @@ class HostCache:
             self._alloc.free(entry.start)
 
     # dirty state
+    def overwrite(self, key: Key, data: Any, meta: Any = None) -> bool:
+        """Replace a resident entry's bytes in its own slot and mark it dirty; False (nothing
+        done) unless the entry is resident, settled, unpinned and of the same size.
+
+        Cheaper than ``invalidate`` + ``insert`` (no slot changes hands) and it counts as an
+        access, so a rewritten entry keeps its frequency history. Nobody holds the old bytes
+        (no pins), and the entry is hidden from lookups while it is refilled, so no reader
+        can see a mix of old and new bytes.
+        """
+        with self._cond:
+            entry = self._entries.get(key)
+            if (entry is None or entry.state != _READY or entry.pins
+                    or entry.nbytes != _nbytes_of(data)):
+                return False
+            entry.state = _LOADING
+            entry.pins = 1
+            self._policy.record_hit(key)
+        try:
+            _fill(self._view(entry), data)
+        except BaseException:
+            with self._cond:  # bytes are half old, half new: drop them
+                entry.state = _READY
+                entry.pins -= 1
+            self.invalidate(key)
+            raise
+        with self._cond:
+            entry.state = _READY
+            entry.pins -= 1
+            self._set_dirty(entry, True)
+            entry.gen += 1
+            if meta is not None:
+                entry.meta = meta
+            self._cond.notify_all()
+        return True
+
     def mark_dirty(self, key: Key, meta: Any = None) -> None:
         """Record that ``key``'s bytes changed (``meta``, if given, replaces its metadata)."""
         with self._cond:
@@ -582,6 +810,17 @@ class HostCache:
             )
 
 
+def _check_arena(arena: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A caller-supplied arena: flat, contiguous uint8 CPU memory, page-aligned, big enough."""
+    if arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous():
+        raise ValueError("arena must be a flat, contiguous uint8 tensor")
+    if arena.device.type != "cpu" or arena.data_ptr() % PAGE:
+        raise ValueError(f"arena must be CPU memory aligned to {PAGE} bytes")
+    if arena.numel() < capacity:
+        raise ValueError(f"arena holds {arena.numel()} bytes, the cache needs {capacity}")
+    return arena[:capacity]
+
+
 def _fill(view: torch.Tensor, data: Any) -> None:
     """Copy ``data`` (a tensor or a bytes-like object) into a slot view of the same size."""
     if isinstance(data, torch.Tensor):
@@ -590,7 +829,16 @@ def _fill(view: torch.Tensor, data: Any) -> None:
             raise ValueError(f"data has {src.numel()} bytes, the entry {view.numel()}")
         view.copy_(src)
         return
-    src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1:
+        src = data
+    else:
+        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     if src.size != view.numel():
         raise ValueError(f"data has {src.size} bytes, the entry {view.numel()}")
     view.numpy()[:] = src
+
+
+def _nbytes_of(data: Any) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return memoryview(data).nbytes

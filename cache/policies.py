@@ -33,6 +33,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, ClassVar
 
 __all__ = [
+    "CLOCKS",
     "POLICIES",
     "ArcPolicy",
     "BeladyPolicy",
@@ -243,12 +244,17 @@ class LfuPolicy(_HeapPolicy):
 _RENORMALIZE_BELOW = 2.0**-900
 
 
+#: The clocks ``LfuDecayPolicy`` can decay on (see its docstring); the first is the default.
+CLOCKS: tuple[str, ...] = ("auto", "pass", "step", "access")
+
+
 class LfuDecayPolicy(_HeapPolicy):
     """LFU with exponential decay, a ghost table and an admission threshold (the default).
 
     Counts: every resident key has a decayed count c. A hit does c += 1; a missed key's
     count is its remembered (ghost) count plus 1 for this access, or 1 when it has none;
-    every ``period`` ticks all counts, ghosts included, are multiplied by ``beta``.
+    every ``period`` ticks of the clock all counts, ghosts included, are multiplied by
+    ``beta``.
 
     O(1) decay: counts are stored unscaled, u = c / scale, and a decay only does
     scale *= beta. A hit adds 1 / scale to u. Ordering by u is ordering by c because the
@@ -257,9 +263,19 @@ class LfuDecayPolicy(_HeapPolicy):
     ~900 / log2(1 / beta) decays, so rarely that it does not show per access). With
     beta = 0.5 all of this is exact binary arithmetic.
 
-    Clock: a tick is one access (hit or miss) when ``auto_tick`` is true, taken at the start
-    of the access so the access's own +1 is never decayed by it; ``tick()`` advances the
-    clock explicitly (the trainer calls it once per training step with ``auto_tick=False``).
+    Clock (``clock``), i.e. what one tick is:
+
+    - ``"step"``: only ``tick()`` advances it (the trainer calls ``Store.tick()`` once per
+      training step; the simulator ticks where the trace's step changes).
+    - ``"pass"``: a tick is one pass over the working set, detected without help: the
+      clock ticks when an access repeats a key already accessed since the last tick. A
+      routing trace touches each (layer, expert) at most once per training or decode step,
+      so a pass is one step, however many accesses the step has; this is what makes one
+      setting right for training (~100 accesses a step) and decoding (~16) alike. A pass
+      also ends after ``pass_limit`` distinct keys, which bounds its bookkeeping.
+    - ``"auto"`` (the default): ``"pass"`` until the first ``tick()``, then ``"step"``.
+    - ``"access"``: every access (hit or miss) is a tick, taken at its start so the
+      access's own +1 is never decayed by it.
 
     Ghost table: an LRU-bounded map (``ghost_size`` keys) from recently evicted or refused
     keys to their unscaled counts. A key that comes back resumes its decayed count.
@@ -270,24 +286,23 @@ class LfuDecayPolicy(_HeapPolicy):
     victim it would displace has a larger count. Its access is still remembered in the
     ghost table, so a key that keeps coming back earns admission. ``theta = 0`` admits all.
 
-    Defaults come from a sweep over synthetic training traces (Zipf 1.1 with drift and
-    bursts, 8 layers x 64 experts, top-2 of 16 tokens, about 126 accesses per step), where
-    beta = 0.5, period = 512 accesses, theta = 4 beat lru, lfu, arc and semoe at 10%, 25%
-    and 50% capacity. The best memory length depends on the trace: when the trainer drives
-    the clock once per step (``auto_tick=False``), beta = 0.7 with period = 2 steps did as
-    well on training traces and matched lru/arc on decode-like traces (one token per step),
-    which with a per-access clock want short periods (about 16 accesses).
+    Defaults (beta = 0.7, period = 1 tick, theta = 2, a pass or step clock) come from a
+    sweep over synthetic and recorded training and decode traces (``python -m
+    bench.cache_lab``; the results are in the README, "Host cache"). With a per-step clock the
+    memory is about 1 / (1 - beta) ~ 3 steps: long enough to keep the experts a layer keeps
+    routing to, short enough to follow popularity drift and bursts.
     """
 
     name = "lfu-decay"
 
     def __init__(
         self,
-        beta: float = 0.5,
-        period: int = 512,
-        theta: float = 4.0,
+        beta: float = 0.7,
+        period: int = 1,
+        theta: float = 2.0,
         ghost_size: int = 65536,
-        auto_tick: bool = True,
+        clock: str = "auto",
+        auto_tick: bool | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 < beta < 1.0:
@@ -298,18 +313,37 @@ class LfuDecayPolicy(_HeapPolicy):
             raise ValueError(f"theta must be >= 0, got {theta}")
         if int(ghost_size) < 0:
             raise ValueError(f"ghost_size must be >= 0, got {ghost_size}")
+        if auto_tick is not None:  # the older spelling: True ticks per access, False per step
+            clock = "access" if auto_tick else "step"
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
         self.beta = float(beta)
         self.period = int(period)
         self.theta = float(theta)
         self.ghost_size = int(ghost_size)
-        self.auto_tick = bool(auto_tick)
+        self.clock = clock
         self._scale = 1.0
         self._until_decay = self.period
         self._ghost: OrderedDict[Key, float] = OrderedDict()
         self._pending: tuple[Key, float] | None = None  # the miss being decided
+        self._pass: set[Key] = set()  # keys accessed since the last tick ("pass" clock)
+        self.pass_limit = 1 << 16
+        self._stepped = False  # tick() has been called ("auto" then counts steps only)
+
+    @property
+    def auto_tick(self) -> bool:
+        """Whether every access ticks the clock (``clock == "access"``)."""
+        return self.clock == "access"
 
     # clock
     def tick(self) -> None:
+        """One external clock unit (a training step); under ``"auto"`` the first call
+        switches the clock from passes to these ticks."""
+        self._stepped = True
+        self._pass.clear()
+        self._advance()
+
+    def _advance(self) -> None:
         self._settle()
         self._until_decay -= 1
         if self._until_decay == 0:
@@ -317,6 +351,18 @@ class LfuDecayPolicy(_HeapPolicy):
             self._scale *= self.beta
             if self._scale < _RENORMALIZE_BELOW:
                 self._renormalize()
+
+    def _on_access(self, key: Key) -> None:
+        """Advance the clock for the access to ``key`` that is starting (before its +1)."""
+        clock = self.clock
+        if clock == "access":
+            self._advance()
+        elif clock == "pass" or (clock == "auto" and not self._stepped):
+            seen = self._pass
+            if key in seen or len(seen) >= self.pass_limit:
+                seen.clear()
+                self._advance()
+            seen.add(key)
 
     def _renormalize(self) -> None:
         s = self._scale
@@ -331,14 +377,12 @@ class LfuDecayPolicy(_HeapPolicy):
     # accesses
     def record_hit(self, key: Key) -> None:
         self._settle()
-        if self.auto_tick:
-            self.tick()
+        self._on_access(key)
         self._set(key, self._live[key][0] + 1.0 / self._scale)
 
     def record_miss(self, key: Key, nbytes: int) -> None:
         self._settle()
-        if self.auto_tick:
-            self.tick()
+        self._on_access(key)
         self._pending = (key, self._ghost.pop(key, 0.0) + 1.0 / self._scale)
 
     def admit(self, key: Key, nbytes: int, victims: Sequence[Key]) -> bool:

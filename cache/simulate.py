@@ -157,14 +157,16 @@ def simulate(
     write_fraction: float = 0.0,
     seed: int = 0,
     flush_at_end: bool = True,
-    tick_per_step: bool = False,
+    tick_per_step: bool = True,
 ) -> SimResult:
     """Replay ``trace`` against one policy at one capacity.
 
     Capacity is ``capacity_bytes``, or ``capacity_fraction`` of the trace's distinct bytes.
     ``belady`` gets the trace as its future unless ``policy_args`` gives one. With
-    ``tick_per_step`` the policy's ``tick()`` is called whenever the trace's step changes
-    (lfu-decay with ``auto_tick=False`` then decays per training step).
+    ``tick_per_step`` (the default) the policy's ``tick()`` is called whenever the trace's
+    step changes, as the trainer calls ``Store.tick()`` once per training step, so
+    lfu-decay decays per step; ``tick_per_step=False`` replays a caller that never ticks
+    (lfu-decay's default clock then finds the steps itself, as passes over the keys).
     """
     capacity = _capacity(trace, capacity_bytes, capacity_fraction)
     pol = _build(policy, policy_args, trace)
@@ -211,6 +213,7 @@ def sweep(
     policy_args: dict[str, dict[str, Any]] | None = None,
     write_fraction: float = 0.0,
     seed: int = 0,
+    tick_per_step: bool = True,
 ) -> list[dict[str, Any]]:
     """Every policy at every capacity fraction, with Belady's hit rate as the ceiling.
 
@@ -222,7 +225,8 @@ def sweep(
     policy_args = policy_args or {}
     rows = []
     for fraction in capacities:
-        common = dict(capacity_fraction=fraction, write_fraction=write_fraction, seed=seed)
+        common = dict(capacity_fraction=fraction, write_fraction=write_fraction, seed=seed,
+                      tick_per_step=tick_per_step)
         opt = simulate(trace, "belady", policy_args=policy_args.get("belady"), **common)
         for name in policies:
             res = (

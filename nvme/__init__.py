@@ -1,6 +1,6 @@
 """NVMe backing tier: copy-on-write slab files and the I/O engines that move their bytes."""
 
-from .buffers import ALIGNMENT, StagingPool, aligned_empty, is_aligned
+from .buffers import ALIGNMENT, RecycledBuffers, StagingPool, aligned_empty, is_aligned
 from .engines import ENGINES, FileHandle, KvikioEngine, PosixEngine, cuda_and_kvikio, make_engine
 from .slabs import SlabMedium
 
@@ -10,6 +10,7 @@ __all__ = [
     "FileHandle",
     "KvikioEngine",
     "PosixEngine",
+    "RecycledBuffers",
     "SlabMedium",
     "StagingPool",
     "aligned_empty",

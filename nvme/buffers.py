@@ -44,3 +44,80 @@ class StagingPool:
         with self._lock:
             if len(self._idle) < self.keep:
                 self._idle.append(buf)
+
+
+class _Lease:
+    """Exposes one pooled buffer to numpy; the buffer goes back to its pool when the last
+    array (or tensor) over it is gone. numpy keeps the object providing
+    ``__array_interface__`` as the array's base, so this object lives exactly as long as
+    any view of the buffer."""
+
+    __slots__ = ("__array_interface__", "_pool", "_raw")
+
+    def __init__(self, pool: RecycledBuffers, raw: np.ndarray) -> None:
+        self._pool, self._raw = pool, raw
+        self.__array_interface__ = raw.__array_interface__
+
+    def __del__(self) -> None:
+        pool, raw = self._pool, self._raw
+        self._pool = self._raw = None
+        if pool is not None:
+            pool._give(raw)
+
+
+class RecycledBuffers:
+    """Page-aligned read destinations whose memory is reused once the reader drops them.
+
+    A read that lands in freshly allocated memory also pays for faulting that memory in:
+    the kernel zeroes every page, and on a virtual machine whose guest hands freed memory
+    back to the host (virtio-balloon free page reporting) the host has to map it again,
+    which can cost more than the disk read itself. fio never pays this (it reuses its
+    buffers). Buffers taken here are plain numpy arrays; when the last array or tensor over
+    one is dropped, its memory returns to the pool and the next read of that size lands in
+    pages that are already mapped. At most ``keep_bytes`` sit idle; beyond that, returned
+    buffers are freed. Buffers smaller than ``min_bytes`` are not worth the bookkeeping (the
+    allocator keeps small blocks mapped) and are allocated fresh.
+    """
+
+    def __init__(self, keep_bytes: int, min_bytes: int = 1 << 20) -> None:
+        import threading
+
+        self.keep_bytes, self.min_bytes = keep_bytes, min_bytes
+        self._idle: dict[int, list[np.ndarray]] = {}
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.reused = 0  # takes served from idle memory, for tests and benchmarks
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """An aligned uint8 array of ``nbytes`` (contents undefined)."""
+        if nbytes < self.min_bytes or self.keep_bytes <= 0:
+            return aligned_empty(nbytes)
+        raw = None
+        with self._lock:
+            free = self._idle.get(nbytes)
+            if free:
+                raw = free.pop()
+                self._idle_bytes -= nbytes
+                self.reused += 1
+        if raw is None:
+            raw = aligned_empty(nbytes)
+        return np.asarray(_Lease(self, raw))
+
+    def _give(self, raw: np.ndarray) -> None:
+        with self._lock:
+            if self._closed or self._idle_bytes + raw.nbytes > self.keep_bytes:
+                return
+            self._idle.setdefault(raw.nbytes, []).append(raw)
+            self._idle_bytes += raw.nbytes
+
+    def close(self) -> None:
+        """Free the idle buffers; buffers still in use are freed when they are dropped."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle, self._idle_bytes = self._idle, {}, 0
+        idle.clear()

@@ -453,3 +453,63 @@ def test_stats_counters_always_equal_a_recount() -> None:
         s = cache.stats()
         assert s.entries == len(cache.keys())
         assert s.dirty_entries == len(cache.dirty_keys())
+
+
+def test_overwrite_replaces_bytes_in_place_and_marks_dirty():
+    cache = HostCache(64 * 1024, policy="lru")
+    assert put(cache, "a", 8192, version=1)
+    before = cache.stats()
+    assert cache.overwrite("a", pattern("a", 8192, 2), meta=2)
+    with cache.lookup("a") as h:
+        assert torch.equal(h.view, pattern("a", 8192, 2)) and h.meta == 2
+    assert cache.dirty_keys() == ["a"]
+    after = cache.stats()
+    # Same slot: nothing allocated or evicted, and a rewrite is not a lookup.
+    assert after.bytes_allocated == before.bytes_allocated and after.evictions == 0
+    assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+
+
+def test_overwrite_refuses_pinned_absent_or_resized_entries():
+    cache = HostCache(64 * 1024, policy="lru")
+    assert not cache.overwrite("missing", pattern("missing", 4096))
+    assert put(cache, "a", 4096, version=1)
+    assert not cache.overwrite("a", pattern("a", 8192, 2))  # another size needs another slot
+    h = cache.lookup("a")
+    assert not cache.overwrite("a", pattern("a", 4096, 2))  # a reader holds the old bytes
+    assert torch.equal(h.view, pattern("a", 4096, 1))
+    h.release()
+    assert cache.overwrite("a", pattern("a", 4096, 2))
+    assert cache.dirty_keys() == ["a"]
+
+
+def test_readers_never_see_a_half_overwritten_entry():
+    cache = HostCache(4 << 20, policy="lru")
+    nbytes = 1 << 20
+    versions = [pattern("k", nbytes, v) for v in range(4)]
+    cache.insert("k", nbytes, meta=0, data=versions[0]).release()
+    stop = threading.Event()
+    bad: list[int] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            h = cache.lookup("k")
+            if h is None:
+                continue
+            with h:
+                if not torch.equal(h.view, versions[h.meta]):
+                    bad.append(h.meta)
+            time.sleep(0.0002)  # leave gaps in which the entry is unpinned
+
+    threads = [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    done = 0
+    for i in range(400):
+        v = i % 4
+        done += cache.overwrite("k", versions[v], meta=v)
+        time.sleep(0.0002)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not bad
+    assert done > 0  # some rewrites found the entry unpinned

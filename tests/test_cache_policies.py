@@ -84,7 +84,7 @@ def test_lfu_decay_arithmetic_with_external_ticks():
 def test_lfu_decay_arithmetic_with_access_ticks():
     # The clock ticks at the start of every access; with period 2 the 2nd and 4th accesses
     # decay everything before adding their own +1.
-    p = LfuDecayPolicy(beta=0.5, period=2, theta=0)
+    p = LfuDecayPolicy(beta=0.5, period=2, theta=0, clock="access")
     cache = AccountingCache(p, 10)
     cache.access("a", 1)  # tick 1: a = 1
     cache.access("a", 1)  # tick 2 decays: a = 0.5 + 1
@@ -93,6 +93,58 @@ def test_lfu_decay_arithmetic_with_access_ticks():
     cache.access("b", 1)  # tick 4 decays: a = 1.25, b = 1
     assert p.count("a") == 1.25
     assert p.count("b") == 1.0
+
+
+def test_lfu_decay_pass_clock_ticks_when_a_key_repeats():
+    # A pass ends at the first access to a key already accessed in it: a b c | a c | b.
+    p = LfuDecayPolicy(beta=0.5, period=1, theta=0, clock="pass")
+    cache = AccountingCache(p, 10)
+    for k in "abc":
+        cache.access(k, 1)  # one pass, no decay: a = b = c = 1
+    assert (p.count("a"), p.count("b"), p.count("c")) == (1.0, 1.0, 1.0)
+    cache.access("a", 1)  # a repeats: tick, all halve, then a += 1
+    assert (p.count("a"), p.count("b"), p.count("c")) == (1.5, 0.5, 0.5)
+    cache.access("c", 1)  # c is new in this pass: no tick
+    assert p.count("c") == 1.5
+    cache.access("c", 1)  # c repeats: tick
+    assert (p.count("a"), p.count("b"), p.count("c")) == (0.75, 0.25, 1.75)
+    cache.access("b", 1)  # same pass as the last c: no tick
+    assert p.count("b") == 1.25 and p.count("a") == 0.75
+
+
+def test_lfu_decay_pass_clock_is_bounded():
+    # With no key repeating, a pass still ends after pass_limit distinct keys.
+    p = LfuDecayPolicy(beta=0.5, period=1, theta=0, clock="pass")
+    p.pass_limit = 3
+    cache = AccountingCache(p, 10)
+    for k in "abc":
+        cache.access(k, 1)
+    cache.access("d", 1)  # fourth distinct key: the pass ends, a b c halve
+    assert (p.count("a"), p.count("d")) == (0.5, 1.0)
+
+
+def test_lfu_decay_auto_clock_switches_to_steps_at_first_tick():
+    p = LfuDecayPolicy(beta=0.5, period=1, theta=0)  # clock="auto"
+    assert p.clock == "auto"
+    cache = AccountingCache(p, 10)
+    cache.access("a", 1)
+    cache.access("a", 1)  # still passes: the repeat ticks, a = 0.5 + 1
+    assert p.count("a") == 1.5
+    p.tick()  # an external clock exists now: a = 0.75
+    assert p.count("a") == 0.75
+    for _ in range(3):
+        cache.access("a", 1)  # repeats no longer tick
+    assert p.count("a") == 3.75
+    p.tick()
+    assert p.count("a") == 1.875
+
+
+def test_lfu_decay_clock_names():
+    assert LfuDecayPolicy(auto_tick=True).clock == "access"
+    assert LfuDecayPolicy(auto_tick=False).clock == "step"
+    assert LfuDecayPolicy(clock="step").auto_tick is False
+    with pytest.raises(ValueError, match="clock"):
+        LfuDecayPolicy(clock="hourly")
 
 
 def test_lfu_decay_non_power_of_two_beta():

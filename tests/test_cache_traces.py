@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from cache import (
     POLICIES,
+    LfuDecayPolicy,
     Trace,
     TraceRecorder,
     TraceSpec,
@@ -193,16 +195,59 @@ def test_sweep_rows_and_belady_ceiling():
 
 
 def test_step_clock_drives_the_policy():
+    # Expert 1 at steps 0 and 1, expert 2 at step 2 (all layer 0), beta 0.5, period 1.
+    trace = Trace.from_rows([(0, 0, 1, 1), (1, 0, 1, 1), (2, 0, 2, 1)])
+
+    def count_after(tick_per_step, clock):
+        p = LfuDecayPolicy(beta=0.5, period=1, theta=0, clock=clock)
+        simulate(trace, p, capacity_bytes=4, tick_per_step=tick_per_step)
+        return p.count((0, 1)), p.count((0, 2))
+
+    # ticked where the step changes (the simulator's default): 1 -> 0.5 + 1 -> 0.75
+    assert count_after(True, "step") == (0.75, 1.0)
+    assert count_after(True, "auto") == (0.75, 1.0)  # the first tick switches it to steps
+    assert count_after(False, "step") == (2.0, 1.0)  # never ticked: never decays
+    # never ticked, pass clock: expert 1 repeating ends the first pass (0.5 + 1); expert 2
+    # is in the second pass, so no tick before it
+    assert count_after(False, "auto") == (1.5, 1.0)
+
+
+def test_step_clock_and_pass_clock_agree_on_routing_traces():
+    # Each step touches a key at most once, so passes and steps nearly coincide.
     trace = generate_trace(SMALL)
-    args = dict(beta=0.7, period=2, auto_tick=False)
-    stepped = simulate(
-        trace, "lfu-decay", capacity_fraction=0.25, policy_args=args, tick_per_step=True
-    )
-    frozen = simulate(trace, "lfu-decay", capacity_fraction=0.25, policy_args=args)
-    assert stepped.accesses == frozen.accesses and stepped.hit_rate > 0
+    by_step = simulate(trace, "lfu-decay", capacity_fraction=0.25)
+    by_pass = simulate(trace, "lfu-decay", capacity_fraction=0.25, tick_per_step=False)
+    assert abs(by_step.hit_rate - by_pass.hit_rate) < 0.05
 
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_policy_overhead_measures_something(name):
     ns = policy_overhead_ns(name, 200, accesses=2000)
     assert ns > 0 and math.isfinite(ns)
+
+
+def test_parameter_sweep_reports_margins_over_the_best_rival(tmp_path):
+    from bench.cache_lab import ONLINE_RIVALS, sweep_defaults
+
+    out = tmp_path / "sweep.json"
+    grid = [("step", 0.7, 1, 2.0), ("access", 0.5, 4, 2.0), ("pass", 0.7, 1, 0.0)]
+    report = sweep_defaults([("small", SMALL, 1.0)], [0.25, 0.5], grid, json_out=str(out),
+                            echo=lambda _line: None)
+    assert json.loads(out.read_text())["settings"] == report["settings"]
+    settings = report["settings"]
+    assert len(settings) == 3
+    assert [s["worst_margin"] for s in settings] == sorted(
+        (s["worst_margin"] for s in settings), reverse=True)
+    rivals = report["rivals"]["small"]
+    for s in settings:
+        t = s["traces"]["small"]
+        for i, rate in enumerate(t["hit_rate"]):
+            assert t["margin"][i] == pytest.approx(rate - max(rivals[n][i] for n in ONLINE_RIVALS))
+        assert s["worst_margin"] == min(t["margin"])
+
+
+def test_policy_args_keep_words_as_strings():
+    from bench.cache_lab import parse_policy_args
+
+    parsed = parse_policy_args(("lfu-decay:beta=0.5,period=2,clock=step,theta=1e1",))
+    assert parsed == {"lfu-decay": {"beta": 0.5, "period": 2, "clock": "step", "theta": 10.0}}

@@ -85,8 +85,15 @@ def test_init_pmem_names_the_backend(tmp_path) -> None:
 
 def test_demo_runs_small(tmp_path) -> None:
     out = run("demo", "--store", str(tmp_path / "d"), "--layers", "2", "--experts", "2",
-              "--hidden", "64", "--ffn", "64")
+              "--hidden", "64", "--ffn", "64", "--model", "tiny", "--train-steps", "4",
+              "--new-tokens", "5")
     assert "0 mismatches" in out and "clean" in out
+    assert "over 4 steps" in out and "step-2, step-4" in out
+    assert "generate (ring" in out and "generate (expert" in out
+    assert (tmp_path / "d-model" / "TIERSTORE").exists()
+    skipped = run("demo", "--store", str(tmp_path / "e"), "--layers", "2", "--experts", "2",
+                  "--hidden", "64", "--ffn", "64", "--train-steps", "0")
+    assert "training:" not in skipped
 
 
 @pytest.mark.parametrize("policies", ["all"])

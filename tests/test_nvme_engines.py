@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from nvme import PosixEngine, SlabMedium, StagingPool, aligned_empty, is_aligned, make_engine
+from nvme import (
+    PosixEngine,
+    RecycledBuffers,
+    SlabMedium,
+    StagingPool,
+    aligned_empty,
+    is_aligned,
+    make_engine,
+)
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -101,6 +109,54 @@ def test_aligned_buffers_and_staging_pool() -> None:
     assert pool.take() is not b
 
 
+def test_recycled_buffers_come_back_when_the_last_view_is_dropped() -> None:
+    pool = RecycledBuffers(keep_bytes=3 << 20, min_bytes=1 << 20)
+    a = pool.take(1 << 20)
+    addr = a.ctypes.data
+    assert is_aligned(a) and a.flags.writeable and a.nbytes == 1 << 20
+    t = torch.from_numpy(a[:4096]).view(torch.int32)  # a typed view outlives the array
+    del a
+    assert pool.idle_bytes == 0
+    t[:] = 7
+    del t
+    assert pool.idle_bytes == 1 << 20
+    b = pool.take(1 << 20)
+    assert b.ctypes.data == addr and pool.reused == 1 and pool.idle_bytes == 0
+    c = pool.take(2 << 20)  # another size: fresh memory
+    assert c.ctypes.data != addr and pool.reused == 1
+    d = pool.take(2 << 20)
+    del b, c, d  # 1 + 2 MiB fit under keep_bytes, the second 2 MiB does not
+    assert pool.idle_bytes == 3 << 20
+    small = pool.take(4096)  # below min_bytes: plain aligned memory, never pooled
+    assert is_aligned(small)
+    del small
+    assert pool.idle_bytes == 3 << 20
+    pool.close()
+    assert pool.idle_bytes == 0
+    e = pool.take(1 << 20)
+    del e  # returned after close: freed, not kept
+    assert pool.idle_bytes == 0
+
+
+def test_store_reads_reuse_dropped_results(tmp_path) -> None:
+    import tierstore
+
+    with tierstore.open(tmp_path / "st", create=True, host_cache=0, slab_size="32MiB") as st:
+        data = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB
+        st.put_many([(f"e.{i}", data) for i in range(3)])
+        first = st.get_many([f"e.{i}" for i in range(3)])
+        assert all(torch.equal(t, data) for t in first.values())
+        addrs = {t.data_ptr() for t in first.values()}
+        kept = first["e.0"]
+        del first
+        again = st.get_many(["e.1", "e.2"])  # lands in the two dropped buffers
+        assert {t.data_ptr() for t in again.values()} == addrs - {kept.data_ptr()}
+        assert all(torch.equal(t, data) for t in again.values())
+        assert torch.equal(kept, data)  # a result still held is never handed out again
+        st.put("e.1", data + 1)
+        assert torch.equal(st.get("e.1"), data + 1)
+
+
 @pytest.mark.gpu
 def test_kvikio_reads_into_device_memory_match(tmp_path) -> None:
     pytest.importorskip("kvikio")
@@ -119,3 +175,11 @@ def test_kvikio_reads_into_device_memory_match(tmp_path) -> None:
         eng.close_file(fh)
     finally:
         eng.close()
+
+
+def test_gds_ceiling_is_skipped_with_a_reason_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GDS rows run")
+    from bench.tiers import gds_unavailable
+
+    assert gds_unavailable() == "no CUDA device"

@@ -151,6 +151,23 @@ def test_adamw_step_equals_torch_adamw(weight_decay: float) -> None:
         adamw_step(torch.zeros(3), torch.ones(3), torch.zeros(3), torch.zeros(3), 0, lr)
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adamw_step_out_of_place_gives_the_same_bits(weight_decay: float) -> None:
+    g = torch.Generator().manual_seed(3)
+    p, m, v = (torch.randn(32, 16, generator=g) for _ in range(3))
+    v = v.abs()
+    grad = torch.randn(32, 16, generator=g)
+    inputs = [t.clone() for t in (p, m, v)]
+    out = tuple(torch.full_like(t, float("nan")) for t in (p, m, v))
+    adamw_step(*inputs[:1], grad, *inputs[1:], 3, 1e-2, (0.9, 0.95), 1e-8, weight_decay,
+               out=out)
+    for before, after in zip((p, m, v), inputs):  # the inputs are left alone
+        assert torch.equal(before, after)
+    adamw_step(p, grad, m, v, 3, 1e-2, (0.9, 0.95), 1e-8, weight_decay)
+    for a, b in zip((p, m, v), out):
+        assert torch.equal(a, b)
+
+
 def test_clip_grads_equals_torch_clip_grad_norm() -> None:
     g = torch.Generator().manual_seed(1)
     for max_norm in (0.5, 1e6):

@@ -58,17 +58,22 @@ def resident(corpus: Corpus, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return {"history": hist, "ckpt": ckpt}
 
 
-@pytest.fixture(scope="module", params=["direct", "queue"])
+@pytest.fixture(scope="module", params=["direct", "queue", "zero-copy"])
 def over_store(request: pytest.FixtureRequest, corpus: Corpus,
                tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The same run over a store whose host cache is far smaller than the expert states,
     with experts fetched by ``get_many``, or through the device prefetch queue with the
-    moments read ahead on a thread (what an accelerator run does)."""
-    d = tmp_path_factory.mktemp(f"store-{request.param}")
+    moments read ahead on a thread (what an accelerator run does), or lent straight out of
+    the cache with new states staged in it (zero-copy: the lent leaves pin their slots for
+    the step, so the cache is a little larger, to leave evictable room)."""
+    mode = request.param
+    d = tmp_path_factory.mktemp(f"store-{mode}")
     hist = train_store("tiny", STEPS, seed=SEED, train=TC, corpus=corpus, store_path=d / "st",
-                       host_cache=SMALL_CACHE, slab_size=SLAB, device_budget="4MiB",
-                       fetch=request.param, read_ahead=request.param == "queue")
-    return {"history": hist, "store": d / "st"}
+                       host_cache="1MiB" if mode == "zero-copy" else SMALL_CACHE,
+                       slab_size=SLAB, device_budget="4MiB",
+                       fetch="queue" if mode == "queue" else "direct",
+                       read_ahead=mode == "queue", zero_copy=mode == "zero-copy")
+    return {"history": hist, "store": d / "st", "mode": mode}
 
 
 def _expert_states(store_path: Path, cfg: MoEConfig) -> dict[tuple[str, str], torch.Tensor]:
@@ -95,11 +100,15 @@ def test_over_the_store_matches_resident_with_evictions_every_step(
         assert ("val_loss" in a) == ("val_loss" in b)
         if "val_loss" in a:
             assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
-        assert b["evictions"] > 0 and b["cache_misses"] > 0, b
+        assert b["cache_misses"] > 0, b
+        # Lent leaves stay pinned for the step, so with zero-copy in a cache this small
+        # a step may find nothing evictable; copies leave every slot evictable.
+        assert b["evictions"] > 0 or over_store["mode"] == "zero-copy", b
         for key in ("tokens_per_s", "stall_frac", "hit_rate"):
             assert b[key] is not None and math.isfinite(b[key]) and b[key] >= 0
         assert 0 <= b["stall_frac"] < 1 and 0 < b["experts_touched"] <= 16
     assert got[-1]["checkpoint"] == f"step-{STEPS}"
+    assert sum(m["evictions"] for m in got) > 0
     if "prefetched" in got[0]:  # queue mode predicts from the routing history
         assert got[0]["prefetched"] == 0  # no history yet
         assert all(m["prefetched"] > 0 and m["prefetch_accuracy"] > 0.5 for m in got[1:])
@@ -329,7 +338,7 @@ def test_cli_train_resident_and_usage_errors(tmp_path: Path) -> None:
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m.keys() >= REQUIRED_KEYS for m in lines)
     res = runner.invoke(main, ["train", "--model", "tiny", "--steps", "2"])
-    assert res.exit_code == 2 and "--store is required" in res.output
+    assert res.exit_code == 2 and "--store or --connect is required" in res.output
     res = runner.invoke(main, ["train", "--resident", "--model", "huge", "--steps", "2"])
     assert res.exit_code == 2 and "unknown model preset 'huge'" in res.output
 

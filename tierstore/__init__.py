@@ -7,6 +7,7 @@
 """
 
 from . import lab, probes
+from .daemon import RemoteStore, connect
 from .errors import (
     CorruptEntryError,
     EntryNotFoundError,
@@ -20,21 +21,24 @@ from .errors import (
     UnsupportedTensorError,
 )
 from .sizes import format_size, parse_size
-from .store import KINDS, EntryInfo, FsckReport, SnapshotInfo, Store
+from .store import KINDS, Borrowed, EntryInfo, FsckReport, SnapshotInfo, Staged, Store
 from .store import open_store as open
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KINDS",
+    "Borrowed",
     "CorruptEntryError",
     "EntryInfo",
     "EntryNotFoundError",
     "FsckReport",
     "NotAStoreError",
+    "RemoteStore",
     "ShapeMismatchError",
     "SnapshotError",
     "SnapshotInfo",
+    "Staged",
     "Store",
     "StoreClosedError",
     "StoreError",
@@ -42,6 +46,7 @@ __all__ = [
     "StoreLockedError",
     "UnsupportedTensorError",
     "__version__",
+    "connect",
     "format_size",
     "lab",
     "open",

@@ -8,29 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import click
 
+from .cli_options import SIZE
+from .cli_options import run_command as _run
 from .errors import StoreError
 from .sizes import format_size, parse_size
 
 DEFAULT_DEMO_STORE = "demo-store"
-
-
-class SizeType(click.ParamType):
-    name = "size"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> int:
-        try:
-            return parse_size(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
-
-
-SIZE = SizeType()
 
 
 def _bar(total: int, desc: str) -> Any:
@@ -44,16 +31,6 @@ def _open(path: str, **kw: Any) -> Any:
     from . import open as open_store
 
     return open_store(path, **kw)
-
-
-def _run(fn: Callable[[], int | None]) -> None:
-    """Turn store errors into one clear line and exit status 2 instead of a traceback."""
-    try:
-        code = fn()
-    except StoreError as e:
-        click.echo(f"tierstore: {e}", err=True)
-        sys.exit(2)
-    sys.exit(code or 0)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -217,6 +194,32 @@ def import_(source: str, store: str, fmt: str | None) -> None:
     _run(go)
 
 
+@main.command(name="import-hf")
+@click.argument("model_dir", type=click.Path())
+@click.option("--store", "store", required=True, type=click.Path(file_okay=False),
+              help="Store to import into (created if missing; must not hold a model yet).")
+def import_hf_(model_dir: str, store: str) -> None:
+    """Import the Hugging Face MoE model in MODEL_DIR (config.json, single or sharded
+    safetensors, tokenizer files) for `tierstore generate`: each expert becomes one entry
+    group (layers.{i}.experts.{e}.w1|w2|w3), the dense weights, config and tokenizer are
+    kept beside them. Supported: Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE.
+
+    \b
+    tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral
+    """
+    from trainer.hf_import import import_hf
+
+    def go() -> None:
+        info = import_hf(model_dir, store, progress=True)
+        cfg = info["config"]
+        click.echo(f"imported {info['family']}: {cfg['n_layers']} layers, "
+                   f"{len(cfg['moe_layers'])}x{cfg['n_experts']} experts, "
+                   f"tokenizer {'yes' if 'tokenizer.json' in info['tokenizer'] else 'no'}"
+                   f" -> {store}")
+
+    _run(go)
+
+
 @main.command()
 @click.argument("store", type=click.Path(exists=True, file_okay=False))
 @click.argument("tag", required=False)
@@ -265,21 +268,42 @@ def drop_snapshot(store: str, tag: str) -> None:
 
 @main.command()
 @click.option("--store", "store", default=DEFAULT_DEMO_STORE, show_default=True,
-              type=click.Path(file_okay=False), help="Store directory (created if missing).")
-@click.option("--layers", default=8, show_default=True, help="MoE layers.")
+              type=click.Path(file_okay=False),
+              help="Store directory for the tier walk-through (created if missing); the "
+                   "training run uses STORE-model next to it.")
+@click.option("--layers", default=8, show_default=True, help="MoE layers (tier walk-through).")
 @click.option("--experts", default=16, show_default=True, help="Experts per layer.")
 @click.option("--hidden", default=512, show_default=True, help="Model width.")
 @click.option("--ffn", default=1024, show_default=True, help="Expert hidden width.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--fresh", is_flag=True, help="Delete the demo store first.")
+@click.option("--model", default="small", show_default=True,
+              help="Preset trained in the second part (tierstore train --list-models).")
+@click.option("--train-steps", default=60, show_default=True, type=click.IntRange(min=0),
+              help="Optimizer steps of the training part (0: skip training and generation).")
+@click.option("--new-tokens", default=48, show_default=True, type=click.IntRange(min=1),
+              help="Tokens generated from the trained model.")
 def demo(store: str, layers: int, experts: int, hidden: int, ffn: int, seed: int,
-         fresh: bool) -> None:
-    """Write a synthetic MoE model's expert states, read them back through the tiers,
-    snapshot, verify, and print a summary."""
+         fresh: bool, model: str, train_steps: int, new_tokens: int) -> None:
+    """The whole path in about a minute on a CPU. First a synthetic MoE model's expert
+    states are written through the host cache to the backing tier, read back, snapshotted
+    and verified. Then a small MoE model is trained with its experts and AdamW moments in a
+    store (host cache smaller than the states), checked with fsck, and made to generate
+    text through the ring-memory inferencer and the expert-granular mode."""
     from .demo import run_demo
 
-    _run(lambda: run_demo(store, layers=layers, experts=experts, hidden=hidden, ffn=ffn,
-                          seed=seed, fresh=fresh, echo=click.echo))
+    def go() -> int:
+        code = run_demo(store, layers=layers, experts=experts, hidden=hidden, ffn=ffn,
+                        seed=seed, fresh=fresh, echo=click.echo)
+        if train_steps:
+            from trainer.demo import run_demo_training
+
+            code = max(code, run_demo_training(
+                store.rstrip("/") + "-model", model=model, steps=train_steps, seed=seed,
+                new_tokens=new_tokens, echo=click.echo))
+        return code
+
+    _run(go)
 
 
 def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
@@ -295,6 +319,10 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
 @click.option("--store", "store", type=click.Path(file_okay=False),
               help="Store directory holding the experts (created if missing). With --resident: "
                    "the checkpoint directory (optional).")
+@click.option("--connect", "connect", type=click.Path(dir_okay=False),
+              help="Instead of --store: train over the store a `tierstore serve` daemon owns, "
+                   "through its socket (the daemon's host cache and backing are used; "
+                   "--host-cache, --backing, --pmem-* and --slab-size do not apply).")
 @click.option("--resident", is_flag=True,
               help="Train the same model with everything in memory as plain torch modules "
                    "(the reference and the performance baseline).")
@@ -346,7 +374,8 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Compute dtype (master weights and optimizer states stay fp32) [float32].")
 @click.option("--eval-every", type=click.IntRange(min=0),
               help="Validation loss every N steps and at the last (0: never) [50].")
-def train(store: str | None, resident: bool, model: str | None, steps: int, seed: int | None,
+def train(store: str | None, connect: str | None, resident: bool, model: str | None, steps: int,
+          seed: int | None,
           device: str,
           device_budget: int | None, host_cache: int, backing: str | None,
           pmem_path: str | None, pmem_size: int | None, slab_size: int, fetch: str,
@@ -364,8 +393,10 @@ def train(store: str | None, resident: bool, model: str | None, steps: int, seed
     tierstore train --store run --model tiny --steps 400 --resume
     tierstore train --resident --model tiny --steps 200
     """
-    if not resident and store is None:
-        raise click.UsageError("--store is required (or pass --resident)")
+    if connect is not None and (store is not None or resident):
+        raise click.UsageError("--connect replaces --store and cannot go with --resident")
+    if not resident and store is None and connect is None:
+        raise click.UsageError("--store or --connect is required (or pass --resident)")
     if resident and trace is not None:
         raise click.UsageError("--trace records the store trainer's routing; drop --resident")
     if resident and store is None and (resume or checkpoint_every):
@@ -383,13 +414,88 @@ def train(store: str | None, resident: bool, model: str | None, steps: int, seed
                       checkpoint_every=checkpoint_every, resume=resume, metrics=metrics,
                       trace=trace, corpus=corpus, device=device, fetch=fetch,
                       overrides={k: v for k, v in given.items() if v is not None},
-                      echo=click.echo)
+                      echo=click.echo, connect=connect)
         except ValueError as e:  # bad configuration or corpus: one line, like store errors
             click.echo(f"tierstore train: {e}", err=True)
             return 2
         return 0
 
     _run(go)
+
+
+@main.command()
+@click.option("--store", "store", type=click.Path(exists=True, file_okay=False),
+              help="A store holding a model (`tierstore import-hf`, or a `tierstore train` run).")
+@click.option("--connect", "connect", type=click.Path(dir_okay=False),
+              help="Instead of --store: the socket of a `tierstore serve` daemon that owns the "
+                   "store (its host cache is shared with the daemon's other clients).")
+@click.option("--prompt", "prompts", multiple=True,
+              help="A text prompt, encoded with the model's tokenizer (repeatable: one batch).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="1,2,3",
+              help="A prompt as comma-separated token ids (repeatable: one batch).")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), required=True,
+              help="Tokens to generate per prompt at most (fewer once a prompt reaches an "
+                   "end-of-sequence token).")
+@click.option("--greedy", is_flag=True, help="Take the most likely token (default: sample).")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="Sampling temperature.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+              show_default=True, help="Sample from the smallest set of tokens whose probability "
+                                      "reaches this.")
+@click.option("--seed", type=int, help="Sampling seed (the same seed gives the same tokens).")
+@click.option("--device-budget", type=SIZE,
+              help="Bytes of experts the device may hold (the prefetch queue's budget; default "
+                   "1GiB on the CPU, half of a GPU).")
+@click.option("--ring-slots", default="auto", show_default=True,
+              help="Ring mode: K layers of experts on the device, or auto (from the budget and "
+                   "the measured transfer and compute times).")
+@click.option("--mode", type=click.Choice(["ring", "expert", "resident", "on-demand"]),
+              default="ring", show_default=True,
+              help="ring: K slots of whole layers refilled behind the compute; expert: routed "
+                   "experts only, predicted one layer ahead, with a device expert cache; "
+                   "resident: every expert loaded first; on-demand: routed experts read when "
+                   "needed, nothing kept.")
+@click.option("--device", default="auto", show_default=True,
+              help="cpu, cuda, cuda:N (auto: cuda if available).")
+@click.option("--host-cache", type=SIZE,
+              help="Host-memory cache in front of the backing tier (default: the store's, 1GiB).")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="CPU compute threads (default: torch's; on a CPU device, ring and expert "
+                   "modes use one fewer, leaving a core to the prefetch queue's copy thread).")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
+                   "cache --trace`).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print one line: {"tokens": [[...]] per prompt, "tokens_per_s", "stall_frac", '
+                   '"hit_rate", "spec_accuracy"}.')
+def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
+             prompt_ids: tuple[str, ...],
+             max_new_tokens: int, greedy: bool, temperature: float, top_p: float,
+             seed: int | None, device_budget: int | None, ring_slots: str, mode: str,
+             device: str, host_cache: int | None, threads: int | None, trace: str | None,
+             as_json: bool) -> None:
+    """Generate text from the model in STORE with its experts offloaded: a batch of prompts
+    (left-padded), a KV cache, one token per step until max-new-tokens or every prompt's
+    end-of-sequence token.
+
+    \b
+    tierstore generate --store mixtral --prompt "The store" --max-new-tokens 32 --greedy
+    tierstore generate --store run --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8 \\
+        --mode expert --device-budget 2GiB --json
+    """
+    if bool(prompts) == bool(prompt_ids):
+        raise click.UsageError("give prompts with --prompt or with --prompt-ids (one of them)")
+    if (store is None) == (connect is None):
+        raise click.UsageError("give the model's store with --store or a daemon's socket with "
+                               "--connect (one of them)")
+    from trainer.generate import run_generate
+
+    _run(lambda: run_generate(
+        store=store, prompts=prompts, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+        greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
+        device_budget=device_budget, ring_slots=ring_slots, mode=mode, device=device,
+        host_cache=host_cache, trace=trace, as_json=as_json, threads=threads,
+        echo=click.echo, connect=connect))
 
 
 @main.group()
@@ -508,6 +614,107 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
         tokens=tokens, repeat=repeat, steps=steps, device_budget=device_budget,
         host_cache=host_cache, device=device, json_out=json_out, echo=click.echo))
 
+
+@bench.command(name="infer")
+@click.option("--store", "store", type=click.Path(exists=True, file_okay=False),
+              help="A store holding a model (default: a synthetic Mixtral-shaped model written "
+                   "to a temporary store here).")
+@click.option("--model-dir", type=click.Path(exists=True, file_okay=False),
+              help="A Hugging Face model directory, imported into a temporary store first.")
+@click.option("--layers", default=8, show_default=True, help="Synthetic model: MoE layers.")
+@click.option("--experts", default=8, show_default=True, help="Synthetic model: experts/layer.")
+@click.option("--hidden", default=512, show_default=True, help="Synthetic model: width.")
+@click.option("--ffn", default=1024, show_default=True, help="Synthetic model: expert width.")
+@click.option("--prefill-batch", default=4, show_default=True, help="Prompts in the prefill run.")
+@click.option("--prefill-len", default=128, show_default=True, help="Tokens per prefill prompt.")
+@click.option("--decode-batch", default=1, show_default=True, help="Prompts in the decode run.")
+@click.option("--decode-tokens", default=8, show_default=True, help="Tokens generated per prompt.")
+@click.option("--ring-slots", default="2,4", show_default=True,
+              help="Comma-separated ring sizes K to measure (besides auto).")
+@click.option("--tier", type=click.Choice(["backing", "host"]), default="backing",
+              show_default=True,
+              help="Where transfers read from: the backing tier (a 16 MiB host cache) or host "
+                   "memory (a host cache holding every expert).")
+@click.option("--host-cache", type=SIZE, help="Host cache size (overrides --tier).")
+@click.option("--expert-budget", default=0.6, show_default=True,
+              help="Expert mode's device budget as a fraction of all experts' bytes.")
+@click.option("--repeats", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Rounds over every mode (interleaved); each mode keeps its best round.")
+@click.option("--device", default=None, help="Compute device (default: cuda if available).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: int, hidden: int,
+                ffn: int, prefill_batch: int, prefill_len: int, decode_batch: int,
+                decode_tokens: int, ring_slots: str, tier: str, host_cache: int | None,
+                expert_budget: float, repeats: int, device: str | None,
+                json_out: str | None) -> None:
+    """Tokens/s of one model and one set of prompts with every expert source: fully
+    resident, ring at several K and auto, expert mode, synchronous on-demand loading; ratios
+    against resident, against on-demand, and for ring decoding against the limit set by the
+    bytes moved per token over the tier bandwidth measured in the same run."""
+    if store and model_dir:
+        raise click.UsageError("--store and --model-dir exclude each other")
+    try:
+        ks = [int(k) for k in ring_slots.split(",") if k]
+    except ValueError:
+        raise click.UsageError(f"--ring-slots takes integers, got {ring_slots!r}") from None
+    from bench.infer import run_infer
+
+    def go() -> None:
+        run_infer(store, model_dir, json_out=json_out, layers=layers, experts=experts,
+                  hidden=hidden, ffn=ffn, prefill_batch=prefill_batch, prefill_len=prefill_len,
+                  decode_batch=decode_batch, decode_tokens=decode_tokens, ring_slots=ks,
+                  host_cache=host_cache, expert_budget=expert_budget, device=device,
+                  repeats=repeats, tier=tier, echo=click.echo)
+
+    _run(go)
+
+
+@bench.command(name="train")
+@click.option("--model", default="medium", show_default=True,
+              help="Model preset (tierstore train --list-models).")
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Measured optimizer steps per side and round.")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0),
+              help="Steps run before measuring (cold cache, first-call costs).")
+@click.option("--rounds", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Resident/store pairs, alternating which goes first.")
+@click.option("--host-cache", type=SIZE, default="2GiB", show_default=True,
+              help="The store's host cache (the target applies when it holds a step's "
+                   "working set).")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per step [8].")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence [128].")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Scratch directory (default: a temporary directory here, removed after).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: int,
+                batch_size: int | None, seq_len: int | None, device: str, store: str | None,
+                json_out: str | None) -> None:
+    """Step time of the store trainer against the resident trainer (same model, data and
+    seed): median step times, their ratio (target <= 1.15), stall fraction, hit rate."""
+    from bench.train import run_train_bench
+
+    given = {"batch_size": batch_size, "seq_len": seq_len}
+
+    def go() -> int:
+        try:
+            run_train_bench(model=model, steps=steps, warmup=warmup, rounds=rounds,
+                            host_cache=host_cache, store=store, device=device,
+                            overrides={k: v for k, v in given.items() if v is not None},
+                            json_out=json_out, echo=click.echo)
+        except ValueError as e:
+            click.echo(f"tierstore bench train: {e}", err=True)
+            return 2
+        return 0
+
+    _run(go)
+
+
+from .cli_daemon import bench_daemon, serve, status  # noqa: E402 (the daemon's commands)
+
+main.add_command(serve)
+main.add_command(status)
+bench.add_command(bench_daemon)
 
 if __name__ == "__main__":
     main()

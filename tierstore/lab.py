@@ -1,5 +1,6 @@
-"""The cache policy lab: routing traces, their generators and recorder, and the simulator
-that replays a trace against every eviction policy (Belady's optimum included)."""
+"""The cache policy lab: routing traces, their generators and recorder, the eviction policies
+(``make_policy``) and the simulator that replays a trace against every eviction policy
+(Belady's optimum included)."""
 
 from cache import (
     POLICIES,
@@ -7,6 +8,7 @@ from cache import (
     TraceRecorder,
     TraceSpec,
     generate_trace,
+    make_policy,
     parse_spec,
     policy_overhead_ns,
     read_trace,
@@ -21,6 +23,7 @@ __all__ = [
     "TraceRecorder",
     "TraceSpec",
     "generate_trace",
+    "make_policy",
     "parse_spec",
     "policy_overhead_ns",
     "read_trace",

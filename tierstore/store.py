@@ -18,13 +18,14 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from cache import HostCache
-from nvme import ENGINES, StagingPool, aligned_empty
+from nvme import ENGINES, RecycledBuffers, StagingPool, aligned_empty
 
 from .alloc import ExtentAllocator
 from .catalog import FORMAT_VERSION, Catalog, Record, entry_key
@@ -52,7 +53,7 @@ from .errors import (
 from .media import ALIGNMENT, Medium, align_up
 from .prefetch import DeviceQueues
 from .sizes import parse_size
-from .tensors import as_bytes, dtype_from_name, dtype_name, from_bytes
+from .tensors import as_bytes, dtype_from_name, dtype_name, element_size, from_bytes
 
 MARKER = "TIERSTORE"
 KINDS = ("param", "grad", "exp_avg", "exp_avg_sq", "master")
@@ -144,9 +145,86 @@ def check_kind(kind: str) -> None:
         )
 
 
+def prefetch_keys(names: str | Iterable[str | Key], kind: str) -> list[Key]:
+    """Validated ``(name, kind)`` keys from a name, or names and ``(name, kind)`` pairs."""
+    keys = []
+    for item in [names] if isinstance(names, str) else names:
+        if isinstance(item, str):
+            name, k = item, kind
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            name, k = item
+        else:
+            raise StoreError(f"expected a name or a (name, kind) pair, got {item!r}")
+        check_name(name)
+        check_kind(k)
+        keys.append((name, k))
+    return keys
+
+
 def check_tag(tag: str) -> None:
     if not isinstance(tag, str) or not _TAG.match(tag):
         raise SnapshotError(f"invalid snapshot tag {tag!r}: letters, digits, '.', '_', '-'")
+
+
+class Borrowed:
+    """Read-only views lent by :meth:`Store.borrow_many`; release once (or use ``with``)."""
+
+    def __init__(self, tensors: dict[Any, torch.Tensor], release: Callable[[], None]) -> None:
+        self.tensors = tensors
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        """Unpin the views' slots: the views must not be read after this."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> Borrowed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Staged:
+    """New versions being written in place (:meth:`Store.stage_many`): fill ``tensors``,
+    then :meth:`commit` (or :meth:`discard`). As a context manager, a block that raises
+    discards and one that ends without committing discards too."""
+
+    def __init__(self, store: Store, tensors: dict[Key, torch.Tensor],
+                 handles: dict[Key, Any]) -> None:
+        self.tensors = tensors
+        self._store = store
+        self._handles = handles
+        self._open = True
+
+    def commit(self) -> list[int]:
+        """Make every staged tensor its entry's new version; returns the versions."""
+        if not self._open:
+            raise RuntimeError("this stage was already committed or discarded")
+        self._open = False
+        try:
+            return self._store._commit_staged(self.tensors, self._handles)
+        except BaseException:
+            self._discard_slots()
+            raise
+
+    def discard(self) -> None:
+        if self._open:
+            self._open = False
+            self._discard_slots()
+
+    def _discard_slots(self) -> None:
+        cache = self._store._cache
+        for h in self._handles.values():
+            if cache is not None:
+                cache.discard_staged(h)  # a no-op for slots already committed
+
+    def __enter__(self) -> Staged:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
 
 
 class Store:
@@ -165,6 +243,7 @@ class Store:
         policy: str = "lfu-decay",
         policy_args: dict[str, Any] | None = None,
         device_budget: int | str | Mapping[str, int | str] | None = None,
+        cache_arena: torch.Tensor | None = None,
     ) -> None:
         # Device prefetch queues; first, so a bad budget fails before the store starts.
         # Their threads start with a device's first request.
@@ -179,9 +258,15 @@ class Store:
         self._lock_fd = lock_fd
         self._alloc = ExtentAllocator(ALIGNMENT)
         # Chunk jobs (copy, checksum, then the medium's own I/O call) run here, so the
-        # CPU work of one chunk overlaps the I/O of the others.
-        self._workers = ThreadPoolExecutor(io_threads, thread_name_prefix="tierstore-chunk")
+        # CPU work of one chunk overlaps the I/O of the others. Twice the I/O threads, so
+        # while io_threads requests are in flight (the medium's own pool bounds them) as
+        # many workers checksum or copy landed chunks: with one I/O thread, the checksum
+        # would otherwise stall the next read.
+        self._workers = ThreadPoolExecutor(2 * io_threads, thread_name_prefix="tierstore-chunk")
         self._staging = StagingPool(chunk_bytes, keep=2 * io_threads)
+        # Uncached reads land in reused memory once callers drop earlier results, so a
+        # steady stream of reads does not fault fresh pages in for every entry.
+        self._results = RecycledBuffers(max(256 << 20, 4 * io_threads * chunk_bytes))
         self._seg_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._tier = _TierStats()
@@ -201,7 +286,8 @@ class Store:
         self._cache: HostCache | None = None
         if host_cache:
             self._cache = HostCache(host_cache, policy=policy, policy_args=policy_args,
-                                    writeback=self._write_back_one)
+                                    writeback=self._write_back_one, arena=cache_arena,
+                                    writeback_many=self._write_back)
 
     # -- lifecycle ------------------------------------------------------------------
     def __enter__(self) -> Store:
@@ -226,6 +312,7 @@ class Store:
 
     def _close_resources(self) -> None:
         self._workers.shutdown(wait=True)
+        self._results.close()
         self._medium.close()
         self._catalog.close()
         os.close(self._lock_fd)
@@ -289,19 +376,28 @@ class Store:
             self._write_through(batch)
             return versions
         with self._key_locks([(n, k) for n, k, _, _ in batch]):
-            through = []
-            for name, k, src, meta in batch:
-                # A new slot per write: readers still copying the old bytes keep them.
-                self._cache.invalidate((name, k))
-                h = self._cache.insert((name, k), meta.nbytes, meta, data=src) if meta.nbytes else None
-                if h is None:
-                    through.append((name, k, src, meta))
-                    continue
-                self._cache.mark_dirty((name, k), meta)
-                h.release()
-            if through:
-                self._write_through(through)
+            self._land(batch)
         return versions
+
+    def _land(self, batch: list[tuple[str, str, np.ndarray, _Meta]]) -> None:
+        """New versions into the host cache as dirty entries; what it does not take is
+        written through in one commit. The caller holds the entries' key locks."""
+        assert self._cache is not None
+        through = []
+        for name, k, src, meta in batch:
+            # In place when nobody holds the old bytes; otherwise a new slot, so readers
+            # still copying the old bytes keep them.
+            if meta.nbytes and self._cache.overwrite((name, k), src, meta):
+                continue
+            self._cache.invalidate((name, k))
+            h = self._cache.insert((name, k), meta.nbytes, meta, data=src) if meta.nbytes else None
+            if h is None:
+                through.append((name, k, src, meta))
+                continue
+            self._cache.mark_dirty((name, k), meta)
+            h.release()
+        if through:
+            self._write_through(through)
 
     def _next_versions(self, n: int) -> list[int]:
         with self._version_lock:
@@ -487,11 +583,104 @@ class Store:
         kind: str = "param",
         *,
         device: str | torch.device | None = None,
+        out: Mapping[str | Key, torch.Tensor] | None = None,
     ) -> dict[str | Key, torch.Tensor]:
-        """Several tensors with their reads overlapped, keyed as asked (name or (name, kind))."""
+        """Several tensors with their reads overlapped, keyed as asked (name or (name, kind)).
+
+        ``out`` maps some of those keys to tensors that receive the values in place (as
+        ``get``'s ``out=``): a caller that reads the same shapes every step reuses its
+        buffers instead of paying for fresh allocations.
+        """
         asked = list(names)
         keys = [(a, kind) if isinstance(a, str) else tuple(a) for a in asked]
-        return dict(zip(asked, self._read(keys, device=device, outs=[None] * len(keys))))
+        outs = [None] * len(keys) if not out else [out.get(a) for a in asked]
+        return dict(zip(asked, self._read(keys, device=device, outs=outs)))
+
+    def borrow_many(self, names: Iterable[str | Key], kind: str = "param") -> Borrowed:
+        """Read-only views of several entries' host bytes, without copying them out.
+
+        Hits are views of the pinned cache slots; misses are read from the backing tier
+        (crc32c-verified) into cache slots, or into buffers of their own where the cache
+        does not take them. The slots stay pinned (not evicted, not reused) until the
+        returned :class:`Borrowed` is released; ``with store.borrow_many(keys) as b:``
+        releases it at the end of the block. Never write into the views: they are the
+        cache's copy of the entry, which other readers share. A ``put`` of a borrowed
+        entry makes a new version in a new slot; the views keep showing the old one.
+        """
+        self._check_open()
+        asked = list(names)
+        keys = [(a, kind) if isinstance(a, str) else tuple(a) for a in asked]
+        for name, k in keys:
+            check_name(name)
+            check_kind(k)
+        found, handles = self._host_bytes(keys)
+        tensors = {}
+        for a, key in zip(asked, keys):
+            meta, raw = found[key]
+            tensors[a] = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
+        return Borrowed(tensors, lambda: self._release_handles(handles))
+
+    def stage_many(
+        self, items: Iterable[tuple[str, str, torch.dtype, Sequence[int]]]
+    ) -> Staged:
+        """Room for new versions of several entries, to be written in place and committed.
+
+        ``items`` are ``(name, kind, dtype, shape)``. The returned :class:`Staged` holds a
+        writable tensor per entry (``staged.tensors[(name, kind)]``): a fresh host-cache
+        slot where the cache has room, else a plain tensor. Fill them, then
+        ``staged.commit()`` does what ``put_many`` of those tensors would do (new versions,
+        dirty cache entries written back later, or written through), without copying them.
+        Until the commit readers see the current versions; a discarded (or, in a ``with``
+        block, failed) stage leaves no trace.
+        """
+        self._check_open()
+        entries = []
+        for name, k, dtype, shape in items:
+            check_name(name)
+            check_kind(k)
+            dtype_name(dtype)  # refuses what the store cannot hold
+            shape = tuple(int(d) for d in shape)
+            if any(d < 0 for d in shape):
+                raise ValueError(f"negative dimension in shape {shape} of {name!r}")
+            nbytes = element_size(dtype) * math.prod(shape)
+            entries.append(((name, k), dtype, shape, nbytes))
+        handles: dict[Key, Any] = {}
+        tensors: dict[Key, torch.Tensor] = {}
+        cached = [(key, nbytes) for key, _, _, nbytes in entries if nbytes]
+        slots = (dict(zip((k for k, _ in cached), self._cache.stage_many(cached)))
+                 if self._cache is not None and cached else {})
+        for key, dtype, shape, _ in entries:
+            h = slots.get(key)
+            if h is not None:
+                handles[key] = h
+                tensors[key] = from_bytes(h.view, dtype, shape)
+            else:
+                tensors[key] = torch.empty(shape, dtype=dtype)
+        return Staged(self, tensors, handles)
+
+    def _commit_staged(self, tensors: dict[Key, torch.Tensor], handles: dict[Key, Any]) -> list[int]:
+        """``Staged.commit``: the staged slots become the entries' new versions."""
+        self._check_open()
+        keys = list(tensors)
+        versions = self._next_versions(len(keys))
+        plain = []
+        with self._key_locks(keys if self._cache is not None else []):
+            swaps = []
+            for (name, k), v in zip(keys, versions):
+                t = tensors[(name, k)]
+                meta = _Meta(dtype_name(t.dtype), tuple(t.shape), t.nbytes, v)
+                h = handles.get((name, k))
+                if h is None:  # the cache had no slot to stage it in: a plain put
+                    plain.append((name, k, as_bytes(t), meta))
+                else:
+                    swaps.append((h, meta))
+            if swaps:
+                self._cache.commit_staged_many(swaps)
+            if plain and self._cache is not None:
+                self._land(plain)
+            elif plain:
+                self._write_through(plain)
+        return versions
 
     def _lookup(self, keys: list[Key]) -> list[Record]:
         """Records of ``keys`` with their extents leased (release with ``_unlease``)."""
@@ -532,8 +721,7 @@ class Store:
                 self._deliver(key, *found[key], out, device) for key, out in zip(keys, outs)
             ]
         finally:
-            for h in handles:
-                h.release()
+            self._release_handles(handles)
 
     def _host_bytes(
         self, keys: list[Key]
@@ -548,8 +736,8 @@ class Store:
                 misses = list(dict.fromkeys(keys))
             else:
                 misses = []
-                for key in dict.fromkeys(keys):
-                    h = self._cache.lookup(key)
+                unique = list(dict.fromkeys(keys))
+                for key, h in zip(unique, self._cache.lookup_many(unique)):
                     if h is None:
                         misses.append(key)
                     else:
@@ -561,10 +749,14 @@ class Store:
             with self._stats_lock:
                 self._tier.reads += len(misses)
         except BaseException:
-            for h in handles:
-                h.release()
+            self._release_handles(handles)
             raise
         return found, handles
+
+    def _release_handles(self, handles: list[Any]) -> None:
+        if handles:
+            assert self._cache is not None
+            self._cache.release_many(handles)
 
     def _load(
         self, keys: list[Key], found: dict[Key, Any], handles: list[Any]
@@ -589,7 +781,7 @@ class Store:
                     new.append(h)
                     buf = _slot_buffer(h.view, rec.length)
                 else:
-                    buf = aligned_empty(rec.length)
+                    buf = self._results.take(rec.length)
                     found[key] = (meta, buf)
                 todo_keys.append(key)
                 todo_recs.append(rec)
@@ -616,8 +808,19 @@ class Store:
             self._check_out(key, meta, out)
         elif isinstance(raw, torch.Tensor) and (device is None or torch.device(device).type == "cpu"):
             # A cache slot: copy the raw bytes out (typed copies have no kernel for some
-            # dtypes and would canonicalise others, e.g. bool bytes other than 0/1).
-            raw = raw.clone()
+            # dtypes and would canonicalise others, e.g. bool bytes other than 0/1). Into
+            # reused memory: faulting fresh pages in costs more than the copy. A plain memcpy
+            # on this thread: torch's copy splits across its intra-op threads and, with the
+            # cores busy, waits a scheduler tick for the other half.
+            buf = self._results.take(raw.numel())
+            np.copyto(buf, raw.numpy())
+            raw = buf
+        if (out is not None and out.device.type == "cpu" and out.is_contiguous()
+                and out.numel() and not out.requires_grad):
+            # Bytes straight into the caller's tensor with a memcpy (see above).
+            src = raw.numpy() if isinstance(raw, torch.Tensor) else raw
+            np.copyto(out.view(-1).view(torch.uint8).numpy(), src[: meta.nbytes])
+            return out
         t = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
         if out is not None:
             return out.copy_(t)
@@ -751,7 +954,7 @@ class Store:
         them back on :meth:`release` or :meth:`cancel`. A failed read fails its future only.
         """
         self._check_open()
-        return self._queues.get(device).request(self._prefetch_keys(names, kind), priority)
+        return self._queues.get(device).request(prefetch_keys(names, kind), priority)
 
     def acquire(
         self,
@@ -768,7 +971,7 @@ class Store:
         :meth:`release`. ``timeout`` (seconds) raises TimeoutError rather than waiting for
         a budget that nothing releases."""
         self._check_open()
-        (key,) = self._prefetch_keys([(name, kind)], kind)
+        (key,) = prefetch_keys([(name, kind)], kind)
         return self._queues.get(device).acquire(key, timeout)
 
     def release(
@@ -778,7 +981,7 @@ class Store:
         or in-flight request is cancelled instead). Tensors already handed out stay valid;
         a later :meth:`acquire` transfers the entry again. Returns whether there was one."""
         self._check_open()
-        (key,) = self._prefetch_keys([(name, kind)], kind)
+        (key,) = prefetch_keys([(name, kind)], kind)
         return self._queues.get(device).drop([key], release=True) == 1
 
     def cancel(
@@ -792,26 +995,11 @@ class Store:
         in-flight one is cancelled and its budget comes back once its bytes have landed; a
         resident copy is dropped as by :meth:`release`. Returns how many were found."""
         self._check_open()
-        return self._queues.get(device).drop(self._prefetch_keys(names, kind), release=False)
+        return self._queues.get(device).drop(prefetch_keys(names, kind), release=False)
 
     def _entry_nbytes(self, key: Key) -> int:
         """An entry's size, for the credits its transfer will take."""
         return self.info(*key).nbytes
-
-    @staticmethod
-    def _prefetch_keys(names: str | Iterable[str | Key], kind: str) -> list[Key]:
-        keys = []
-        for item in [names] if isinstance(names, str) else names:
-            if isinstance(item, str):
-                name, k = item, kind
-            elif isinstance(item, (tuple, list)) and len(item) == 2:
-                name, k = item
-            else:
-                raise StoreError(f"expected a name or a (name, kind) pair, got {item!r}")
-            check_name(name)
-            check_kind(k)
-            keys.append((name, k))
-        return keys
 
     # -- catalog queries ------------------------------------------------------------
     def __contains__(self, key: str | Key) -> bool:
@@ -1036,6 +1224,7 @@ def open_store(
     policy: str = "lfu-decay",
     policy_args: dict[str, Any] | None = None,
     device_budget: int | str | Mapping[str, int | str] | None = None,
+    cache_arena: torch.Tensor | None = None,
 ) -> Store:
     """Open the store at ``path`` (``create=True`` makes it if missing).
 
@@ -1049,6 +1238,9 @@ def open_store(
     the prefetch queues (:meth:`Store.prefetch`): one size for every device, or a mapping
     from a device (``"cpu"``, ``"cuda"``, ``"cuda:1"``) to its size; unset, it is 1 GiB on
     the CPU and half of a GPU's memory. Sizes take bytes or strings such as ``"2GiB"``.
+    ``cache_arena`` is memory for the host cache's slots instead of a fresh allocation (a
+    page-aligned flat uint8 tensor of at least ``host_cache`` bytes): the daemon passes a
+    shared-memory mapping that its clients read.
     """
     path = os.path.abspath(os.fspath(path))
     marker = os.path.join(path, MARKER)
@@ -1084,7 +1276,8 @@ def open_store(
         medium = _make_medium(path, meta["backing"], engine, io_threads)
         return Store(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd,
                      io_threads=io_threads, host_cache=parse_size(host_cache or 0),
-                     policy=policy, policy_args=policy_args, device_budget=device_budget)
+                     policy=policy, policy_args=policy_args, device_budget=device_budget,
+                     cache_arena=cache_arena)
     except BaseException:
         os.close(lock_fd)
         raise

@@ -11,12 +11,14 @@ from typing import Any
 
 import torch
 
+import tierstore
+
 from .model import MoEConfig
 from .resident import Metrics, TrainConfig, load_checkpoint, train_resident
 from .store_trainer import MetricsLog, saved_run, train_store
 
 
-def run_settings(store: str | None, resident: bool, resume: bool
+def run_settings(store: str | tierstore.Store | None, resident: bool, resume: bool
                  ) -> tuple[MoEConfig | str, TrainConfig, int]:
     """The model, hyperparameters and seed options start from: those the run in ``store``
     was started with when resuming it, else the preset ``tiny``, defaults and seed 0."""
@@ -73,16 +75,39 @@ def run_train(*, store: str | None, resident: bool, model: str | None, steps: in
               backing: str | None, pmem_path: str | None, pmem_size: int | None,
               slab_size: int, checkpoint_every: int, resume: bool, metrics: str | None,
               trace: str | None, corpus: Sequence[str], overrides: dict[str, Any],
-              device: str, fetch: str, echo: Callable[[str], Any] = print) -> list[Metrics]:
+              device: str, fetch: str, echo: Callable[[str], Any] = print,
+              connect: str | None = None) -> list[Metrics]:
     """Train as ``tierstore train`` was asked to; returns the metrics of the steps run.
 
     ``model`` and ``seed`` (``None``: not given) and ``overrides`` (the
     :class:`TrainConfig` fields given) apply on top of :func:`run_settings`, so ``--resume``
-    needs no option the run was started with; one given must match it.
+    needs no option the run was started with; one given must match it. ``connect`` trains
+    over the store a ``tierstore serve`` daemon owns (its socket) instead of ``store``.
     """
+    remote = tierstore.connect(connect) if connect is not None else None
+    try:
+        return _run_train(store=store, resident=resident, model=model, steps=steps, seed=seed,
+                          device_budget=device_budget, host_cache=host_cache, backing=backing,
+                          pmem_path=pmem_path, pmem_size=pmem_size, slab_size=slab_size,
+                          checkpoint_every=checkpoint_every, resume=resume, metrics=metrics,
+                          trace=trace, corpus=corpus, overrides=overrides, device=device,
+                          fetch=fetch, echo=echo, remote=remote,
+                          where=f"daemon {connect}" if connect else f"store {store}")
+    finally:
+        if remote is not None:
+            remote.close()
+
+
+def _run_train(*, store: str | None, resident: bool, model: str | None, steps: int,
+               seed: int | None, device_budget: int | None, host_cache: int,
+               backing: str | None, pmem_path: str | None, pmem_size: int | None,
+               slab_size: int, checkpoint_every: int, resume: bool, metrics: str | None,
+               trace: str | None, corpus: Sequence[str], overrides: dict[str, Any],
+               device: str, fetch: str, echo: Callable[[str], Any], remote: Any,
+               where: str) -> list[Metrics]:
     from tqdm import tqdm
 
-    base_model, base_tc, base_seed = run_settings(store, resident, resume)
+    base_model, base_tc, base_seed = run_settings(remote or store, resident, resume)
     model_arg = base_model if model is None else model
     seed = base_seed if seed is None else seed
     tc = replace(base_tc, **overrides)
@@ -111,16 +136,17 @@ def run_train(*, store: str | None, resident: bool, model: str | None, steps: in
                                          checkpoint_dir=store, checkpoint_every=checkpoint_every,
                                          resume=resume, device=dev, on_step=on_step)
             else:
-                assert store is not None
+                assert store is not None or remote is not None
                 history = train_store(
                     model_arg, steps, seed, tc, store_path=store, host_cache=host_cache,
                     device_budget=device_budget, backing=backing, pmem_path=pmem_path,
                     pmem_size=pmem_size, slab_size=slab_size, checkpoint_every=checkpoint_every,
                     resume=resume, metrics_path=metrics, trace_path=trace,
-                    corpus_paths=corpus_paths, device=dev, fetch=fetch, on_step=on_step)
+                    corpus_paths=corpus_paths, device=dev, fetch=fetch, on_step=on_step,
+                    store=remote)
         finally:
             for f in log:
                 f.close()
-    for line in summarise(history, "resident" if resident else f"store {store}"):
+    for line in summarise(history, "resident" if resident else where):
         echo(line)
     return history

@@ -26,28 +26,35 @@ from torch import Tensor
 @torch.no_grad()
 def adamw_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,
                lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-               weight_decay: float = 0.01) -> None:
-    """One AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` in place.
+               weight_decay: float = 0.01,
+               out: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+    """One AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq``: in place, or with
+    ``out=(param', exp_avg', exp_avg_sq')`` into those tensors, the inputs left as they were
+    (the store trainer reads lent cache slots and writes staged ones).
 
     ``step`` is this parameter's step count *including* this update (1 on its first one).
-    The arithmetic is torch.optim.AdamW's single-tensor path operation for operation:
-    decoupled weight decay ``param *= 1 - lr * wd``, moments ``m = lerp(m, g, 1 - b1)``,
+    The arithmetic is torch.optim.AdamW's single-tensor path operation for operation (the
+    out-of-place form runs the same kernels, so both give the same bits): decoupled weight
+    decay ``param *= 1 - lr * wd``, moments ``m = lerp(m, g, 1 - b1)``,
     ``v = b2 * v + (1 - b2) * g * g``, then ``param -= lr / (1 - b1^t) * m /
     (sqrt(v) / sqrt(1 - b2^t) + eps)``.
     """
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
+    p_out, m_out, v_out = out if out is not None else (param, exp_avg, exp_avg_sq)
     beta1, beta2 = betas
     if weight_decay != 0:
-        param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        torch.mul(param, 1 - lr * weight_decay, out=p_out)
+    elif p_out is not param:
+        p_out.copy_(param)
+    torch.lerp(exp_avg, grad, 1 - beta1, out=m_out)
+    torch.mul(exp_avg_sq, beta2, out=v_out).addcmul_(grad, grad, value=1 - beta2)
     t = float(step)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
     step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    denom = (v_out.sqrt() / bias_correction2**0.5).add_(eps)
+    p_out.addcdiv_(m_out, denom, value=-step_size)
 
 
 def grad_norms(grads: Iterable[Tensor]) -> list[Tensor]:

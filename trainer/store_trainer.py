@@ -58,12 +58,14 @@ never reached a checkpoint starts it over from the initial weights.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import random
 import re
 import resource
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -199,6 +201,38 @@ def resolve_fetch_mode(fetch: str, device: torch.device) -> str:
     return fetch
 
 
+class BufferPool:
+    """Reusable tensors for the expert states a step reads, by (shape, dtype, device).
+
+    Every step reads the same shapes again; taking fresh tensors each time would make the
+    allocator hand memory back to the system and fault it in again (hundreds of microseconds
+    per 128 KiB entry on a virtual machine), which costs more than the copy out of the host
+    cache itself. Buffers go back once the values they held have been written to the store.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, shape: Sequence[int], device: torch.device,
+             dtype: torch.dtype = torch.float32) -> Tensor:
+        key = (tuple(shape), dtype, device)
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                return free.pop()
+        return torch.empty(key[0], dtype=dtype, device=device)
+
+    def give(self, tensors: Iterable[Tensor]) -> None:
+        with self._lock:
+            for t in tensors:
+                self._free.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
 class ExpertStates:
     """The experts' states in a store, and the :data:`trainer.model.ExpertProvider` a
     store-backed model fetches them through.
@@ -210,7 +244,7 @@ class ExpertStates:
 
     def __init__(self, store: tierstore.Store, cfg: MoEConfig, device: torch.device,
                  fetch: str, tokens_per_step: int, read_ahead: bool | None = None,
-                 budget: int | str | None = None) -> None:
+                 budget: int | str | None = None, zero_copy: bool | None = None) -> None:
         self.store, self.cfg, self.device = store, cfg, device
         self.queue = fetch == "queue"
         self.layers = cfg.moe_layers
@@ -230,7 +264,7 @@ class ExpertStates:
             read_ahead = device.type != "cpu"
         self._reader = (ThreadPoolExecutor(1, thread_name_prefix="trainer-moments")
                         if read_ahead else None)
-        self._moments: dict[int, Future[dict[Any, Tensor]]] = {}
+        self._moments: dict[int, Future[tuple[dict[Any, Tensor], Any]]] = {}
         # Queue mode: experts holding (or about to hold) device budget -> acquired yet?
         self._held: dict[tuple[int, int], bool] = {}
         # Bytes of expert weights the device may hold: the queue's budget, or in direct mode
@@ -241,6 +275,23 @@ class ExpertStates:
             self.budget = None if budget is None else tierstore.parse_size(budget)
         self.step, self.grad = 0, True
         self.leaves: dict[tuple[int, int], ExpertWeights] = {}
+        # Direct mode reads parameters and moments into pooled buffers (see BufferPool);
+        # the buffers behind a leaf are kept here until its new value is in the store.
+        self.pool = BufferPool()
+        self._leaf_bufs: dict[tuple[int, int], list[Tensor]] = {}
+        # On the CPU the device is host memory: leaves and moments can be read-only views
+        # of the host cache's slots (store.borrow_many) and the update can write the new
+        # states straight into staged slots (store.stage_many), so no state is copied. The
+        # views pin their slots for the step, though, so this only pays when the cache
+        # holds a step's states with room to spare (by default: four times the weights one
+        # step can touch); otherwise pinned leaves would crowd out the moments.
+        possible = (not self.queue and device.type == "cpu"
+                    and hasattr(store, "borrow_many") and hasattr(store, "stage_many"))
+        if zero_copy is None:
+            cache = (store.stats().get("cache") or {}) if possible else {}
+            zero_copy = cache.get("capacity_bytes", 0) >= 4 * self.worst_step_bytes
+        self.zero_copy = possible and zero_copy
+        self._borrows: dict[tuple[int, int], Any] = {}
         self.routed: dict[int, set[int]] = {}
         self.fetch_s = 0.0  # waiting for experts (params in forward, moments in update)
         self.write_s = 0.0
@@ -292,7 +343,7 @@ class ExpertStates:
     def begin(self, step: int, grad: bool = True) -> None:
         """Start step ``step`` (1-based); ``grad=False`` for validation passes."""
         self.step, self.grad = step, grad
-        self.leaves.clear()
+        self._clear_leaves()
         self.routed = {}
         self.fetch_s = self.write_s = 0.0
         self.predicted = self.predicted_used = 0
@@ -332,9 +383,30 @@ class ExpertStates:
 
     def _fetch_direct(self, layer: int, ids: list[int]) -> dict[int, ExpertWeights]:
         self._check_budget(layer, (len(self.leaves) + len(ids)) * self.expert_bytes)
-        names = [n for e in ids for n in self._names(layer, e)]
-        got = self.store.get_many(names, device=self.device)
+        if self.zero_copy:
+            got = {}
+            for e in ids:
+                lent = self.store.borrow_many(self._names(layer, e))
+                self._borrows[(layer, e)] = lent
+                got[e] = tuple(lent.tensors[n] for n in self._names(layer, e))
+            return got  # type: ignore[return-value]
+        out: dict[str, Tensor] = {}
+        for e in ids:
+            bufs = [self.pool.take(self.shapes[w], self.device) for w in EXPERT_WEIGHTS]
+            self._leaf_bufs[(layer, e)] = bufs
+            out.update(zip(self._names(layer, e), bufs))
+        got = self.store.get_many(list(out), device=self.device, out=out)
         return {e: tuple(got[n] for n in self._names(layer, e)) for e in ids}  # type: ignore[misc]
+
+    def _clear_leaves(self, keys: Iterable[tuple[int, int]] | None = None) -> None:
+        """Forget leaves (all, or ``keys``) and give their buffers back to the pool."""
+        everything = {**self.leaves, **self._leaf_bufs, **self._borrows}
+        for k in list(everything) if keys is None else keys:
+            self.leaves.pop(k, None)
+            self.pool.give(self._leaf_bufs.pop(k, ()))
+            lent = self._borrows.pop(k, None)
+            if lent is not None:
+                lent.release()
 
     def _fetch_queue(self, layer: int, ids: list[int]) -> dict[int, ExpertWeights]:
         # Predictions for this layer that missed are no use now and their budget may be
@@ -390,7 +462,7 @@ class ExpertStates:
 
     def drop_all(self) -> None:
         """Give back every device copy (after a validation batch, at the end of a step)."""
-        self.leaves.clear()
+        self._clear_leaves()
         if self.queue:
             self._drop([k for k, got in self._held.items() if got], release=True)
             self._drop(list(self._held), release=False)
@@ -421,14 +493,30 @@ class ExpertStates:
                 keys += [(n, k) for n in self._names(layer, e) for k in MOMENTS]
         return keys
 
+    def _read_moments(self, keys: list[tuple[str, str]]) -> tuple[dict[Any, Tensor], Any]:
+        """A layer's moments and step counts, and what to give back once they are used: a
+        borrow (zero-copy) or pooled buffers (the step counts entry is small: read plainly)."""
+        if self.zero_copy:
+            lent = self.store.borrow_many(keys)
+            return lent.tensors, lent
+        out = {k: self.pool.take(self.shapes[k[0].rsplit(".", 1)[1]], self.device)
+               for k in keys if k[1] in MOMENTS}
+        return self.store.get_many(keys, device=self.device, out=out), None
+
+    def _done_with_moments(self, states: dict[Any, Tensor], lent: Any) -> None:
+        if lent is not None:
+            lent.release()
+        else:
+            self.pool.give(t for key, t in states.items() if key[1] in MOMENTS)
+
     def _start_moments(self, layer: int) -> None:
         """Start reading ``layer``'s moments on the reader thread (keys taken here: the
         step's bookkeeping is the main thread's)."""
         assert self._reader is not None
-        self._moments[layer] = self._reader.submit(
-            self.store.get_many, self._moment_keys(layer), device=self.device)
+        self._moments[layer] = self._reader.submit(self._read_moments,
+                                                   self._moment_keys(layer))
 
-    def _moments_of(self, layer: int) -> dict[Any, Any]:
+    def _moments_of(self, layer: int) -> tuple[dict[Any, Any], Any]:
         """``layer``'s moments: from the read started earlier, or read now. Either way the
         time spent waiting counts as stall."""
         t0 = time.perf_counter()
@@ -436,7 +524,7 @@ class ExpertStates:
         if pending is not None:
             states = pending.result()
         else:
-            states = self.store.get_many(self._moment_keys(layer), device=self.device)
+            states = self._read_moments(self._moment_keys(layer))
         self.fetch_s += time.perf_counter() - t0
         return states
 
@@ -450,35 +538,70 @@ class ExpertStates:
             if self._reader is not None and nxt is not None and nxt not in self._moments:
                 # Read the next layer's moments while this one is updated.
                 self._start_moments(nxt)
-            states = self._moments_of(layer)
-            counts = states[(step_counts_name(layer), STEP_KIND)]
-            items: list[tuple[str, str, Tensor]] = []
-            done: list[tuple[int, int]] = []
-            for e in sorted(e for lay, e in self.leaves if lay == layer):
-                weights = self.leaves[(layer, e)]
-                done.append((layer, e))
-                if any(w.grad is None for w in weights):
-                    continue  # no token reached it: lazy, nothing changes
-                counts[e] += 1
-                n = int(counts[e])
-                for name, w in zip(self._names(layer, e), weights):
-                    p, m, v = w.detach(), states[(name, MOMENTS[0])], states[(name, MOMENTS[1])]
-                    assert w.grad is not None
-                    adamw_step(p, w.grad, m, v, n, lr, tc.betas, tc.eps, tc.weight_decay)
-                    items += [(name, "param", p), (name, MOMENTS[0], m), (name, MOMENTS[1], v)]
-                updated += 1
-            items.append((step_counts_name(layer), STEP_KIND, counts))
+            states, lent = self._moments_of(layer)
+            try:
+                updated += self._update_layer(layer, states, lr, tc)
+            finally:
+                # The layer is done: its leaves and gradients can go (peak memory is one
+                # step's weights and gradients plus one or two layers' moments), and its
+                # device copies are of the old version now.
+                self._done_with_moments(states, lent)
+                done = [k for k in self.leaves if k[0] == layer]
+                self._clear_leaves(done)
+                if self.queue:
+                    self._drop([k for k in done if k in self._held], release=True)
+        return updated
+
+    def _update_layer(self, layer: int, states: dict[Any, Tensor], lr: float,
+                      tc: TrainConfig) -> int:
+        """AdamW for ``layer``'s touched experts; their new states go to the store (staged in
+        place, or with put_many) together with the layer's step counts."""
+        counts_key = (step_counts_name(layer), STEP_KIND)
+        counts = states[counts_key].clone()  # a lent view must not change: work on a copy
+        touched = [e for e in sorted(e for lay, e in self.leaves if lay == layer)
+                   if all(w.grad is not None for w in self.leaves[(layer, e)])]
+        for e in touched:  # lazy: an expert no token reached keeps its states and count
+            counts[e] += 1
+        t0 = time.perf_counter()
+        if self.zero_copy:
+            wanted = [(name, k, torch.float32, self.shapes[w])
+                      for e in touched for w, name in zip(EXPERT_WEIGHTS, self._names(layer, e))
+                      for k in ("param", *MOMENTS)]
+            wanted.append((*counts_key, counts.dtype, tuple(counts.shape)))
+            with self.store.stage_many(wanted) as staged:
+                new = staged.tensors
+                self.write_s += time.perf_counter() - t0
+                self._adamw(layer, touched, states, counts, lr, tc,
+                            lambda name: (new[(name, "param")], new[(name, MOMENTS[0])],
+                                          new[(name, MOMENTS[1])]))
+                new[counts_key].copy_(counts)
+                t0 = time.perf_counter()
+                staged.commit()
+        else:
+            items = self._adamw(layer, touched, states, counts, lr, tc, None)
+            items.append((*counts_key, counts))
             t0 = time.perf_counter()
             self.store.put_many(items)
-            self.write_s += time.perf_counter() - t0
-            # The layer is done: its leaves and gradients can go (peak memory is one step's
-            # weights and gradients plus one or two layers' moments), and its device copies
-            # are of the old version now.
-            for k in done:
-                del self.leaves[k]
-            if self.queue:
-                self._drop([k for k in done if k in self._held], release=True)
-        return updated
+        self.write_s += time.perf_counter() - t0
+        return len(touched)
+
+    def _adamw(self, layer: int, touched: list[int], states: dict[Any, Tensor],
+               counts: Tensor, lr: float, tc: TrainConfig,
+               out_of: Callable[[str], tuple[Tensor, Tensor, Tensor]] | None
+               ) -> list[tuple[str, str, Tensor]]:
+        """The AdamW arithmetic of ``touched`` experts: in place (returning the put_many
+        items), or into the tensors ``out_of(name)`` gives."""
+        items: list[tuple[str, str, Tensor]] = []
+        for e in touched:
+            n = int(counts[e])
+            for name, w in zip(self._names(layer, e), self.leaves[(layer, e)]):
+                p, m, v = w.detach(), states[(name, MOMENTS[0])], states[(name, MOMENTS[1])]
+                assert w.grad is not None
+                out = None if out_of is None else out_of(name)
+                adamw_step(p, w.grad, m, v, n, lr, tc.betas, tc.eps, tc.weight_decay, out=out)
+                if out is None:
+                    items += [(name, "param", p), (name, MOMENTS[0], m), (name, MOMENTS[1], v)]
+        return items
 
     def end(self) -> dict[int, list[int]]:
         """Close the step: device copies given back, the routing history updated. Returns
@@ -491,7 +614,9 @@ class ExpertStates:
 
     def close(self) -> None:
         for f in self._moments.values():
-            f.cancel()
+            if not f.cancel():  # read already: give back what it holds
+                with contextlib.suppress(Exception):  # its own error was reported or moot
+                    self._done_with_moments(*f.result())
         self._moments.clear()
         if self._reader is not None:
             self._reader.shutdown(wait=True)
@@ -531,16 +656,19 @@ def _check_identity(saved: dict[str, Any], cfg: MoEConfig, tc: TrainConfig, seed
         raise TrainerError(f"{where} holds a run with seed {saved['seed']}, not {seed}")
 
 
-def saved_run(store_path: PathLike) -> dict[str, Any] | None:
+def saved_run(store_path: PathLike | tierstore.Store) -> dict[str, Any] | None:
     """The model config, training config and seed (``model_config``, ``train_config``,
-    ``seed``) of the run the store at ``store_path`` holds; ``None`` if there is no store or
-    no run in it."""
-    try:
-        store = tierstore.open(store_path, host_cache=0)
-    except tierstore.NotAStoreError:
-        return None
-    with store:
-        raw = _read_entry(store, RUN_ENTRY)
+    ``seed``) of the run the store at ``store_path`` (or the open store given) holds;
+    ``None`` if there is no store or no run in it."""
+    if not isinstance(store_path, str | os.PathLike):
+        raw = _read_entry(store_path, RUN_ENTRY)
+    else:
+        try:
+            store = tierstore.open(store_path, host_cache=0)
+        except tierstore.NotAStoreError:
+            return None
+        with store:
+            raw = _read_entry(store, RUN_ENTRY)
     return None if raw is None else json.loads(raw.numpy().tobytes())
 
 
@@ -693,7 +821,7 @@ def train_store(
     seed: int = 0,
     train: TrainConfig | None = None,
     *,
-    store_path: PathLike,
+    store_path: PathLike | None,
     host_cache: int | str | None,
     device_budget: int | str | None = None,
     backing: str | None = None,
@@ -710,6 +838,8 @@ def train_store(
     fetch: str = "auto",
     read_ahead: bool | None = None,
     on_step: Callable[[Metrics], None] | None = None,
+    zero_copy: bool | None = None,
+    store: tierstore.Store | None = None,
 ) -> list[Metrics]:
     """Train ``model`` (a config or preset name) over the store at ``store_path`` until
     ``steps`` optimizer steps are done; returns the metrics of the steps this call ran.
@@ -722,7 +852,11 @@ def train_store(
     ``queue`` (the prefetch queue), ``direct`` (``get_many``) or ``auto`` (see
     :func:`resolve_fetch_mode`). ``read_ahead`` reads the next layer's AdamW moments on a
     thread while the current layer is updated (``None``: on accelerators only, where the
-    host's cores are free). A checkpoint is taken every ``checkpoint_every`` steps and
+    host's cores are free). ``zero_copy`` (CPU, direct mode) lends expert states straight
+    out of the host cache and stages new ones in it instead of copying them (``None``: when
+    the cache is at least four times the weights a step can touch). ``store``: an open store
+    to train over instead of opening ``store_path`` (a ``tierstore.connect`` client of a
+    daemon, say; left open). A checkpoint is taken every ``checkpoint_every`` steps and
     after the last one; ``resume`` continues from the latest (see the module docstring).
 
     Each step's metrics are those of :func:`trainer.resident.train_resident` plus
@@ -758,13 +892,18 @@ def train_store(
     opt = torch.optim.AdamW(param_groups(dense, tc.weight_decay), lr=tc.lr, betas=tc.betas,
                             eps=tc.eps)
 
-    store = tierstore.open(store_path, create=True, backing=backing, slab_size=slab_size,
-                           pmem_path=pmem_path, pmem_size=pmem_size, host_cache=host_cache,
-                           device_budget=device_budget)
+    owned = store is None
+    if store is None:
+        if store_path is None:
+            raise ValueError("train_store needs store_path or an open store")
+        store = tierstore.open(store_path, create=True, backing=backing, slab_size=slab_size,
+                               pmem_path=pmem_path, pmem_size=pmem_size,
+                               host_cache=host_cache, device_budget=device_budget)
     experts: ExpertStates | None = None
     try:
         tokens = tc.grad_accum * tc.batch_size * tc.seq_len
-        experts = ExpertStates(store, cfg, dev, mode, tokens, read_ahead, device_budget)
+        experts = ExpertStates(store, cfg, dev, mode, tokens, read_ahead, device_budget,
+                               zero_copy)
         start, payload = _start(store, experts, cfg, tc, seed, resume)
         if payload is not None:
             net.load_state_dict(payload["model"])
@@ -780,7 +919,8 @@ def train_store(
             if experts is not None:
                 experts.close()
         finally:
-            store.close()
+            if owned:
+                store.close()
 
 
 class _Run:

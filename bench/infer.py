@@ -1,0 +1,346 @@
+"""Inference throughput over the store: resident, ring at several K, expert mode, on demand.
+
+One model and one set of prompts, run through every expert source:
+
+- **resident**: every expert loaded onto the device first (the ceiling);
+- **ring K**: K slots of one MoE layer's experts each, refilled behind the compute
+  (``trainer.ring``), for each K asked and for ``auto``;
+- **expert**: routed experts only, the next layer's router predicting them, a device expert
+  cache (``trainer.expert_mode``);
+- **on-demand**: each layer's routed experts read synchronously when it runs, nothing kept
+  (``trainer.decoder.OnDemandSource``: what accelerate's offloading does).
+
+Two phases. **Prefill** (many prompt tokens per pass): per-layer compute is large, the ring
+should hide its transfers and run near the resident speed. **Decode** (one token per
+sequence per pass): per-layer compute is small, the ring must move every layer's experts
+for every token and is bound by the tier's bandwidth; its limit is ``bandwidth / bytes
+moved per token``, with the bandwidth measured in the same run by a timed
+``Store.get_many`` of the same experts through the same tier.
+
+The model is the store's (``--store``), an imported HF checkpoint (``--model-dir``), or by
+default a synthetic Mixtral-shaped one written with random weights through the public API
+(no ``transformers`` needed). Transfers read the backing tier (a host cache far smaller
+than one layer, the default) or host memory (``tier="host"``: every expert cached). Modes
+alternate in rounds and each keeps its best round; on a CPU the decode phase computes with
+one thread fewer than the cores in every mode, leaving one to the queue's copy thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import tierstore
+from trainer.decoder import (
+    DENSE_PREFIX,
+    MODEL_ENTRY,
+    MODEL_FORMAT,
+    DecoderConfig,
+    MoEDecoder,
+    expert_names,
+    json_entry,
+    load_model,
+    model_info,
+)
+from trainer.generate import GenerationResult, generate, make_source
+
+MiB = 1 << 20
+
+
+def synthetic_config(layers: int = 8, experts: int = 8, hidden: int = 512, ffn: int = 1024,
+                     vocab: int = 512, top_k: int = 2, heads: int = 8,
+                     kv_heads: int = 2) -> DecoderConfig:
+    """A Mixtral-shaped configuration (every layer MoE, top-k routing, GQA)."""
+    return DecoderConfig(
+        family="mixtral", vocab_size=vocab, hidden_size=hidden, n_layers=layers,
+        n_heads=heads, n_kv_heads=kv_heads, head_dim=hidden // heads, n_experts=experts,
+        top_k=top_k, moe_ffn=ffn, moe_layers=tuple(range(layers)), dense_ffn=ffn,
+        eos_token_ids=(), max_position=4096, dtype="float32")
+
+
+def write_synthetic_model(store: tierstore.Store, cfg: DecoderConfig, seed: int = 0,
+                          progress: Callable[[int], Any] | None = None) -> None:
+    """Random weights for ``cfg`` in the store layout ``trainer.decoder.load_model`` reads:
+    experts as ``layers.{i}.experts.{e}.w1|w2|w3``, dense weights under ``dense.``, then
+    ``model.json``. Weights are scaled by 1/sqrt(fan-in) so activations stay O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}[cfg.dtype]
+    h, f = cfg.hidden_size, cfg.moe_ffn
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dt)
+
+    for layer in cfg.moe_layers:
+        items = {}
+        for e in range(cfg.n_experts):
+            w1, w2, w3 = expert_names(layer, e)
+            items.update({w1: rand(f, h), w2: rand(h, f), w3: rand(f, h)})
+        store.put_many(items)
+        if progress is not None:
+            progress(sum(t.numel() * t.element_size() for t in items.values()))
+    torch.manual_seed(seed)
+    model = MoEDecoder(cfg)
+    store.put_many({DENSE_PREFIX + k: v.detach().to(dt).contiguous()
+                    for k, v in model.state_dict().items()})
+    info = {"format": MODEL_FORMAT, "family": cfg.family, "config": cfg.to_dict(),
+            "hf_config": None, "dense_prefix": DENSE_PREFIX, "tokenizer": []}
+    store.put(MODEL_ENTRY[0], json_entry(info), kind=MODEL_ENTRY[1])
+    store.flush()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(store: tierstore.Store, cfg: DecoderConfig, device: torch.device,
+                      repeats: int = 2) -> dict[str, Any]:
+    """Bytes per second of ``get_many`` of whole MoE layers' experts onto ``device``, the
+    path every source's transfers take (median over the layers and repeats)."""
+    rates, nbytes = [], 0
+    dev = None if device.type == "cpu" else device
+    for _ in range(repeats):
+        for layer in cfg.moe_layers:
+            names = [n for e in range(cfg.n_experts) for n in expert_names(layer, e)]
+            t0 = time.perf_counter()
+            got = store.get_many(names, device=dev)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            nbytes = sum(t.numel() * t.element_size() for t in got.values())
+            rates.append(nbytes / dt)
+            del got
+    return {"bytes_per_s": statistics.median(rates), "layer_bytes": nbytes,
+            "t_transfer_layer_s": nbytes / statistics.median(rates)}
+
+
+def _prompts(cfg: DecoderConfig, batch: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Lengths differ a little so that left padding is exercised.
+    return [torch.randint(0, cfg.vocab_size, (max(1, length - 3 * i),), generator=g).tolist()
+            for i in range(batch)]
+
+
+def _run(store: tierstore.Store, model: MoEDecoder, mode: str, prompts: list[list[int]],
+         new_tokens: int, *, slots: int | str = "auto", budget: int | None = None
+         ) -> tuple[GenerationResult, dict[str, Any]]:
+    source = make_source(mode, store, model, ring_slots=slots, budget=budget)
+    try:
+        res = generate(model, source, prompts, new_tokens, greedy=True, eos_token_ids=())
+    finally:
+        if hasattr(source, "close"):
+            source.close()
+    return res, res.source
+
+
+def _row(name: str, res: GenerationResult, phase: str, stats: dict[str, Any]) -> dict[str, Any]:
+    b = len(res.tokens)
+    if phase == "prefill":
+        tokens = stats["prompt_tokens"]
+        seconds = res.prefill_s
+    else:
+        steps = max(len(t) for t in res.tokens) - 1  # the first new token came from prefill
+        tokens = b * steps
+        seconds = res.decode_s
+    row = {"mode": name, "tokens": tokens, "seconds": seconds,
+           "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+           "stall_frac": res.stall_frac}
+    for k in ("slots", "slot_history", "hit_rate", "spec_accuracy", "bytes_moved",
+              "t_compute_s", "t_transfer_s", "cache_bytes"):
+        if res.source.get(k) is not None:
+            row[k] = res.source[k]
+    return row
+
+
+def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
+              json_out: str | None = None, layers: int = 8, experts: int = 8,
+              hidden: int = 512, ffn: int = 1024, prefill_batch: int = 4,
+              prefill_len: int = 128, decode_batch: int = 1, decode_tokens: int = 8,
+              ring_slots: Sequence[int] = (2, 4), host_cache: int | None = None,
+              expert_budget: float = 0.6, device: str | None = None, seed: int = 0,
+              repeats: int = 4, tier: str = "backing",
+              echo: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Run the benchmark (see the module docstring); returns (and writes) the results."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tmp = None
+    try:
+        if store_path is None:
+            tmp = tempfile.mkdtemp(prefix="tierstore-infer-", dir=".")
+            store_path = os.path.join(tmp, "store")
+            if model_dir is not None:
+                from trainer.hf_import import import_hf
+
+                import_hf(model_dir, store_path, progress=False)
+            else:
+                cfg0 = synthetic_config(layers, experts, hidden, ffn)
+                with tierstore.open(store_path, create=True, host_cache=0) as st:
+                    write_synthetic_model(st, cfg0, seed)
+        # tier "backing": a host cache far smaller than one layer's experts, so transfers
+        # read the backing tier (NVMe, O_DIRECT), the setting the store exists for; tier
+        # "host": every expert fits the host cache, so transfers are host-memory copies.
+        if host_cache is None:
+            with tierstore.open(store_path, host_cache=0) as probe:
+                cfg1 = DecoderConfig.from_dict(model_info(probe)["config"])
+            if tier == "host":  # room for every expert plus the per-slot rounding
+                cache = int(len(cfg1.moe_layers) * cfg1.layer_expert_bytes() * 1.25) + 64 * MiB
+            else:
+                cache = 16 * MiB
+        else:
+            cache = host_cache
+        with tierstore.open(store_path, host_cache=cache, device_budget="1TiB") as store:
+            return _bench(store, dev, json_out=json_out, prefill_batch=prefill_batch,
+                          prefill_len=prefill_len, decode_batch=decode_batch,
+                          decode_tokens=decode_tokens, ring_slots=ring_slots,
+                          expert_budget=expert_budget, seed=seed, echo=echo,
+                          host_cache=cache, repeats=repeats)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def measure_queue_bandwidth(store: tierstore.Store, cfg: DecoderConfig, device: torch.device
+                            ) -> float:
+    """Bytes per second of whole MoE layers' experts through the store's device prefetch
+    queue (the ring's and expert mode's transfer path): every layer requested at once, timed
+    until the last copy has landed."""
+    names = [n for layer in cfg.moe_layers[:4] for e in range(cfg.n_experts)
+             for n in expert_names(layer, e)]
+    t0 = time.perf_counter()
+    futures = store.prefetch(names, device=device)
+    nbytes = sum(f.result().numel() * f.result().element_size() for f in futures)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    store.cancel(names, device=device)
+    return nbytes / dt
+
+
+def _echo_row(echo: Callable[[str], Any], phase: str, row: dict[str, Any]) -> None:
+    echo(f"{phase:7s} {row['mode']:12s} {row['tokens_per_s']:9.1f} tokens/s  "
+         f"stall {row['stall_frac'] * 100:5.1f} %"
+         + (f"  K {row['slots']}" if "slots" in row else "")
+         + (f"  hit {row['hit_rate']:.2f}" if row.get("hit_rate") is not None else "")
+         + (f"  spec {row['spec_accuracy']:.2f}" if row.get("spec_accuracy") is not None
+            else ""))
+
+
+def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
+           prefill_batch: int, prefill_len: int, decode_batch: int, decode_tokens: int,
+           ring_slots: Sequence[int], expert_budget: float, seed: int,
+           echo: Callable[[str], Any], host_cache: int | None, repeats: int
+           ) -> dict[str, Any]:
+    model = load_model(store, dev)
+    cfg = model.cfg
+    n_moe = len(cfg.moe_layers)
+    layer_bytes = cfg.layer_expert_bytes(model.dtype)
+    total_expert_bytes = n_moe * layer_bytes
+    echo(f"model: {cfg.family}, {cfg.n_layers} layers ({n_moe} MoE) x {cfg.n_experts} experts "
+         f"of {tierstore.format_size(cfg.expert_bytes(model.dtype))}, "
+         f"{tierstore.format_size(total_expert_bytes)} of experts; device {dev}")
+    measure_bandwidth(store, cfg, dev, repeats=1)  # warms the host cache: one tier for all
+    ks = sorted({k for k in ring_slots if 1 <= k < n_moe})
+    expert_bytes_budget = max(int(expert_budget * total_expert_bytes),
+                              2 * cfg.n_experts * cfg.expert_bytes(model.dtype)
+                              + cfg.expert_bytes(model.dtype) * cfg.n_experts // 2)
+    modes: list[tuple[str, str, Any, int | None]] = [("resident", "resident", "auto", None)]
+    modes += [(f"ring K={k}", "ring", k, k * layer_bytes) for k in ks]
+    modes += [("ring auto", "ring", "auto", max(ks, default=2) * layer_bytes)]
+    modes += [("expert", "expert", "auto", expert_bytes_budget),
+              ("on-demand", "on-demand", "auto", None)]
+    resident_src = make_source("resident", store, model)
+    results: dict[str, Any] = {
+        "device": str(dev), "model": cfg.to_dict(), "host_cache": host_cache,
+        "expert_bytes_total": total_expert_bytes, "layer_bytes": layer_bytes,
+        "repeats": repeats, "ring_auto_budget_bytes": max(ks, default=2) * layer_bytes,
+        "expert_mode_budget_bytes": expert_bytes_budget}
+    bw_get: list[float] = []
+    bw_queue: list[float] = []
+    threads = torch.get_num_threads()
+    for phase in ("prefill", "decode"):
+        if phase == "prefill":
+            prompts = _prompts(cfg, prefill_batch, prefill_len, seed)
+            new = 1
+        else:
+            prompts = _prompts(cfg, decode_batch, 8, seed + 1)
+            new = decode_tokens
+            if dev.type == "cpu":
+                # On the CPU the queue's copy thread shares the cores with the compute
+                # threads, whose spin-waiting starves it while a decode step waits for
+                # experts; one compute thread fewer leaves it a core (every mode alike).
+                torch.set_num_threads(max(1, threads - 1))
+        results.setdefault("compute_threads", {})[phase] = torch.get_num_threads()
+        stats = {"prompt_tokens": sum(len(p) for p in prompts)}
+        generate(model, resident_src, prompts, min(new, 2))  # warm-up: thread pools, caches
+        tries: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in modes}
+        # Rounds interleave the modes, so that load from other work on a shared machine
+        # falls on all of them alike; each mode keeps its best round, since such load only
+        # ever slows a run down. The bandwidth is measured in every round the same way.
+        for _ in range(repeats):
+            bw_get.append(measure_bandwidth(store, cfg, dev, repeats=1)["bytes_per_s"])
+            bw_queue.append(measure_queue_bandwidth(store, cfg, dev))
+            for name, mode, slots, budget in modes:
+                if mode == "resident":
+                    res = generate(model, resident_src, prompts, new, eos_token_ids=())
+                else:
+                    res = _run(store, model, mode, prompts, new, slots=slots, budget=budget)[0]
+                tries[name].append(_row(name, res, phase, stats))
+        rows = []
+        for name, *_ in modes:
+            row = max(tries[name], key=lambda r: r["tokens_per_s"])
+            row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in tries[name]]
+            rows.append(row)
+            _echo_row(echo, phase, row)
+        results[phase] = {"prompts": len(prompts), "prompt_tokens": stats["prompt_tokens"],
+                          "new_tokens": new, "rows": rows}
+    torch.set_num_threads(threads)
+    # The tier's bandwidth: the faster of the two paths, best round (a higher bandwidth
+    # makes a higher limit, so the ratios against it are the conservative ones).
+    bw = max(max(bw_get), max(bw_queue))
+    t_transfer = layer_bytes / bw
+    results["bandwidth"] = {"get_many_bytes_per_s": max(bw_get),
+                            "queue_bytes_per_s": max(bw_queue), "bytes_per_s": bw,
+                            "t_transfer_layer_s": t_transfer}
+    echo(f"tier bandwidth: get_many {max(bw_get) / 1e9:.2f} GB/s, prefetch queue "
+         f"{max(bw_queue) / 1e9:.2f} GB/s; one layer's experts: {t_transfer * 1e3:.1f} ms")
+    for phase in ("prefill", "decode"):
+        ph = results[phase]
+        by = {r["mode"]: r for r in ph["rows"]}
+        seq = ph["prompts"]
+        passes = 1 if phase == "prefill" else max(by["resident"]["tokens"] / seq, 1)
+        t_compute = by["resident"]["seconds"] / passes / n_moe
+        ph.update(t_compute_layer_s=t_compute, t_transfer_layer_s=t_transfer,
+                  compute_bound=t_compute >= t_transfer)
+        resident, ondemand = by["resident"]["tokens_per_s"], by["on-demand"]["tokens_per_s"]
+        for r in ph["rows"]:
+            r["vs_resident"] = r["tokens_per_s"] / resident if resident else None
+            r["vs_on_demand"] = r["tokens_per_s"] / ondemand if ondemand else None
+        if phase == "decode":
+            # With K < MoE layers every layer's experts move for every decode step.
+            limit = bw / (n_moe * layer_bytes) * seq
+            ph["ring_limit_tokens_per_s"] = limit
+            for r in ph["rows"]:
+                if r["mode"].startswith("ring") and r.get("slots", n_moe) < n_moe:
+                    r["vs_bandwidth_limit"] = r["tokens_per_s"] / limit
+        echo(f"{phase}: per-layer compute {t_compute * 1e3:.1f} ms (resident), transfer "
+             f"{t_transfer * 1e3:.1f} ms: "
+             + ("compute-bound" if t_compute >= t_transfer else "transfer-bound"))
+        for r in ph["rows"]:
+            if r["mode"] == "resident":
+                continue
+            extra = (f", {r['vs_bandwidth_limit']:.2f} of the bandwidth limit"
+                     if "vs_bandwidth_limit" in r else "")
+            echo(f"  {r['mode']:12s} {r['vs_resident']:.2f} x resident, "
+                 f"{r['vs_on_demand']:.2f} x on-demand{extra}")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+        echo(f"wrote {json_out}")
+    return results

@@ -1,0 +1,127 @@
+"""``tierstore generate``: the --json line, text prompts through the stored tokenizer, the
+routing trace, a trainer checkpoint generating through the same path, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import tierstore
+from tierstore.cli import main
+from tierstore.lab import read_trace
+from trainer.decoder import load_model
+from trainer.generate import generate, make_source
+from trainer.hf_import import import_hf
+
+transformers = pytest.importorskip("transformers")
+from test_hf_models import make_hf_model  # noqa: E402 (the families' tiny HF models)
+
+KEYS = {"tokens", "tokens_per_s", "stall_frac", "hit_rate", "spec_accuracy"}
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("gen")
+    make_hf_model("mixtral", root / "hf")
+    import_hf(root / "hf", root / "store", progress=False)
+    yield root / "store"
+    shutil.rmtree(root, ignore_errors=True)  # slab files are preallocated
+
+
+def run(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(main, list(args))
+    return res.exit_code, res.output
+
+
+def json_line(out: str) -> dict:
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1, out
+    return json.loads(lines[0])
+
+
+def test_json_line_with_text_and_id_prompts(mixtral: Path, tmp_path: Path) -> None:
+    code, out = run("generate", "--store", str(mixtral), "--prompt", "the store keeps experts",
+                    "--prompt", "a ring of slots", "--max-new-tokens", "5", "--greedy",
+                    "--mode", "ring", "--ring-slots", "1", "--json")
+    assert code == 0, out
+    got = json_line(out)
+    assert set(got) == KEYS
+    assert len(got["tokens"]) == 2 and all(1 <= len(t) <= 5 for t in got["tokens"])
+    assert got["tokens_per_s"] > 0 and 0 <= got["stall_frac"] <= 1
+    assert got["spec_accuracy"] is None  # the ring predicts nothing
+    # The same prompts as ids, in expert mode, give the same tokens (and cache figures).
+    with tierstore.open(mixtral) as store:
+        from trainer.decoder import load_tokenizer
+
+        tok = load_tokenizer(store)
+        assert tok is not None
+        ids = [tok.encode(t).ids for t in ("the store keeps experts", "a ring of slots")]
+    trace = tmp_path / "trace.csv"
+    args = ["generate", "--store", str(mixtral), "--max-new-tokens", "5", "--greedy",
+            "--mode", "expert", "--json", "--trace", str(trace)]
+    for p in ids:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    code, out = run(*args)
+    assert code == 0, out
+    again = json_line(out)
+    assert again["tokens"] == got["tokens"]
+    assert 0 <= again["hit_rate"] <= 1 and 0 <= again["spec_accuracy"] <= 1
+    tr = read_trace(trace)
+    steps = max(len(t) for t in got["tokens"])
+    assert tr.has_nbytes and set(tr.step.tolist()) == set(range(steps))
+    assert set(tr.layer.tolist()) <= {0, 1, 2} and (tr.nbytes > 0).all()
+
+
+def test_text_output_and_sampling_seed(mixtral: Path) -> None:
+    common = ["generate", "--store", str(mixtral), "--prompt", "tokens route to",
+              "--max-new-tokens", "6", "--seed", "3", "--temperature", "1.3"]
+    code, out = run(*common)
+    assert code == 0, out
+    assert out.startswith("[0] ") and "tokens/s" in out and "mode ring" in out
+    a = json_line(run(*common, "--json")[1])["tokens"]
+    b = json_line(run(*common, "--json", "--mode", "expert")[1])["tokens"]
+    assert a == b
+
+
+def test_errors_are_one_line(mixtral: Path, tmp_path: Path) -> None:
+    code, out = run("generate", "--store", str(mixtral), "--prompt", "x", "--prompt-ids", "1",
+                    "--max-new-tokens", "2")
+    assert code == 2 and "--prompt" in out
+    code, out = run("generate", "--store", str(mixtral), "--prompt-ids", "1,a",
+                    "--max-new-tokens", "2")
+    assert code == 2 and "comma-separated integers" in out
+    code, out = run("generate", "--store", str(mixtral), "--prompt-ids", "1,99999",
+                    "--max-new-tokens", "2")
+    assert code == 2 and "outside the vocabulary" in out
+    code, out = run("generate", "--store", str(mixtral), "--prompt-ids", "1,2",
+                    "--max-new-tokens", "2", "--device-budget", "1KiB")
+    assert code == 2 and "cannot hold one MoE layer" in out
+    empty = tmp_path / "empty"
+    tierstore.open(empty, create=True).close()
+    code, out = run("generate", "--store", str(empty), "--prompt-ids", "1", "--max-new-tokens",
+                    "2")
+    assert code == 2 and "holds no model" in out
+
+
+def test_trainer_checkpoint_generates(tmp_path: Path) -> None:
+    store = tmp_path / "run"
+    code, out = run("train", "--store", str(store), "--model", "tiny", "--steps", "2",
+                    "--batch-size", "2", "--seq-len", "16", "--eval-every", "0",
+                    "--device", "cpu")
+    assert code == 0, out
+    code, out = run("generate", "--store", str(store), "--prompt", "def ", "--prompt",
+                    "import os", "--max-new-tokens", "6", "--greedy", "--ring-slots", "1",
+                    "--json")
+    assert code == 0, out
+    got = json_line(out)["tokens"]
+    assert [len(t) for t in got] == [6, 6]  # a byte-level model has no end-of-sequence id
+    with tierstore.open(store) as st:
+        model = load_model(st, "cpu")
+        src = make_source("resident", st, model)
+        prompts = [list(b"def "), list(b"import os")]
+        assert generate(model, src, prompts, 6).tokens == got

@@ -1,0 +1,115 @@
+"""The daemon's commands: ``tierstore serve``, ``tierstore status`` and ``tierstore bench
+daemon``. ``tierstore/cli.py`` registers them."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .cli_options import SIZE
+from .cli_options import run_command as _run
+from .sizes import format_size
+
+
+@click.command()
+@click.option("--store", "store", required=True, type=click.Path(file_okay=False),
+              help="The store to serve (made with `tierstore init`, or pass --create).")
+@click.option("--socket", "socket_path", required=True, type=click.Path(dir_okay=False),
+              help="Unix socket to listen on (created 0600, or 0660 with --group).")
+@click.option("--host-cache", type=SIZE, default="1GiB", show_default=True,
+              help="Host cache, in shared memory that clients map read-only.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve Prometheus /metrics and /healthz on 127.0.0.1:PORT (0: any free port).")
+@click.option("--group", help="Let this group's members connect: socket mode 0660, this group.")
+@click.option("--max-request", type=SIZE, default="4GiB", show_default=True,
+              help="Largest put (bytes per request) the daemon accepts.")
+@click.option("--policy", default="lfu-decay", show_default=True, help="Cache eviction policy.")
+@click.option("--create", is_flag=True, help="Create the store if it does not exist.")
+def serve(store: str, socket_path: str, host_cache: int, metrics_port: int | None,
+          group: str | None, max_request: int, policy: str, create: bool) -> None:
+    """Own STORE and serve it to the processes on this machine (`tierstore.connect(SOCKET)`):
+    one host cache for all of them, so each expert is read from the backing tier once.
+
+    A put is acknowledged once committed. SIGTERM (or Ctrl-C) writes back dirty entries and
+    exits 0. A second daemon on the same store exits with status 2.
+    """
+    from .daemon.server import Server
+
+    def go() -> int:
+        server = Server(store, socket_path, host_cache=host_cache, metrics_port=metrics_port,
+                        group=group, max_request_bytes=max_request, create=create,
+                        policy=policy, log=lambda m: click.echo(m, err=True))
+        click.echo(f"tierstore serve: {server.describe()}", err=True)
+        code = server.serve_forever()
+        click.echo("tierstore serve: flushed and stopped", err=True)
+        return code
+
+    _run(go)
+
+
+@click.command()
+@click.option("--connect", "socket_path", required=True, type=click.Path(dir_okay=False),
+              help="The daemon's socket.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status(socket_path: str, as_json: bool) -> None:
+    """A running daemon's clients, leases, hit rate, bytes per tier and queue depths."""
+    from .daemon.client import status as daemon_status
+
+    def go() -> None:
+        s = daemon_status(socket_path)
+        if as_json:
+            click.echo(json.dumps(s))
+            return
+        click.echo(f"daemon    pid {s['pid']}, up {s['uptime_s']:.0f} s, {s['socket']}")
+        click.echo(f"store     {s['store']} ({s['backend']})")
+        click.echo(f"clients   {s['clients']} ({s['connections']} connections, "
+                   f"{s['leases']} leases)")
+        for c in s["client_list"]:
+            click.echo(f"  pid {c['pid']}: {c['connections']} connections, {c['leases']} leases")
+        cache = s["cache"] or {}
+        click.echo(f"hit rate  {s['hit_rate']:.1%} ({cache.get('hits', 0)} hits, "
+                   f"{cache.get('misses', 0)} misses)")
+        tiers = ", ".join(f"{t} {format_size(b)}" for t, b in s["tier_bytes"].items())
+        click.echo(f"bytes     {tiers}")
+        q = s["queues"]
+        click.echo(f"queues    {q['requests_in_flight']} requests in flight; prefetch "
+                   f"{q['prefetch_queued']} queued, {q['prefetch_in_flight']} in flight, "
+                   f"{q['prefetch_resident']} resident; stall {s['stall_s']:.3f} s")
+        if s.get("metrics_port"):
+            click.echo(f"metrics   http://127.0.0.1:{s['metrics_port']}/metrics")
+
+    _run(go)
+
+
+@click.command(name="daemon")
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Scratch directory (default: a temporary directory here, removed after).")
+@click.option("--entry-bytes", type=SIZE, default="4MiB", show_default=True,
+              help="Size of each entry (an expert's tensor).")
+@click.option("--entries", default=32, show_default=True, help="Entries in the store.")
+@click.option("--clients", default="1,2,4,8", show_default=True,
+              help="Comma-separated client counts (threads in-process, processes via the daemon).")
+@click.option("--gets", default=200, show_default=True, help="Gets per client per measurement.")
+@click.option("--repeat", default=3, show_default=True,
+              help="In-process and daemon measured in turn this many times; medians reported.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: str, gets: int,
+                 repeat: int, json_out: str | None) -> None:
+    """Get throughput of cached entries through the daemon (client processes copying out of
+    the shared cache, and taking zero-copy views) against the same gets in-process (threads
+    on one store), for each client count; the ratio is daemon / in-process."""
+    from bench.daemon import run_daemon_bench
+
+    try:
+        counts = [int(c) for c in clients.split(",")]
+    except ValueError:
+        raise click.UsageError("--clients is a comma-separated list of integers") from None
+    if not counts or min(counts) < 1:
+        raise click.UsageError("--clients counts are positive")
+    def go() -> None:
+        run_daemon_bench(store, entry_bytes=entry_bytes, entries=entries, clients=counts,
+                         gets=gets, repeat=repeat, json_out=json_out, echo=click.echo)
+
+    _run(go)
+

@@ -1,0 +1,289 @@
+"""Expert-granular source: only the experts the routers pick reach the device.
+
+Three parts, all on the store's device prefetch queue (:meth:`tierstore.Store.prefetch`):
+
+- **Speculative prefetch.** When MoE layer i asks for its experts, the next MoE layer's
+  router is applied to layer i's normalised hidden state (``model.router_topk``) and the
+  experts it picks are requested at once, so their transfer overlaps layer i's compute (and
+  the attention of the layer after). Between adjacent layers the residual stream changes
+  little, so the guess is usually right; a wrong guess is cancelled when the real routing
+  is known. Prediction accuracy is ``|predicted ∩ routed| / |routed|`` over the layers that
+  had a prediction.
+- **A device-side expert cache** of ``cache_bytes`` whose eviction and admission follow a
+  cache policy from the cache lab (``lfu-decay`` by default): experts that keep being routed
+  to stay on the device across tokens. Hit rate is over every routed expert access.
+- **Budget.** Everything held (cached experts, the current layer's others, predictions in
+  flight) stays within the queue's byte budget; when a layer needs room, cached experts are
+  evicted in the policy's order and predictions are made only in the room that is left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import tierstore
+from tierstore.lab import make_policy
+
+from .ring import expert_entry_names, queue_budget, queue_bytes_moved
+
+ExpertWeights = tuple[Tensor, Tensor, Tensor]
+Key = tuple[int, int]  # (layer, expert)
+
+# Decode-like traces (one token per step) favour a short memory: see the README's cache
+# policy tables, where lfu-decay with period=16 matched lru and arc.
+DEFAULT_POLICY_ARGS: dict[str, Any] = {"period": 16}
+
+_CACHED, _TRANSIENT, _PREDICTED = "cached", "transient", "predicted"
+
+
+class ExpertModeSource:
+    """An :class:`trainer.decoder.ExpertSource` loading routed experts only.
+
+    ``budget``: bytes of experts the device may hold (default, and at most, the store's
+    prefetch budget for ``device``). ``cache_bytes``: the expert cache's share of it
+    (default, set again before every pass: the budget less room for two layers' routed
+    experts at most, ``2 · min(experts, top_k · tokens)``, so decoding one token keeps a
+    larger cache than a prefill; at least a quarter of the budget).
+    ``policy``/``policy_args``: the cache's eviction policy (see ``tierstore.lab.POLICIES``).
+    ``speculate=False`` turns the next-layer prediction off.
+    """
+
+    def __init__(self, store: tierstore.Store, device: str | torch.device, *,
+                 budget: int | None = None, cache_bytes: int | None = None,
+                 policy: str = "lfu-decay", policy_args: Mapping[str, Any] | None = None,
+                 speculate: bool = True, dtype: torch.dtype | None = None) -> None:
+        self.store = store
+        self.device = torch.device(device)
+        self.dtype = dtype
+        queue = queue_budget(store, self.device)
+        self.budget = queue if budget is None else min(int(budget), queue)
+        self._cache_bytes_arg = cache_bytes
+        args = dict(DEFAULT_POLICY_ARGS if policy == "lfu-decay" and policy_args is None
+                    else policy_args or {})
+        try:
+            self.policy = make_policy(policy, **args)
+        except (TypeError, ValueError) as e:
+            raise tierstore.StoreError(f"expert cache policy {policy!r}: {e}") from None
+        self.speculate = speculate
+        self.model: Any = None
+        self.expert_bytes = 0
+        self.cache_bytes = 0
+        self._state: dict[Key, str] = {}  # every expert holding (or about to hold) budget
+        self._in: dict[str, set[Key]] = {_CACHED: set(), _TRANSIENT: set(), _PREDICTED: set()}
+        self._weights: dict[Key, ExpertWeights] = {}  # acquired ones
+        self._predicted: dict[int, set[int]] = {}  # layer -> experts predicted for it
+        self._pass = 0
+        self.hits = self.misses = 0
+        self.spec_correct = self.spec_routed = self.spec_requested = 0
+        self.stall_s = 0.0
+        self.busy_s = 0.0
+        self._pass_start = 0.0
+        self._moved_start = 0
+
+    # -- set-up -----------------------------------------------------------------------
+    def _bind(self, model: Any) -> None:
+        self.model = model
+        layers = list(model.moe_layers)
+        if not layers:
+            raise tierstore.StoreError("the model has no MoE layers")
+        self._index = {layer: i for i, layer in enumerate(layers)}
+        self.n_experts = int(model.cfg.n_experts)
+        self.expert_bytes = sum(self.store.info(n).nbytes
+                                for n in expert_entry_names(layers[0], 0))
+        if self.budget < self.expert_bytes * model.cfg.top_k:
+            raise tierstore.StoreError(
+                f"the device budget ({tierstore.format_size(self.budget)}) cannot hold the "
+                f"{model.cfg.top_k} experts one token routes to "
+                f"({tierstore.format_size(self.expert_bytes * model.cfg.top_k)})")
+        self.top_k = int(model.cfg.top_k)
+        self._size_cache(1)
+        self.policy.attach(self.cache_bytes)
+        self._moved_start = queue_bytes_moved(self.store, self.device)
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _size_cache(self, n_tokens: int) -> None:
+        """The cache's share of the budget for a pass over ``n_tokens`` tokens: what is left
+        after room for the current and the predicted layer's routed experts. A smaller
+        share evicts on the next miss (the policy picks what goes)."""
+        if self._cache_bytes_arg is not None:
+            self.cache_bytes = min(int(self._cache_bytes_arg), self.budget)
+            return
+        per_layer = min(self.n_experts, self.top_k * max(1, n_tokens))
+        reserve = 2 * per_layer * self.expert_bytes
+        self.cache_bytes = max(self.budget - reserve, self.budget // 4)
+
+    def _names(self, key: Key) -> tuple[str, str, str]:
+        return expert_entry_names(*key)
+
+    def _held_bytes(self) -> int:
+        return len(self._state) * self.expert_bytes
+
+    def _cached_bytes(self) -> int:
+        return len(self._in[_CACHED]) * self.expert_bytes
+
+    def _set(self, k: Key, state: str) -> None:
+        old = self._state.get(k)
+        if old is not None:
+            self._in[old].discard(k)
+        self._state[k] = state
+        self._in[state].add(k)
+
+    def _drop(self, keys: Sequence[Key]) -> None:
+        """Give keys' device copies (or requests) back to the budget."""
+        if not keys:
+            return
+        self.store.cancel([n for k in keys for n in self._names(k)], device=self.device)
+        for k in keys:
+            old = self._state.pop(k, None)
+            if old is not None:
+                self._in[old].discard(k)
+            self._weights.pop(k, None)
+
+    def _evict(self, k: Key) -> None:
+        self.policy.record_remove(k, evicted=True)
+        self._drop([k])
+
+    def _make_room(self, nbytes: int, pinned: set[Key]) -> None:
+        """Evict cached experts (policy order, ``pinned`` spared) until ``nbytes`` more fit
+        in the budget; predictions for layers other than the pinned ones go first."""
+        if self._held_bytes() + nbytes <= self.budget:
+            return
+        stale = [k for k in self._in[_PREDICTED] if k not in pinned]
+        while stale and self._held_bytes() + nbytes > self.budget:
+            self._drop([stale.pop()])  # still counted as predicted for the accuracy
+        while self._held_bytes() + nbytes > self.budget:
+            victim = self.policy.victim(None, lambda k: k not in pinned
+                                        and self._state.get(k) == _CACHED)
+            if victim is None:
+                raise tierstore.StoreError(
+                    f"the device budget ({tierstore.format_size(self.budget)}) cannot hold "
+                    f"the experts one MoE layer routes to; raise --device-budget")
+            self._evict(victim)
+
+    def _request(self, keys: Sequence[Key], state: str) -> None:
+        if not keys:
+            return
+        layer = keys[0][0]
+        self.store.prefetch([n for k in keys for n in self._names(k)], device=self.device,
+                            priority=(self._pass, self._index[layer]))
+        for k in keys:
+            self._set(k, state)
+
+    def _convert(self, t: Tensor) -> Tensor:
+        return t if self.dtype is None or t.dtype == self.dtype else t.to(self.dtype)
+
+    # -- the ExpertSource protocol ------------------------------------------------------
+    def begin_pass(self, model: Any, n_tokens: int) -> None:
+        if self.model is None:
+            self._bind(model)
+        self._size_cache(n_tokens)
+        self._pass_start = time.perf_counter()
+
+    def experts(self, layer: int, ids: Sequence[int], x: Tensor) -> Mapping[int, ExpertWeights]:
+        keys = [(layer, int(e)) for e in ids]
+        wanted = set(keys)
+        # Predictions for this layer that missed: cancel them, their room is needed.
+        guessed = self._predicted.pop(layer, None)
+        if guessed is not None:
+            self.spec_correct += len(guessed & {k[1] for k in keys})
+            self.spec_routed += len(keys)
+            self._drop([(layer, e) for e in guessed
+                        if (layer, e) not in wanted and self._state.get((layer, e)) == _PREDICTED])
+        # This layer's missing experts first, so that they lead the queue.
+        missing = [k for k in keys if k not in self._state]
+        self._make_room(len(missing) * self.expert_bytes, wanted)
+        self._request(missing, _TRANSIENT)
+        for k in keys:
+            if self._state[k] == _PREDICTED:
+                self._set(k, _TRANSIENT)
+        if self.speculate:
+            self._speculate(layer, x, wanted)
+        t0 = time.perf_counter()
+        out: dict[int, ExpertWeights] = {}
+        for k in keys:
+            w = self._weights.get(k)
+            if w is None:
+                w = tuple(self._convert(self.store.acquire(n, device=self.device))
+                          for n in self._names(k))  # type: ignore[assignment]
+                self._weights[k] = w
+            out[k[1]] = w
+        self.stall_s += time.perf_counter() - t0
+        for k in keys:
+            self._account(k, wanted)
+        return out
+
+    def _speculate(self, layer: int, x: Tensor, pinned: set[Key]) -> None:
+        nxt = self.model.next_moe_layer(layer)
+        if nxt is None:
+            return
+        pred = torch.unique(self.model.router_topk(nxt, x)[0]).tolist()
+        self._predicted[nxt] = set(pred)
+        room = (self.budget - self._held_bytes()) // self.expert_bytes
+        guess = [(nxt, e) for e in pred if (nxt, e) not in self._state][:max(0, room)]
+        self._request(guess, _PREDICTED)
+        self.spec_requested += len(guess)
+
+    def _account(self, k: Key, pinned: set[Key]) -> None:
+        """One access of the device cache, through the policy's protocol."""
+        if self._state.get(k) == _CACHED:
+            self.hits += 1
+            self.policy.record_hit(k)
+            return
+        self.misses += 1
+        self.policy.record_miss(k, self.expert_bytes)
+        free = self.cache_bytes - self._cached_bytes()
+        fits = free >= self.expert_bytes
+        victims: list[Key] = []
+        if self.policy.evict_first(fits):
+            for v in self.policy.candidates(k, lambda c: c not in pinned):
+                victims.append(v)
+                free += self.expert_bytes
+                if free >= self.expert_bytes and not self.policy.evicts_all:
+                    break
+            if free < self.expert_bytes:
+                return  # nothing evictable makes room: stays transient
+        if not self.policy.admit(k, self.expert_bytes, victims):
+            return
+        for v in victims:
+            self._evict(v)
+        self.policy.record_insert(k, self.expert_bytes)
+        self._set(k, _CACHED)
+
+    def layer_done(self, layer: int) -> None:
+        self._drop([k for k in self._in[_TRANSIENT] if k[0] == layer])
+
+    def end_pass(self) -> None:
+        self.busy_s += time.perf_counter() - self._pass_start
+        self._pass += 1
+
+    def close(self) -> None:
+        """Give every expert back to the device budget."""
+        self._drop(list(self._state))
+        self._predicted.clear()
+
+    def stats(self) -> dict[str, Any]:
+        accesses = self.hits + self.misses
+        return {
+            "mode": "expert",
+            "budget_bytes": self.budget,
+            "cache_bytes": self.cache_bytes,
+            "cached_experts": len(self._in[_CACHED]),
+            "expert_bytes": self.expert_bytes,
+            "policy": self.policy.name,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hits / accesses if accesses else None,
+            "spec_accuracy": (self.spec_correct / self.spec_routed if self.spec_routed
+                              else None),
+            "spec_requested": self.spec_requested,
+            "stall_s": self.stall_s,
+            "busy_s": self.busy_s,
+            "stall_frac": self.stall_s / self.busy_s if self.busy_s else 0.0,
+            "bytes_moved": (queue_bytes_moved(self.store, self.device) - self._moved_start
+                            if self.model is not None else 0),
+        }

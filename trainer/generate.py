@@ -1,0 +1,336 @@
+"""Text generation with a :class:`trainer.decoder.MoEDecoder` whose experts live in a store.
+
+A batch of prompts is left-padded into one ``[B, T]`` tensor with an attention mask, run
+through the model once (prefill) to fill the KV cache, then extended one token per step.
+Like ``transformers``' ``generate``: a sequence that produced one of the model's
+end-of-sequence tokens is finished (its later positions get the pad token and are not
+returned), and generation stops when every sequence has finished or after
+``max_new_tokens``. Greedy decoding takes the arg-max; sampling divides the logits by the
+temperature, keeps the smallest set of tokens whose probability reaches ``top_p`` and
+draws from a generator seeded with ``seed``, so a seed reproduces its tokens.
+
+Which expert source the model uses (resident, on demand, ring, expert mode) is the
+caller's choice; :func:`make_source` builds one by name.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import tierstore
+
+from .decoder import MoEDecoder, OnDemandSource, ResidentSource, stop_tokens
+
+MODES = ("ring", "expert", "resident", "on-demand")
+
+
+@dataclass
+class GenerationResult:
+    """Generated tokens per prompt (prompt excluded, up to and including an end-of-sequence
+    token) and what the run measured."""
+
+    tokens: list[list[int]]
+    seconds: float  # prefill and decode, wall clock
+    prefill_s: float
+    decode_s: float
+    new_tokens: int  # generated tokens over all sequences
+    stall_s: float  # blocked waiting for experts
+    source: dict[str, Any] = field(default_factory=dict)  # the source's own statistics
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def stall_frac(self) -> float:
+        return self.stall_s / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The ``tierstore generate --json`` object."""
+        return {"tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
+                "stall_frac": self.stall_frac, "hit_rate": self.source.get("hit_rate"),
+                "spec_accuracy": self.source.get("spec_accuracy")}
+
+
+class _Instrumented:
+    """Wraps a source: times its ``experts`` calls (the stall, for sources that do not
+    measure their own) and records the routing trace."""
+
+    def __init__(self, inner: Any, recorder: Any = None, nbytes: int = 0) -> None:
+        self.inner, self.recorder, self.nbytes = inner, recorder, nbytes
+        self.step = 0
+        self.waited = 0.0
+
+    def begin_pass(self, model: MoEDecoder, n_tokens: int) -> None:
+        self.inner.begin_pass(model, n_tokens)
+
+    def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, Any]:
+        if self.recorder is not None:
+            self.recorder.record(self.step, layer, ids, self.nbytes)
+        t0 = time.perf_counter()
+        try:
+            return self.inner.experts(layer, ids, x)
+        finally:
+            self.waited += time.perf_counter() - t0
+
+    def layer_done(self, layer: int) -> None:
+        self.inner.layer_done(layer)
+
+    def end_pass(self) -> None:
+        self.inner.end_pass()
+
+
+def make_source(mode: str, store: tierstore.Store, model: MoEDecoder, *,
+                ring_slots: int | str = "auto", budget: int | None = None,
+                policy_args: Mapping[str, Any] | None = None) -> Any:
+    """An expert source by name: ``ring`` (``ring_slots`` K or ``"auto"``), ``expert``
+    (routed experts, speculative prefetch, device expert cache), ``resident`` (every expert
+    loaded first) or ``on-demand`` (synchronous reads of the routed experts)."""
+    if mode == "ring":
+        from .ring import RingSource
+
+        return RingSource(store, model.device, slots=ring_slots, budget=budget,
+                          dtype=model.dtype)
+    if mode == "expert":
+        from .expert_mode import ExpertModeSource
+
+        return ExpertModeSource(store, model.device, budget=budget, policy_args=policy_args,
+                                dtype=model.dtype)
+    if mode == "resident":
+        return ResidentSource(store, model)
+    if mode == "on-demand":
+        return OnDemandSource(store, model)
+    raise tierstore.StoreError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+def pad_left(prompts: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """``(ids [B, T], attention_mask [B, T])`` with the prompts right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise tierstore.StoreError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> Tensor:
+    """One token per row of ``logits`` ``[B, V]``."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    if temperature <= 0:
+        raise tierstore.StoreError(f"temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise tierstore.StoreError(f"top_p must be in (0, 1], got {top_p}")
+    scores = logits.float() / temperature
+    if top_p < 1.0:
+        # transformers' top-p: drop the least likely tokens whose total probability is at
+        # most 1 - top_p, always keeping the most likely one.
+        sorted_scores, order = scores.sort(dim=-1)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= 1 - top_p
+        remove[..., -1] = False
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def generate(model: MoEDecoder, source: Any, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
+             top_p: float = 1.0, seed: int | None = None,
+             eos_token_ids: Sequence[int] | None = None, pad_token_id: int | None = None,
+             trace: Any = None, trace_nbytes: int | None = None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids).
+    Sampling (``greedy=False``) with a ``seed`` repeats its tokens; without one it does not.
+
+    ``eos_token_ids`` default to the model's; ``pad_token_id`` to the model's, else its
+    first end-of-sequence id, else 0. ``trace``: a ``tierstore.lab.TraceRecorder`` that
+    receives every MoE layer's routed experts per step (step 0 is the prefill, step n the
+    n-th decode step), each access ``trace_nbytes`` long (default: one expert's bytes).
+    """
+    if max_new_tokens < 0:
+        raise tierstore.StoreError("max_new_tokens must be >= 0")
+    cfg = model.cfg
+    eos = tuple(stop_tokens(cfg) if eos_token_ids is None else eos_token_ids)
+    pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
+    if pad is None:
+        pad = eos[0] if eos else 0
+    for p in prompts:
+        bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise tierstore.StoreError(f"token ids {bad[:5]} outside the vocabulary "
+                                       f"(0..{cfg.vocab_size - 1})")
+    dev = model.device
+    ids, mask = pad_left(prompts, pad, dev)
+    b, t = ids.shape
+    wrapped = _Instrumented(source, trace, trace_nbytes if trace_nbytes is not None
+                            else cfg.expert_bytes(model.dtype))
+    generator = None
+    if not greedy:
+        generator = torch.Generator(device=dev)
+        if seed is None:
+            generator.seed()  # a fresh, unrepeatable draw
+        else:
+            generator.manual_seed(int(seed))
+    out = torch.full((b, max_new_tokens), pad, dtype=torch.long, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
+    n = 0
+    start = time.perf_counter()
+    prefill_s = 0.0
+    if max_new_tokens:
+        cache = model.new_cache(b, t + max_new_tokens)
+        logits = model(ids, wrapped, cache, mask)[:, -1]
+        prefill_s = time.perf_counter() - start
+        while True:
+            tok = next_tokens(logits, greedy=greedy, temperature=temperature, top_p=top_p,
+                              generator=generator)
+            tok = torch.where(done, torch.full_like(tok, pad), tok)
+            out[:, n] = tok
+            n += 1
+            if eos:
+                done |= torch.isin(tok, eos_t)
+            if n == max_new_tokens or bool(done.all()):
+                break
+            # transformers extends every row's mask, finished or not.
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
+            wrapped.step += 1
+            logits = model(tok[:, None], wrapped, cache, mask)[:, -1]
+    seconds = time.perf_counter() - start
+    tokens = _trim(out[:, :n].tolist(), set(eos))
+    stats = dict(source.stats()) if hasattr(source, "stats") else {}
+    stall = float(stats.get("stall_s", wrapped.waited))
+    return GenerationResult(tokens=tokens, seconds=seconds, prefill_s=prefill_s,
+                            decode_s=seconds - prefill_s,
+                            new_tokens=sum(len(s) for s in tokens), stall_s=stall,
+                            source=stats)
+
+
+def _trim(rows: list[list[int]], eos: set[int]) -> list[list[int]]:
+    """Each row up to and including its first end-of-sequence token."""
+    trimmed = []
+    for row in rows:
+        end = next((i for i, tok in enumerate(row) if tok in eos), len(row) - 1)
+        trimmed.append(row[:end + 1])
+    return trimmed
+
+
+def encode_prompts(store: tierstore.Store, family: str, texts: Sequence[str]) -> tuple[
+        list[list[int]], Any]:
+    """Token ids of text prompts through the store's tokenizer (a trainer model, which has
+    none, reads UTF-8 bytes), and the tokenizer (None for bytes)."""
+    from .decoder import load_tokenizer
+
+    tok = load_tokenizer(store)
+    if tok is not None:
+        return [tok.encode(t).ids for t in texts], tok
+    if family == "tierstore":
+        return [list(t.encode("utf-8")) for t in texts], None
+    raise tierstore.StoreError(f"store {store.path} holds no tokenizer: pass token ids with "
+                               "--prompt-ids")
+
+
+def decode_tokens(tok: Any, ids: Sequence[int]) -> str:
+    if tok is not None:
+        return str(tok.decode(list(ids), skip_special_tokens=False))
+    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Sequence[str],
+                 max_new_tokens: int, greedy: bool, temperature: float, top_p: float,
+                 seed: int | None, device_budget: int | None, ring_slots: str, mode: str,
+                 device: str, host_cache: int | None, trace: str | None, as_json: bool,
+                 threads: int | None = None, echo: Any = print,
+                 connect: str | None = None) -> None:
+    """What ``tierstore generate`` runs (see its --help)."""
+    import json
+
+    from tierstore.lab import TraceRecorder
+
+    from .decoder import load_model, model_info
+
+    if bool(prompts) == bool(prompt_ids):
+        raise tierstore.StoreError("give prompts with --prompt or with --prompt-ids (not both)")
+    slots: int | str = ring_slots
+    if ring_slots != "auto":
+        try:
+            slots = int(ring_slots)
+        except ValueError:
+            raise tierstore.StoreError(f"--ring-slots must be auto or a positive integer, "
+                                       f"got {ring_slots!r}") from None
+    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    before = torch.get_num_threads()
+    want = threads or before
+    if threads is None and torch.device(dev).type == "cpu" and mode in ("ring", "expert"):
+        # The prefetch queue's copy thread needs a core of its own: spin-waiting compute
+        # threads on every core starve it while a step waits for experts.
+        want = max(1, before - 1)
+    torch.set_num_threads(want)
+    try:
+        kw: dict[str, Any] = {}
+        if host_cache is not None:
+            kw["host_cache"] = host_cache
+        if device_budget is not None:
+            kw["device_budget"] = device_budget
+        if connect is not None:  # the daemon's store and host cache
+            opened = tierstore.connect(connect, device_budget=device_budget)
+        else:
+            opened = tierstore.open(store, **kw)
+        with opened as st:
+            family = model_info(st)["family"]
+            if prompt_ids:
+                try:
+                    ids = [[int(x) for x in p.replace(" ", "").split(",") if x] for p in prompt_ids]
+                except ValueError:
+                    raise tierstore.StoreError("--prompt-ids takes comma-separated integers, e.g. "
+                                               "1,2,3") from None
+                tok = None
+                if not as_json:
+                    from .decoder import load_tokenizer
+
+                    tok = load_tokenizer(st)
+            else:
+                ids, tok = encode_prompts(st, family, prompts)
+            model = load_model(st, dev)
+            source = make_source(mode, st, model, ring_slots=slots)
+            recorder = None
+            if trace is not None:
+                recorder = TraceRecorder(trace, comment=f"tierstore generate --mode {mode}: "
+                                         "step 0 is the prefill, then one step per token")
+            try:
+                res = generate(model, source, ids, max_new_tokens, greedy=greedy,
+                               temperature=temperature, top_p=top_p, seed=seed, trace=recorder)
+            finally:
+                if recorder is not None:
+                    recorder.close()
+                if hasattr(source, "close"):
+                    source.close()
+        if as_json:
+            echo(json.dumps(res.summary()))
+            return
+        for i, toks in enumerate(res.tokens):
+            shown = decode_tokens(tok, toks) if tok is not None or family == "tierstore" else toks
+            echo(f"[{i}] {shown}")
+        s = res.summary()
+        rate = f"{s['tokens_per_s']:.1f} tokens/s"
+        parts = [f"{res.new_tokens} tokens in {res.seconds:.2f} s ({rate})", f"mode {mode}",
+                 f"stall {s['stall_frac']:.1%}"]
+        if res.source.get("slots") is not None:
+            parts.append(f"ring slots {res.source['slots']}")
+        if s["hit_rate"] is not None:
+            parts.append(f"hit rate {s['hit_rate']:.1%}")
+        if s["spec_accuracy"] is not None:
+            parts.append(f"prediction accuracy {s['spec_accuracy']:.1%}")
+        echo(", ".join(parts))
+    finally:
+        torch.set_num_threads(before)
