@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nvme import RecycledBuffers
+
 from .. import errors
 from ..errors import StoreClosedError, StoreError
 from ..prefetch import DeviceQueues
@@ -202,6 +204,9 @@ class RemoteStore:
         self._pool_cv = threading.Condition(self._pool_lock)
         self._lent = 0  # connections in use by a call
         self._closed = False
+        # Results land in reused memory once callers drop earlier ones: faulting fresh pages
+        # in (on a VM that returns freed memory to its host) costs more than the copy.
+        self._results = RecycledBuffers(256 << 20)
         first = _Connection(self.socket_path, self.client_id, want_arena=True)
         if first.arena_fd < 0:
             first.close()
@@ -312,6 +317,7 @@ class RemoteStore:
             self._report(force=True)
         finally:
             self._closed = True
+            self._results.close()
             self._late.put(None)
             self._releaser.join(timeout=5)
             with self._pool_lock:
@@ -412,7 +418,7 @@ class RemoteStore:
               ) -> list[torch.Tensor]:
         got, lease = self._fetch(keys)
         try:
-            return [_deliver(key, meta, raw, out, device)
+            return [_deliver(key, meta, raw, out, device, self._results.take)
                     for key, (meta, raw), out in zip(keys, got, outs)]
         finally:
             lease.release()
@@ -424,7 +430,7 @@ class RemoteStore:
         (meta, raw), lease = (lambda r: (r[0][0], r[1]))(self._fetch([(name, kind)]))
         if not isinstance(raw, torch.Tensor) or not meta.nbytes:
             lease.release()
-            return _deliver((name, kind), meta, raw, None, None)
+            return _deliver((name, kind), meta, raw, None, None, self._results.take)
         t = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
         weakref.finalize(t, self._late.put, lease)
         return t
@@ -535,8 +541,8 @@ class RemoteStore:
                 self._give(conn)
 
 
-def _deliver(key: Key, meta: _Meta, raw: Any, out: torch.Tensor | None, device: Any
-             ) -> torch.Tensor:
+def _deliver(key: Key, meta: _Meta, raw: Any, out: torch.Tensor | None, device: Any,
+             take: Callable[[int], np.ndarray]) -> torch.Tensor:
     """The caller's own tensor: one copy of the raw bytes (never typed values, which some
     dtypes cannot copy bit for bit)."""
     dtype = dtype_from_name(meta.dtype)
@@ -551,13 +557,14 @@ def _deliver(key: Key, meta: _Meta, raw: Any, out: torch.Tensor | None, device: 
             return out
         return out.copy_(from_bytes(torch.from_numpy(src[: meta.nbytes].copy()), dtype,
                                     meta.shape))
-    dst = torch.empty(meta.nbytes, dtype=torch.uint8)
-    if meta.nbytes:
-        # numpy's copy stays on this thread: torch's would use its OpenMP pool, and several
-        # client processes each spinning a pool on the same cores slow each other down.
-        # (Splitting large copies over threads was measured too: no faster on 2 cores.)
-        np.copyto(dst.numpy(), src[: meta.nbytes])
-    t = dst.view(dtype).view(meta.shape) if meta.nbytes else torch.empty(meta.shape, dtype=dtype)
+    if not meta.nbytes:
+        return torch.empty(meta.shape, dtype=dtype, device=device)
+    dst = take(meta.nbytes)
+    # numpy's copy stays on this thread: torch's would use its OpenMP pool, and several
+    # client processes each spinning a pool on the same cores slow each other down.
+    # (Splitting large copies over threads was measured too: no faster on 2 cores.)
+    np.copyto(dst[: meta.nbytes], src[: meta.nbytes])
+    t = from_bytes(dst, dtype, meta.shape)
     if device is not None and torch.device(device).type != "cpu":
         return t.to(device)
     return t
