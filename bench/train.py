@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 import tierstore
-from trainer import TrainConfig, load_corpus, model_size, train_resident, train_store
-from trainer.resident import resolve_model_config
+from trainer import TrainConfig, model_size, train_resident, train_store
+from trainer.resident import corpus_for, resolve_model_config
 
 Metrics = dict[str, Any]
 
@@ -71,7 +71,7 @@ def run_train_bench(
     tc = TrainConfig(eval_every=0, **(overrides or {}))
     cfg = resolve_model_config(model, tc)
     size = model_size(cfg)
-    corpus = load_corpus(None, max_bytes=tc.corpus_max_bytes, val_fraction=tc.val_fraction)
+    corpus = corpus_for(tc)
     total = warmup + steps
     scratch = store or tempfile.mkdtemp(prefix="tierstore-bench-train-", dir=".")
     os.makedirs(scratch, exist_ok=True)

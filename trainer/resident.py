@@ -150,6 +150,28 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def corpus_for(tc: TrainConfig,
+               paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
+               ) -> Corpus:
+    """The corpus a run with ``tc`` reads: ``paths``, or the default one, capped and split
+    as ``tc`` says."""
+    return load_corpus(paths, max_bytes=tc.corpus_max_bytes, val_fraction=tc.val_fraction)
+
+
+def training_batches(
+    tc: TrainConfig, seed: int, corpus: Corpus | None = None,
+    corpus_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+) -> tuple[BatchSampler, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Both trainers' data: the training sampler and the fixed validation batches (none when
+    ``tc`` never evaluates), from ``corpus`` or the one :func:`corpus_for` reads."""
+    if corpus is None:
+        corpus = corpus_for(tc, corpus_paths)
+    sampler = BatchSampler(corpus.train, tc.batch_size, tc.seq_len, seed)
+    val_batches = (BatchSampler(corpus.val, tc.batch_size, tc.seq_len, seed)
+                   .fixed_batches(tc.eval_batches) if tc.eval_every > 0 else [])
+    return sampler, val_batches
+
+
 def step_metrics(
     step: int, tc: TrainConfig, dev: torch.device, t0: float, ce_sum: float, aux_sum: float,
     z_sum: float, norm: torch.Tensor, lr: float,
@@ -198,12 +220,7 @@ def train_resident(
     random.seed(seed)
     np.random.seed(seed % 2**32)
 
-    if corpus is None:
-        corpus = load_corpus(corpus_paths, max_bytes=tc.corpus_max_bytes,
-                             val_fraction=tc.val_fraction)
-    sampler = BatchSampler(corpus.train, tc.batch_size, tc.seq_len, seed)
-    val_batches = (BatchSampler(corpus.val, tc.batch_size, tc.seq_len, seed)
-                   .fixed_batches(tc.eval_batches) if tc.eval_every > 0 else [])
+    sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
 
     net = MoEModel(cfg, seed=seed).to(dev)
     net.train()

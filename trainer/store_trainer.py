@@ -80,7 +80,7 @@ from torch import Tensor
 import tierstore
 from tierstore import StoreError
 
-from .data import BatchSampler, Corpus, load_corpus
+from .data import BatchSampler, Corpus
 from .model import (
     EXPERT_WEIGHTS,
     ExpertWeights,
@@ -98,6 +98,7 @@ from .resident import (
     rng_state,
     set_rng_state,
     step_metrics,
+    training_batches,
 )
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -227,10 +228,6 @@ class BufferPool:
         with self._lock:
             for t in tensors:
                 self._free.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
 
 
 class ExpertStates:
@@ -879,12 +876,7 @@ def train_store(
     dev = torch.device(device)
     mode = resolve_fetch_mode(fetch, dev)
     _seed_everything(seed)
-    if corpus is None:
-        corpus = load_corpus(corpus_paths, max_bytes=tc.corpus_max_bytes,
-                             val_fraction=tc.val_fraction)
-    sampler = BatchSampler(corpus.train, tc.batch_size, tc.seq_len, seed)
-    val_batches = (BatchSampler(corpus.val, tc.batch_size, tc.seq_len, seed)
-                   .fixed_batches(tc.eval_batches) if tc.eval_every > 0 else [])
+    sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
 
     net = MoEModel(cfg, seed=seed, resident_experts=False).to(dev)
     net.train()
