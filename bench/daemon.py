@@ -5,8 +5,9 @@ cache that holds them all, so both sides measure the data path of a cache hit, n
 disk. In-process: N threads share one ``tierstore.open`` store, each doing ``gets`` random
 ``get`` calls (a copy out of the cache slot into a new tensor). Through the daemon: N client
 processes, each with ``tierstore.connect``, doing the same gets (a copy out of the shared
-mapping into a new tensor), and, separately, the same number of zero-copy ``view`` calls
-(which measure the control path alone: nothing is copied). Both sides are warmed first and
+mapping into a new tensor; after each entry's first get, without a round trip, through the
+daemon's published index), and, separately, the same number of zero-copy ``view`` calls
+(which always take the socket: they measure the control path alone, nothing is copied). Both sides are warmed first and
 start together at an agreed instant; throughput is the bytes delivered over the time from
 that instant to the last client's finish. In-process and daemon runs alternate ``repeat``
 times and medians are reported; the ratio is daemon / in-process at the same N.

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,7 @@ _LOADING, _READY, _EVICTING = "loading", "ready", "evicting"
 
 class _Entry:
     __slots__ = ("key", "nbytes", "start", "meta", "dirty", "gen", "pins", "state", "gone",
-                 "staged")
+                 "staged", "watch")
 
     def __init__(self, key: Key, nbytes: int, meta: Any) -> None:
         self.key = key
@@ -71,6 +71,7 @@ class _Entry:
         self.state = _LOADING
         self.gone = False  # invalidated (or evicted): no longer in the index
         self.staged = False  # a slot for a next version, indexed only by commit_staged
+        self.watch: Any = None  # the token of a watch() on it, until it retires
 
 
 class Handle:
@@ -205,6 +206,7 @@ class HostCache:
         self._bytes_resident = 0
         # Kept up to date as entries change, so stats() costs O(1) under the lock.
         self._n_dirty = self._n_evicting = 0
+        self._on_retire: Callable[[Any], None] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -441,6 +443,7 @@ class HostCache:
             if self._entries.get(victim.key) is victim:
                 self._unindex(victim)
             victim.gone = True
+            self._retire(victim)
             self._bytes_resident -= victim.nbytes
             del self._by_start[victim.start]
             inside = claim is not None and (
@@ -609,6 +612,7 @@ class HostCache:
             self._cond.notify_all()
 
     def _free_slot(self, entry: _Entry) -> None:
+        self._retire(entry)
         if entry.start >= 0 and self._by_start.get(entry.start) is entry:
             del self._by_start[entry.start]
             self._alloc.free(entry.start)
@@ -628,6 +632,7 @@ class HostCache:
             if (entry is None or entry.state != _READY or entry.pins
                     or entry.nbytes != _nbytes_of(data)):
                 return False
+            self._retire(entry)  # before a byte changes
             entry.state = _LOADING
             entry.pins = 1
             self._policy.record_hit(key)
@@ -655,6 +660,7 @@ class HostCache:
             entry = self._entries.get(key)
             if entry is None or entry.state == _EVICTING:
                 raise KeyError(key)
+            self._retire(entry)
             self._set_dirty(entry, True)
             entry.gen += 1
             if meta is not None:
@@ -678,6 +684,7 @@ class HostCache:
         del self._entries[entry.key]
         self._n_dirty -= entry.dirty
         self._n_evicting -= entry.state == _EVICTING
+        self._retire(entry)
 
     def dirty_keys(self) -> list[Key]:
         with self._cond:
@@ -776,6 +783,47 @@ class HostCache:
                 self._free_slot(entry)
             self._cond.notify_all()
             return True
+
+    # watching entries from outside (the daemon's lock-free index)
+    def on_retire(self, callback: Callable[[Any], None] | None) -> None:
+        """Call ``callback(token)``, under the cache's lock, when a watched entry retires:
+        when it stops being its key's current version or before its bytes can change
+        (eviction, invalidation, a newer version, an in-place overwrite, a freed slot)."""
+        with self._cond:
+            self._on_retire = callback
+
+    def watch(self, handle: Handle, publish: Callable[[int, int], Any]) -> Any:
+        """Watch ``handle``'s entry: ``publish(offset, nbytes)`` runs under the lock and its
+        result is the token ``on_retire`` will get. Returns the entry's token (the one from
+        an earlier watch if it has one), or None if the entry is not the current, settled
+        version of its key (nothing is published then)."""
+        entry = handle._entry
+        with self._cond:
+            if (self._on_retire is None or entry.gone or entry.staged or entry.state != _READY
+                    or self._entries.get(entry.key) is not entry):
+                return None
+            if entry.watch is None:
+                entry.watch = publish(entry.start * PAGE, entry.nbytes)
+            return entry.watch
+
+    def _retire(self, entry: _Entry) -> None:
+        if entry.watch is not None:
+            token, entry.watch = entry.watch, None
+            if self._on_retire is not None:
+                self._on_retire(token)
+
+    def record_hits(self, keys: Iterable[Key]) -> int:
+        """Count hits served without a lookup (readers of watched entries); keys no longer
+        resident are skipped. Returns the number counted."""
+        n = 0
+        with self._cond:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.state == _READY:
+                    self._hits += 1
+                    self._policy.record_hit(key)
+                    n += 1
+        return n
 
     # clock and counters
     def tick(self) -> None:

@@ -513,3 +513,53 @@ def test_readers_never_see_a_half_overwritten_entry():
         t.join()
     assert not bad
     assert done > 0  # some rewrites found the entry unpinned
+
+
+def test_watched_entries_retire_before_their_bytes_change():
+    """watch/on_retire (the daemon's lock-free index): a watched entry's token comes back
+    through on_retire when it is overwritten in place, replaced, invalidated or evicted, and
+    only the current, settled version of a key can be watched."""
+    retired = []
+    cache = HostCache(4 * PAGE, policy="lru")
+    cache.on_retire(retired.append)
+    tokens = iter(range(100))
+
+    def watch(key):
+        h = cache.lookup(key)
+        try:
+            return cache.watch(h, lambda off, n: (next(tokens), off, n))
+        finally:
+            h.release()
+
+    put(cache, "a", PAGE)
+    tok = watch("a")
+    assert tok[1] % PAGE == 0 and tok[2] == PAGE
+    assert watch("a") == tok  # one token per entry
+    assert cache.overwrite("a", pattern("a", PAGE, 1)) and retired == [tok]
+    tok = watch("a")
+    assert cache.invalidate("a") and retired[-1] == tok
+    put(cache, "b", PAGE)
+    tok = watch("b")
+    for k in "cdef":  # four pages of newer entries evict b
+        put(cache, k, PAGE)
+    assert "b" not in cache and retired[-1] == tok
+    h = cache.lookup("c")
+    staged = cache.stage("c", PAGE)
+    assert cache.watch(staged, lambda off, n: 0) is None  # not a version of anything yet
+    cache.commit_staged(staged)
+    assert cache.watch(h, lambda off, n: 0) is None  # no longer the current version
+    h.release()
+    n = len(retired)
+    cache.on_retire(None)
+    h = cache.lookup("c")
+    assert cache.watch(h, lambda off, n: 0) is None  # nobody listens: nothing published
+    h.release()
+    assert len(retired) == n
+
+
+def test_record_hits_counts_resident_keys_only():
+    cache = HostCache(4 * PAGE, policy="lfu")
+    put(cache, "a", PAGE)
+    before = cache.stats().hits
+    assert cache.record_hits(["a", "a", "gone"]) == 2
+    assert cache.stats().hits == before + 2

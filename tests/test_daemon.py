@@ -220,6 +220,86 @@ print("\n".join(out)); st.close()
         assert st.info("contended").version == version
 
 
+def test_published_reads_never_torn_while_overwritten_in_place(served: Daemon) -> None:
+    """Gets served from the published index (no round trip) while another process rewrites
+    the entry in its own slot: every read is one whole version, and the reads really were
+    served locally."""
+    reader = r"""
+import sys, torch, tierstore
+st = tierstore.connect(sys.argv[1]); seen = set()
+for k in range(3000):
+    got = st.get("inplace")
+    assert bool((got == got[0]).all()), f"torn read at {k}"
+    seen.add(float(got[0]))
+print(st.stats()["local_hits"], len(seen)); st.close()
+"""
+    with tierstore.connect(served.sock) as st:
+        st.put("inplace", torch.full((65536,), -1.0))
+        proc = subprocess.Popen([sys.executable, "-c", reader, str(served.sock)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        k = 0
+        while proc.poll() is None:
+            st.put("inplace", torch.full((65536,), float(k)))  # same size: in place
+            k += 1
+        out, err = proc.communicate()
+        assert proc.returncode == 0, err
+        local, versions = map(int, out.split())
+        assert local > 0 and versions > 1, out
+        assert bool((st.get("inplace") == k - 1).all())
+
+
+def test_published_read_torn_by_an_overwrite_is_discarded(
+        served: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worst interleaving, forced: a local copy whose second half lands after another
+    client's in-place overwrite. The sequence check must throw the torn copy away and read
+    the new version through the daemon."""
+    import numpy as np
+
+    from tierstore.daemon import client as client_mod
+
+    real = client_mod._deliver
+    fired = []
+    with tierstore.connect(served.sock) as a, tierstore.connect(served.sock) as b:
+        b.put("torn", torch.full((8192,), 1.0))
+        a.get("torn")  # publishes the row and tells a about it
+
+        def racing(key: Any, meta: Any, raw: Any, *args: Any) -> torch.Tensor:
+            t = real(key, meta, raw, *args)
+            if isinstance(raw, np.ndarray) and not fired:  # a copy out of the mapping
+                fired.append(True)
+                b.put("torn", torch.full((8192,), 2.0))  # same size: in place
+                half = meta.nbytes // 2
+                t.view(-1).view(torch.uint8)[half:] = torch.from_numpy(np.array(raw[half:]))
+            return t
+
+        monkeypatch.setattr(client_mod, "_deliver", racing)
+        local = a.stats()["local_hits"]
+        got = a.get("torn")
+        assert fired and bool((got == 2.0).all()), "a torn copy was returned"
+        assert a.stats()["local_hits"] == local
+
+
+def test_published_reads_see_every_acknowledged_change(served: Daemon) -> None:
+    """A client holding a published row reads the newer version (same size or not) and a
+    deletion once another client's put or delete is acknowledged; its local hits count as
+    the daemon's cache hits."""
+    with tierstore.connect(served.sock) as a, tierstore.connect(served.sock) as b:
+        b.put("ryw", torch.zeros(1024))
+        for _ in range(3):
+            assert bool((a.get("ryw") == 0).all())
+        hits0 = b.stats()["cache"]["hits"]
+        stats = a.stats()  # carries a's local hits to the daemon
+        assert stats["local_hits"] >= 2 and stats["cache"]["hits"] >= hits0 + 2
+        b.put("ryw", torch.ones(1024))
+        assert bool((a.get("ryw") == 1).all())
+        assert bool((a.get("ryw") == 1).all())
+        b.put("ryw", torch.full((2048,), 2.0))
+        assert a.get("ryw").shape == (2048,) and bool((a.get("ryw") == 2).all())
+        b.delete("ryw")
+        with pytest.raises(tierstore.EntryNotFoundError):
+            a.get("ryw")
+
+
 def test_client_killed_mid_read_releases_its_lease(served: Daemon) -> None:
     script = r"""
 import sys, time, tierstore

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import platform
 import queue
 import socket
 import threading
@@ -43,6 +44,10 @@ from . import protocol as P
 Key = tuple[str, str]
 MAX_CONNECTIONS = 8  # per client: concurrent requests from its threads
 RELEASE_DELAY_S = 0.002
+HITS_BATCH = 256  # self-served hits told to the daemon in one message, at most
+# Reading the daemon's published index without a lock relies on loads not being reordered
+# with other loads (a sequence lock without fences), which x86-64 guarantees.
+FAST_PATH = platform.machine().lower() in ("x86_64", "amd64")
 REPORT_EVERY_S = 0.5
 
 
@@ -219,8 +224,19 @@ class RemoteStore:
         self._describe = str(hello["describe"])
         self.max_request_bytes = int(hello["max_request_bytes"])
         size = int(hello["arena_bytes"])
-        self._map = mmap.mmap(first.arena_fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        self._arena_np = np.frombuffer(self._map, dtype=np.uint8)
+        rows = int(hello.get("index_rows", 0))
+        self._map = mmap.mmap(first.arena_fd, os.fstat(first.arena_fd).st_size,
+                              mmap.MAP_SHARED, mmap.PROT_READ)
+        self._arena_np = np.frombuffer(self._map, dtype=np.uint8, count=size)
+        # The daemon's index of published slots (server.py, "the published index"): a get
+        # of an entry learned through the socket is served from it without a round trip.
+        self._index = (np.frombuffer(self._map, dtype=np.int64, count=2 * rows,
+                                     offset=int(hello["index_offset"])).reshape(rows, 2)
+                       if rows and FAST_PATH else None)
+        self._rows: dict[Key, tuple[int, int, _Meta]] = {}
+        self._hits: list[int] = []  # [row, seq, ...] of self-served hits not yet told
+        self._hits_lock = threading.Lock()
+        self._local_hits = 0
         with warnings.catch_warnings():  # read-only on purpose: the daemon owns the slots
             warnings.simplefilter("ignore", UserWarning)
             self._arena_t = torch.from_numpy(self._arena_np)
@@ -264,11 +280,41 @@ class RemoteStore:
 
     def _call(self, op: int, fields: dict[str, Any] | None = None,
               payload: list[Any] | None = None) -> dict[str, Any]:
+        fields = self._with_hits(fields or {})
         conn = self._take()
         try:
-            return conn.request(op, fields or {}, payload)[0]
+            return conn.request(op, fields, payload)[0]
         finally:
             self._give(conn)
+
+    def _with_hits(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """``fields`` carrying the self-served hits not yet told (the daemon counts them as
+        cache hits and in its eviction policy)."""
+        if not self._hits:
+            return fields
+        with self._hits_lock:
+            hits, self._hits = self._hits, []
+        return {**fields, "h": hits}
+
+    def _note_hit(self, row: int, seq: int) -> None:
+        with self._hits_lock:
+            self._hits += (row, seq)
+            full = len(self._hits) >= 2 * HITS_BATCH
+        if full:
+            self._send_hits()
+        else:
+            self._arm_releaser()
+
+    def _send_hits(self) -> None:
+        fields = self._with_hits({})
+        if "h" not in fields or self._closed:
+            return
+        with contextlib.suppress(StoreError):
+            conn = self._take()
+            try:
+                conn.send_oneway(P.Op.REPORT, fields)
+            finally:
+                self._give(conn)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -297,6 +343,8 @@ class RemoteStore:
             for conn in conns:
                 if conn.pending:
                     conn.flush_releases()
+            if self._hits:
+                self._send_hits()
             if None in items:
                 return
 
@@ -315,6 +363,7 @@ class RemoteStore:
         try:
             self._queues.close()
             self._report(force=True)
+            self._send_hits()
         finally:
             self._closed = True
             self._results.close()
@@ -380,18 +429,21 @@ class RemoteStore:
         for name, kind in keys:
             check_name(name)
             check_kind(kind)
+        request = self._with_hits({"keys": [list(k) for k in keys]})
         conn = self._take()
         try:
-            fields, payload = conn.request(P.Op.GET, {"keys": [list(k) for k in keys]})
+            fields, payload = conn.request(P.Op.GET, request)
         finally:
             self._give(conn)
         lease = _Lease(self, conn, int(fields["lease"]))
         out = []
-        for item in fields["items"]:
+        for key, item in zip(keys, fields["items"]):
             meta = _Meta(item["d"], tuple(item["s"]), int(item["n"]), int(item["v"]))
             if "o" in item:
                 off = int(item["o"])
                 raw = self._arena_t[off : off + meta.nbytes]
+                if "x" in item and self._index is not None:
+                    self._rows[key] = (int(item["x"]), int(item["q"]), meta)
             else:
                 at = int(item["i"])
                 buf = payload if payload is not None else memoryview(bytearray(0))
@@ -416,12 +468,50 @@ class RemoteStore:
 
     def _read(self, keys: list[Key], device: Any, outs: list[torch.Tensor | None]
               ) -> list[torch.Tensor]:
-        got, lease = self._fetch(keys)
+        self._check_open()
+        results: list[torch.Tensor | None] = [None] * len(keys)
+        if self._rows and (device is None or torch.device(device).type == "cpu"):
+            for i, key in enumerate(keys):
+                results[i] = self._read_published(key, outs[i])
+        slow = [i for i, t in enumerate(results) if t is None]
+        if slow:
+            got, lease = self._fetch([keys[i] for i in slow])
+            try:
+                for i, (meta, raw) in zip(slow, got):
+                    results[i] = _deliver(keys[i], meta, raw, outs[i], device,
+                                          self._results.take)
+            finally:
+                lease.release()
+        return results  # type: ignore[return-value]
+
+    def _read_published(self, key: Key, out: torch.Tensor | None) -> torch.Tensor | None:
+        """A copy of ``key`` straight out of the mapping if the daemon has it published and
+        it stays published while copying (a sequence lock); None means ask the daemon."""
+        rec = self._rows.get(key)
+        if rec is None:
+            return None
+        row, seq, meta = rec
+        index = self._index
+        assert index is not None
+        if index[row, 0] != seq:
+            self._rows.pop(key, None)
+            return None
+        if out is not None and not (out.device.type == "cpu" and out.is_contiguous()):
+            return None
+        off = int(index[row, 1])
+        if not 0 <= off <= len(self._arena_np) - meta.nbytes:
+            return None
         try:
-            return [_deliver(key, meta, raw, out, device, self._results.take)
-                    for key, (meta, raw), out in zip(keys, got, outs)]
-        finally:
-            lease.release()
+            t = _deliver(key, meta, self._arena_np[off : off + meta.nbytes], out, None,
+                         self._results.take)
+        except errors.ShapeMismatchError:
+            return None  # the socket path raises it
+        if index[row, 0] != seq:  # retired while copying: the copy may be torn
+            self._rows.pop(key, None)
+            return None
+        self._note_hit(row, seq)
+        self._local_hits += 1
+        return t
 
     def view(self, name: str, kind: str = "param") -> torch.Tensor:
         """A read-only zero-copy tensor over the daemon's cache slot; the slot stays leased
@@ -453,10 +543,13 @@ class RemoteStore:
         return EntryInfo(**f)
 
     def stats(self) -> dict[str, Any]:
-        """The daemon store's stats, this client's prefetch queues under ``"prefetch"``, and
-        the daemon's own figures (clients, leases, queue depths) under ``"daemon"``."""
-        stats = self._call(P.Op.STATS)
+        """The daemon store's stats, this client's prefetch queues under ``"prefetch"``, the
+        daemon's own figures (clients, leases, queue depths) under ``"daemon"``, and under
+        ``"local_hits"`` the gets this client served from the daemon's published index
+        without a round trip (counted in the daemon's cache hits too)."""
+        stats = self._call(P.Op.STATS)  # carries this client's self-served hits
         stats["prefetch"] = self._queues.stats()
+        stats["local_hits"] = self._local_hits
         return stats
 
     def status(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@
   daemon maps read-write and hands to each client as a read-only file descriptor (a fresh
   O_RDONLY open of it, passed over the socket with SCM_RIGHTS; the memfd itself is chmod
   0400 so a client cannot reopen it for writing). A get answers (offset, length, dtype,
-  shape, lease): the client copies from its mapping, or keeps a read-only view.
+  shape, lease): the client copies from its mapping, or keeps a read-only view. Later
+  gets of a published entry skip the socket (see "the published index" below).
 - Leases: the slots a get answered with stay pinned in the cache (never evicted, never
   reused) until the client releases the lease or its connection closes.
 - Acknowledgement means durable: a put through the daemon lands in the cache and is then
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import grp
 import itertools
 import mmap
@@ -46,6 +48,8 @@ from . import protocol as P
 from .metrics import Histogram, MetricsServer, exposition
 
 DEFAULT_MAX_REQUEST = 4 << 30
+INDEX_ROW_BYTES = 16  # (seq, offset), int64 each
+MAX_INDEX_ROWS = 1 << 18  # 4 MiB of index; entries beyond it are served over the socket
 MAX_CONNECTIONS = 1024  # a connection costs a thread; more are refused
 MAX_CLIENT_ID = 64
 
@@ -98,13 +102,21 @@ class Server:
             raise StoreError("the daemon needs a host cache (--host-cache of at least 4KiB): "
                              "clients read entries out of it")
         self._gid = _group_id(group) if group is not None else None
-        # The arena first: the store's cache is carved out of it.
+        # The arena first: the store's cache is carved out of it. The index of published
+        # slots follows it in the same segment (see _publish).
+        self.index_rows = max(1, min(cap // PAGE, MAX_INDEX_ROWS))
+        index_bytes = -(-self.index_rows * INDEX_ROW_BYTES // PAGE) * PAGE
         self._memfd = os.memfd_create("tierstore-cache", os.MFD_CLOEXEC)
-        os.ftruncate(self._memfd, cap)
-        self._map = mmap.mmap(self._memfd, cap)
+        os.ftruncate(self._memfd, cap + index_bytes)
+        self._map = mmap.mmap(self._memfd, cap + index_bytes)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            arena = torch.frombuffer(self._map, dtype=torch.uint8)
+            arena = torch.frombuffer(self._map, dtype=torch.uint8, count=cap)
+        self._index = np.frombuffer(self._map, dtype=np.int64, count=self.index_rows * 2,
+                                    offset=cap).reshape(self.index_rows, 2)
+        self._index[:, 0] = 1  # odd: not published
+        self._free_rows = list(range(self.index_rows - 1, -1, -1))
+        self._row_keys: dict[int, Any] = {}
         # What clients get: a read-only open of the memfd, which is then made unopenable
         # for writing (a client could otherwise reopen /proc/self/fd/N read-write).
         self._ro_fd = os.open(f"/proc/self/fd/{self._memfd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -119,7 +131,10 @@ class Server:
         except BaseException:
             os.close(self._ro_fd)
             raise
-        self._arena_ptr = self.store._cache.arena.data_ptr()  # type: ignore[union-attr]
+        self._cache = self.store._cache
+        assert self._cache is not None
+        self._arena_ptr = self._cache.arena.data_ptr()
+        self._cache.on_retire(self._retire_row)
         self._stop = threading.Event()
         self._conns: dict[int, _Conn] = {}
         self._conns_lock = threading.Lock()
@@ -311,6 +326,8 @@ class Server:
             raise P.ProtocolError("say hello first")
         if "r" in fields:  # leases released since the client's last request
             self._release_leases(conn, P.Fields(fields).list("r"))
+        if "h" in fields:  # hits the client served itself since it last said
+            self._fast_hits(P.Fields(fields).list("h", 2 * P.MAX_KEYS))
         counted = op not in (P.Op.STATUS, P.Op.STATS, P.Op.RELEASE, P.Op.REPORT)
         if counted:
             with self._in_flight_lock:
@@ -345,7 +362,8 @@ class Server:
         return ({"pid": os.getpid(), "store": st.path, "backing": st.backing,
                  "describe": st.describe(), "arena_bytes": self.arena_bytes,
                  "max_request_bytes": self.max_request, "connection": conn.cid,
-                 "arena": bool(fds)}, [], fds)
+                 "arena": bool(fds), "index_offset": self.arena_bytes,
+                 "index_rows": self.index_rows}, [], fds)
 
     def _put(self, conn: _Conn, f: P.Fields, payload: bytearray | None) -> Any:
         items = f.list("items")
@@ -388,6 +406,7 @@ class Server:
             check_name(name)
             check_kind(kind)
         found, handles = self.store._host_bytes(keys)
+        by_key = {h.key: h for h in handles}
         items, parts, at = [], [], 0
         try:
             for key in keys:
@@ -396,6 +415,11 @@ class Server:
                                         "n": meta.nbytes, "v": meta.version}
                 if isinstance(raw, torch.Tensor):
                     item["o"] = raw.data_ptr() - self._arena_ptr
+                    h = by_key.get(key)
+                    token = (self._cache.watch(h, functools.partial(self._publish, key))
+                             if h is not None else None)
+                    if token is not None:
+                        item["x"], item["q"] = token
                 else:  # not cached (refused, no room): the bytes travel in the answer
                     item["i"] = at
                     if meta.nbytes:
@@ -411,6 +435,45 @@ class Server:
             lease = next(conn.lease_ids)
             conn.leases[lease] = handles
         return {"items": items, "lease": lease}, parts
+
+    # -- the published index: cache hits without a round trip --------------------------
+    # Row r of the index is (seq, offset). A published row's seq is even and its slot holds
+    # the entry the client learned it for (the client keeps the seq, the entry's metadata
+    # and the row from the get that published it); the cache retires the row (seq odd)
+    # before that slot's bytes can change or the entry stops being current. A client copies
+    # the bytes and keeps the copy only if the row's seq is the same before and after: a
+    # sequence lock, with the daemon the only writer. Both callbacks run under the cache's
+    # lock, so rows need no lock of their own.
+    def _publish(self, key: Any, offset: int, nbytes: int) -> tuple[int, int] | None:
+        if not self._free_rows:
+            return None  # clients use the socket for this one
+        row = self._free_rows.pop()
+        self._row_keys[row] = key
+        seq = int(self._index[row, 0]) + 1
+        self._index[row, 1] = offset
+        self._index[row, 0] = seq
+        return row, seq
+
+    def _retire_row(self, token: tuple[int, int]) -> None:
+        row, seq = token
+        self._index[row, 0] = seq + 1
+        self._row_keys.pop(row, None)
+        self._free_rows.append(row)
+
+    def _fast_hits(self, rows: list[Any]) -> int:
+        """Count the hits a client served itself from published rows ([row, seq, ...])."""
+        if len(rows) % 2:
+            raise P.ProtocolError("hits are [row, seq] pairs")
+        keys = []
+        for i in range(0, len(rows), 2):
+            row, seq = rows[i], rows[i + 1]
+            if (isinstance(row, bool) or isinstance(seq, bool) or not isinstance(row, int)
+                    or not isinstance(seq, int) or not 0 <= row < self.index_rows):
+                raise P.ProtocolError("hits are [row, seq] integer pairs")
+            key = self._row_keys.get(row)
+            if key is not None and int(self._index[row, 0]) == seq:
+                keys.append(key)
+        return self._cache.record_hits(keys)
 
     def _release(self, conn: _Conn, f: P.Fields, _p: Any) -> Any:
         return {"released": self._release_leases(conn, f.list("leases"))}
@@ -485,7 +548,10 @@ class Server:
         return {}
 
     def _report(self, conn: _Conn, f: P.Fields, _p: Any) -> Any:
-        """A client's prefetch queue figures (its device queues live in the client)."""
+        """A client's prefetch queue figures (its device queues live in the client) and the
+        cache hits it served itself."""
+        if "prefetch" not in f.f:  # hits only (read by _dispatch)
+            return {}
         queues = f.f.get("prefetch")
         if not isinstance(queues, dict) or len(queues) > 16:
             raise P.ProtocolError("prefetch is an object of at most 16 devices")
