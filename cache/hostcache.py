@@ -279,7 +279,8 @@ class HostCache:
         could free a slot (all pinned, or ``nbytes`` exceeds the largest slot). If ``key`` is
         already cached, its existing entry is returned (``new`` false; do not refill it).
         With ``data`` (bytes-like or a tensor of ``nbytes`` bytes) a new slot is filled and
-        published before returning.
+        published before returning; ``data`` for a key that is already cached is an error
+        (``invalidate`` or ``overwrite`` it), never silently dropped.
         """
         nbytes = int(nbytes)
         if nbytes < 0:
@@ -288,6 +289,10 @@ class HostCache:
             outcome = self._begin_insert(key, nbytes, meta)
         if isinstance(outcome, _Pending):
             outcome = self._write_back_victims(outcome)
+        if outcome is not None and not outcome.new and data is not None:
+            outcome.release()
+            raise ValueError(f"{key!r} is already cached: invalidate or overwrite it to "
+                             "store new bytes")
         if outcome is not None and outcome.new and data is not None:
             try:
                 _fill(outcome.view, data)

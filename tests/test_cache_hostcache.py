@@ -563,3 +563,13 @@ def test_record_hits_counts_resident_keys_only():
     before = cache.stats().hits
     assert cache.record_hits(["a", "a", "gone"]) == 2
     assert cache.stats().hits == before + 2
+
+
+def test_insert_with_data_over_a_cached_key_is_an_error():
+    cache = HostCache(4 * PAGE, policy="lru")
+    cache.insert("a", 8, data=b"old-byte").release()
+    with pytest.raises(ValueError, match="already cached"):
+        cache.insert("a", 8, data=b"new-byte")
+    h = cache.lookup("a")
+    assert bytes(h.view.numpy()) == b"old-byte" and h._entry.pins == 1
+    h.release()
