@@ -14,15 +14,22 @@ Two phases. **Prefill** (many prompt tokens per pass): per-layer compute is larg
 should hide its transfers and run near the resident speed. **Decode** (one token per
 sequence per pass): per-layer compute is small, the ring must move every layer's experts
 for every token and is bound by the tier's bandwidth; its limit is ``bandwidth / bytes
-moved per token``, with the bandwidth measured in the same run by a timed
-``Store.get_many`` of the same experts through the same tier.
+read from the tier per token``, with the bandwidth measured in the same run, in every
+round, by a timed ``Store.get_many`` of whole layers' experts through the same tier (and
+through the prefetch queue; the faster of the two sets the limit).
+
+Tiers (``tier``): ``nvme`` (or ``backing``, whatever the store's backing tier is): no host
+cache, so every transfer reads the backing tier (O_DIRECT, crc32c-verified); ``host``: a
+host cache holding every expert. On a CPU device the prefetch
+queue lends views of pinned host-cache slots instead of copying (stage 2 is a pin), so on the
+host tier no byte moves and a ring layer's "transfer" is the queue's control path: its cost
+is measured the same way, as the queue's rate over whole layers.
 
 The model is the store's (``--store``), an imported HF checkpoint (``--model-dir``), or by
 default a synthetic Mixtral-shaped one written with random weights through the public API
-(no ``transformers`` needed). Transfers read the backing tier (a host cache far smaller
-than one layer, the default) or host memory (``tier="host"``: every expert cached). Modes
-alternate in rounds and each keeps its best round; on a CPU the decode phase computes with
-one thread fewer than the cores in every mode, leaving one to the queue's copy thread.
+(no ``transformers`` needed). Modes alternate in rounds; every round is kept in the results
+and each mode reports its median. On a CPU the decode phase computes with one thread fewer
+than the cores in every mode, leaving one to the queue's I/O threads.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from trainer.decoder import (
 from trainer.generate import GenerationResult, generate, make_source
 
 MiB = 1 << 20
+TIERS = ("nvme", "backing", "host")
 
 
 def synthetic_config(layers: int = 8, experts: int = 8, hidden: int = 512, ffn: int = 1024,
@@ -129,6 +137,11 @@ def _prompts(cfg: DecoderConfig, batch: int, length: int, seed: int) -> list[lis
             for i in range(batch)]
 
 
+def _tier_bytes(store: tierstore.Store) -> int:
+    """Bytes the store has read from its backing tier so far."""
+    return int(store.stats()["tiers"][store.backing]["bytes_read"])
+
+
 def _run(store: tierstore.Store, model: MoEDecoder, mode: str, prompts: list[list[int]],
          new_tokens: int, *, slots: int | str = "auto", budget: int | None = None
          ) -> tuple[GenerationResult, dict[str, Any]]:
@@ -141,22 +154,36 @@ def _run(store: tierstore.Store, model: MoEDecoder, mode: str, prompts: list[lis
     return res, res.source
 
 
-def _row(name: str, res: GenerationResult, phase: str, stats: dict[str, Any]) -> dict[str, Any]:
+def _row(name: str, res: GenerationResult, phase: str, stats: dict[str, Any],
+         tier_bytes: int) -> dict[str, Any]:
     b = len(res.tokens)
+    steps = max(len(t) for t in res.tokens) - 1  # the first new token came from prefill
     if phase == "prefill":
         tokens = stats["prompt_tokens"]
         seconds = res.prefill_s
     else:
-        steps = max(len(t) for t in res.tokens) - 1  # the first new token came from prefill
         tokens = b * steps
         seconds = res.decode_s
     row = {"mode": name, "tokens": tokens, "seconds": seconds,
            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-           "stall_frac": res.stall_frac}
-    for k in ("slots", "slot_history", "hit_rate", "spec_accuracy", "bytes_moved",
+           "stall_frac": res.stall_frac,
+           # every pass of the run (the prefill and each decode step) read this much
+           "tier_bytes_per_pass": tier_bytes / (1 + steps)}
+    for k in ("slots", "slot_history", "hit_rate", "spec_accuracy", "bytes_moved", "bytes_read",
               "t_compute_s", "t_transfer_s", "cache_bytes"):
         if res.source.get(k) is not None:
             row[k] = res.source[k]
+    return row
+
+
+def _median_row(tries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of a mode's rounds: its tokens/s, the other figures from the round at
+    (or just below) the median; every round's tokens/s kept alongside."""
+    rates = [r["tokens_per_s"] for r in tries]
+    mid = statistics.median_low(rates)
+    row = dict(next(r for r in tries if r["tokens_per_s"] == mid))
+    row["tokens_per_s"] = statistics.median(rates)
+    row["tokens_per_s_runs"] = rates
     return row
 
 
@@ -166,9 +193,13 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
               prefill_len: int = 128, decode_batch: int = 1, decode_tokens: int = 8,
               ring_slots: Sequence[int] = (2, 4), host_cache: int | None = None,
               expert_budget: float = 0.6, device: str | None = None, seed: int = 0,
-              repeats: int = 4, tier: str = "backing",
+              repeats: int = 5, tier: str = "backing",
               echo: Callable[[str], Any] = print) -> dict[str, Any]:
     """Run the benchmark (see the module docstring); returns (and writes) the results."""
+    if tier not in TIERS:
+        raise tierstore.StoreError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
+    if repeats < 1:
+        raise tierstore.StoreError(f"repeats must be at least 1, got {repeats}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tmp = None
     try:
@@ -183,16 +214,20 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
                 cfg0 = synthetic_config(layers, experts, hidden, ffn)
                 with tierstore.open(store_path, create=True, host_cache=0) as st:
                     write_synthetic_model(st, cfg0, seed)
-        # tier "backing": a host cache far smaller than one layer's experts, so transfers
-        # read the backing tier (NVMe, O_DIRECT), the setting the store exists for; tier
-        # "host": every expert fits the host cache, so transfers are host-memory copies.
+        # tier "nvme"/"backing": no host cache, so every transfer reads the backing tier
+        # (O_DIRECT, checksums verified), the setting the store exists for; tier "host":
+        # every expert fits the host cache.
+        with tierstore.open(store_path, host_cache=0) as probe:
+            cfg1 = DecoderConfig.from_dict(model_info(probe)["config"])
+            backing = probe.backing
+        if tier == "nvme" and backing != "nvme":
+            raise tierstore.StoreError(f"--tier nvme needs a store on NVMe; this one is on "
+                                       f"{backing} (use --tier backing)")
         if host_cache is None:
-            with tierstore.open(store_path, host_cache=0) as probe:
-                cfg1 = DecoderConfig.from_dict(model_info(probe)["config"])
             if tier == "host":  # room for every expert plus the per-slot rounding
                 cache = int(len(cfg1.moe_layers) * cfg1.layer_expert_bytes() * 1.25) + 64 * MiB
             else:
-                cache = 16 * MiB
+                cache = 0
         else:
             cache = host_cache
         with tierstore.open(store_path, host_cache=cache, device_budget="1TiB") as store:
@@ -200,26 +235,41 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
                           prefill_len=prefill_len, decode_batch=decode_batch,
                           decode_tokens=decode_tokens, ring_slots=ring_slots,
                           expert_budget=expert_budget, seed=seed, echo=echo,
-                          host_cache=cache, repeats=repeats)
+                          host_cache=cache, repeats=repeats,
+                          tier="host" if tier == "host" else backing)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _queue_stats(store: tierstore.Store, device: torch.device) -> dict[str, Any]:
+    dev = device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return (store.stats().get("prefetch") or {}).get(str(dev)) or {}
+
+
 def measure_queue_bandwidth(store: tierstore.Store, cfg: DecoderConfig, device: torch.device
-                            ) -> float:
+                            ) -> tuple[float, float]:
     """Bytes per second of whole MoE layers' experts through the store's device prefetch
-    queue (the ring's and expert mode's transfer path): every layer requested at once, timed
-    until the last copy has landed."""
-    names = [n for layer in cfg.moe_layers[:4] for e in range(cfg.n_experts)
-             for n in expert_names(layer, e)]
+    queue (the ring's and expert mode's transfer path): four layers requested at once, each
+    at its own priority, timed until the last has landed; and the fraction of those bytes
+    the queue read from the backing tier (the rest were host-cache hits)."""
+    layers = cfg.moe_layers[:4]
+    names = {layer: [n for e in range(cfg.n_experts) for n in expert_names(layer, e)]
+             for layer in layers}
+    before = _queue_stats(store, device)
     t0 = time.perf_counter()
-    futures = store.prefetch(names, device=device)
+    futures = [f for i, layer in enumerate(layers)
+               for f in store.prefetch(names[layer], device=device, priority=i)]
     nbytes = sum(f.result().numel() * f.result().element_size() for f in futures)
     _sync(device)
     dt = time.perf_counter() - t0
-    store.cancel(names, device=device)
-    return nbytes / dt
+    del futures
+    store.cancel([n for layer in layers for n in names[layer]], device=device)
+    after = _queue_stats(store, device)
+    read = after.get("bytes_read", 0) - before.get("bytes_read", 0)
+    return nbytes / dt, read / nbytes if nbytes else 0.0
 
 
 def _echo_row(echo: Callable[[str], Any], phase: str, row: dict[str, Any]) -> None:
@@ -234,7 +284,7 @@ def _echo_row(echo: Callable[[str], Any], phase: str, row: dict[str, Any]) -> No
 def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
            prefill_batch: int, prefill_len: int, decode_batch: int, decode_tokens: int,
            ring_slots: Sequence[int], expert_budget: float, seed: int,
-           echo: Callable[[str], Any], host_cache: int | None, repeats: int
+           echo: Callable[[str], Any], host_cache: int | None, repeats: int, tier: str
            ) -> dict[str, Any]:
     model = load_model(store, dev)
     cfg = model.cfg
@@ -243,8 +293,13 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
     total_expert_bytes = n_moe * layer_bytes
     echo(f"model: {cfg.family}, {cfg.n_layers} layers ({n_moe} MoE) x {cfg.n_experts} experts "
          f"of {tierstore.format_size(cfg.expert_bytes(model.dtype))}, "
-         f"{tierstore.format_size(total_expert_bytes)} of experts; device {dev}")
+         f"{tierstore.format_size(total_expert_bytes)} of experts; device {dev}; "
+         f"experts from the {tier} tier")
     measure_bandwidth(store, cfg, dev, repeats=1)  # warms the host cache: one tier for all
+    # The ring and expert mode switch the CPU queue to views when they start; so does the
+    # bench, so that the queue's bandwidth is measured on their path from the first round.
+    if dev.type == "cpu":
+        store.prefetch_views(dev)
     ks = sorted({k for k in ring_slots if 1 <= k < n_moe})
     expert_bytes_budget = max(int(expert_budget * total_expert_bytes),
                               2 * cfg.n_experts * cfg.expert_bytes(model.dtype)
@@ -256,12 +311,13 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
               ("on-demand", "on-demand", "auto", None)]
     resident_src = make_source("resident", store, model)
     results: dict[str, Any] = {
-        "device": str(dev), "model": cfg.to_dict(), "host_cache": host_cache,
+        "device": str(dev), "tier": tier, "model": cfg.to_dict(), "host_cache": host_cache,
         "expert_bytes_total": total_expert_bytes, "layer_bytes": layer_bytes,
         "repeats": repeats, "ring_auto_budget_bytes": max(ks, default=2) * layer_bytes,
         "expert_mode_budget_bytes": expert_bytes_budget}
     bw_get: list[float] = []
     bw_queue: list[float] = []
+    queue_reads: list[float] = []
     threads = torch.get_num_threads()
     for phase in ("prefill", "decode"):
         if phase == "prefill":
@@ -271,44 +327,56 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
             prompts = _prompts(cfg, decode_batch, 8, seed + 1)
             new = decode_tokens
             if dev.type == "cpu":
-                # On the CPU the queue's copy thread shares the cores with the compute
-                # threads, whose spin-waiting starves it while a decode step waits for
-                # experts; one compute thread fewer leaves it a core (every mode alike).
+                # On the CPU the queue's threads share the cores with the compute threads,
+                # whose spin-waiting starves them while a decode step waits for experts; one
+                # compute thread fewer leaves them a core (every mode alike).
                 torch.set_num_threads(max(1, threads - 1))
         results.setdefault("compute_threads", {})[phase] = torch.get_num_threads()
         stats = {"prompt_tokens": sum(len(p) for p in prompts)}
         generate(model, resident_src, prompts, min(new, 2))  # warm-up: thread pools, caches
         tries: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in modes}
         # Rounds interleave the modes, so that load from other work on a shared machine
-        # falls on all of them alike; each mode keeps its best round, since such load only
-        # ever slows a run down. The bandwidth is measured in every round the same way.
+        # falls on all of them alike; each mode reports its median round. The bandwidth is
+        # measured in every round the same way.
         for _ in range(repeats):
             bw_get.append(measure_bandwidth(store, cfg, dev, repeats=1)["bytes_per_s"])
-            bw_queue.append(measure_queue_bandwidth(store, cfg, dev))
+            rate, read_frac = measure_queue_bandwidth(store, cfg, dev)
+            bw_queue.append(rate)
+            queue_reads.append(read_frac)
             for name, mode, slots, budget in modes:
+                before = _tier_bytes(store)
                 if mode == "resident":
                     res = generate(model, resident_src, prompts, new, eos_token_ids=())
                 else:
                     res = _run(store, model, mode, prompts, new, slots=slots, budget=budget)[0]
-                tries[name].append(_row(name, res, phase, stats))
+                tries[name].append(_row(name, res, phase, stats, _tier_bytes(store) - before))
         rows = []
         for name, *_ in modes:
-            row = max(tries[name], key=lambda r: r["tokens_per_s"])
-            row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in tries[name]]
+            row = _median_row(tries[name])
             rows.append(row)
             _echo_row(echo, phase, row)
         results[phase] = {"prompts": len(prompts), "prompt_tokens": stats["prompt_tokens"],
                           "new_tokens": new, "rows": rows}
     torch.set_num_threads(threads)
-    # The tier's bandwidth: the faster of the two paths, best round (a higher bandwidth
-    # makes a higher limit, so the ratios against it are the conservative ones).
-    bw = max(max(bw_get), max(bw_queue))
+    # Bandwidths: medians of the rounds. The limit for reads from the backing tier is the
+    # faster of get_many and the queue (a higher bandwidth makes a higher limit, so the
+    # ratios against it are the conservative ones); on the host tier no byte is read and
+    # the ring's per-layer cost is the queue's own (pins on a CPU, copies on CUDA).
+    reads_tier = tier != "host"
+    bw_get_med, bw_queue_med = statistics.median(bw_get), statistics.median(bw_queue)
+    bw = max(bw_get_med, bw_queue_med) if reads_tier else bw_queue_med
     t_transfer = layer_bytes / bw
-    results["bandwidth"] = {"get_many_bytes_per_s": max(bw_get),
-                            "queue_bytes_per_s": max(bw_queue), "bytes_per_s": bw,
-                            "t_transfer_layer_s": t_transfer}
-    echo(f"tier bandwidth: get_many {max(bw_get) / 1e9:.2f} GB/s, prefetch queue "
-         f"{max(bw_queue) / 1e9:.2f} GB/s; one layer's experts: {t_transfer * 1e3:.1f} ms")
+    results["bandwidth"] = {
+        "get_many_bytes_per_s": bw_get_med, "queue_bytes_per_s": bw_queue_med,
+        "get_many_runs": bw_get, "queue_runs": bw_queue,
+        "queue_read_from_tier_frac": statistics.median(queue_reads),
+        "bytes_per_s": bw, "t_transfer_layer_s": t_transfer,
+        "limit_basis": ("bytes read from the backing tier per pass / the tier's bandwidth"
+                        if reads_tier else
+                        "no bytes read from the backing tier: the queue's per-layer cost")}
+    echo(f"bandwidth: get_many {bw_get_med / 1e9:.2f} GB/s, prefetch queue "
+         f"{bw_queue_med / 1e9:.2f} GB/s ({statistics.median(queue_reads):.0%} of it read from "
+         f"the {tier} tier); one layer's experts: {t_transfer * 1e3:.1f} ms")
     for phase in ("prefill", "decode"):
         ph = results[phase]
         by = {r["mode"]: r for r in ph["rows"]}
@@ -318,19 +386,24 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
         ph.update(t_compute_layer_s=t_compute, t_transfer_layer_s=t_transfer,
                   compute_bound=t_compute >= t_transfer)
         resident, ondemand = by["resident"]["tokens_per_s"], by["on-demand"]["tokens_per_s"]
+        # A ring with K < MoE layers moves every layer's experts in every pass: it can go no
+        # faster than the slower of computing (the resident speed) and moving them all.
+        tokens_per_pass = ph["prompt_tokens"] if phase == "prefill" else seq
+        move_limit = tokens_per_pass / (n_moe * t_transfer)
+        limit = min(resident, move_limit) if resident else move_limit
+        ph["ring_limit_tokens_per_s"] = limit
+        ph["ring_move_limit_tokens_per_s"] = move_limit
         for r in ph["rows"]:
             r["vs_resident"] = r["tokens_per_s"] / resident if resident else None
             r["vs_on_demand"] = r["tokens_per_s"] / ondemand if ondemand else None
-        if phase == "decode":
-            # With K < MoE layers every layer's experts move for every decode step.
-            limit = bw / (n_moe * layer_bytes) * seq
-            ph["ring_limit_tokens_per_s"] = limit
-            for r in ph["rows"]:
-                if r["mode"].startswith("ring") and r.get("slots", n_moe) < n_moe:
-                    r["vs_bandwidth_limit"] = r["tokens_per_s"] / limit
+            if r["mode"].startswith("ring") and r.get("slots", n_moe) < n_moe:
+                r["vs_ring_limit"] = r["tokens_per_s"] / limit
+                if reads_tier and move_limit < resident:  # transfer-bound: the bytes decide
+                    r["vs_bandwidth_limit"] = r["tokens_per_s"] / move_limit
         echo(f"{phase}: per-layer compute {t_compute * 1e3:.1f} ms (resident), transfer "
              f"{t_transfer * 1e3:.1f} ms: "
-             + ("compute-bound" if t_compute >= t_transfer else "transfer-bound"))
+             + ("compute-bound" if t_compute >= t_transfer else "transfer-bound")
+             + f"; a ring's limit {limit:.1f} tokens/s")
         for r in ph["rows"]:
             if r["mode"] == "resident":
                 continue

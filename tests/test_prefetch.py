@@ -548,3 +548,92 @@ def test_randomized_threads_keep_the_budget_and_leak_nothing(make_store) -> None
         st.release(name)
     st.close()
     assert prefetch_threads() == []
+
+
+# -- zero copy on the CPU -----------------------------------------------------------------
+def in_arena(st: tierstore.Store, t: torch.Tensor) -> bool:
+    arena = st._cache.arena
+    return arena.data_ptr() <= t.data_ptr() < arena.data_ptr() + arena.numel()
+
+
+def churn(st: tierstore.Store, names: list[str]) -> None:
+    """Read other entries through a small host cache, so that unpinned slots are evicted
+    and reused."""
+    for _ in range(3):
+        for name in names:
+            st.get(name)
+
+
+def test_cpu_acquire_is_a_view_of_the_pinned_cache_slot(make_store) -> None:
+    st = make_store(host_cache="1MiB")  # two of these entries
+    data = put_entries(st, 5, numel=MiB // 8)
+    st.flush()
+    assert st.prefetch_views()
+    view = st.acquire("e.0")
+    assert in_arena(st, view) and torch.equal(view, data["e.0"])
+    s = pf_stats(st)
+    assert s["zero_copy"] and s["bytes_copied"] == 0 and s["bytes_moved"] == MiB // 2
+    churn(st, ["e.1", "e.2", "e.3", "e.4"])  # pinned: never evicted nor overwritten
+    assert st._cache.peek(("e.0", "param")) is not None
+    assert torch.equal(view, data["e.0"])
+    # Released but still referenced: the view keeps its slot.
+    assert st.release("e.0")
+    churn(st, ["e.1", "e.2", "e.3", "e.4"])
+    assert torch.equal(view, data["e.0"])
+    # Once the last tensor over it is gone the pin goes too, and the slot can be evicted.
+    del view
+    wait_until(lambda: churn(st, ["e.1", "e.2", "e.3"]) or
+               st._cache.peek(("e.0", "param")) is None, "e.0 to be evicted")
+
+
+def test_cancelled_and_dropped_entries_release_their_pins(make_store) -> None:
+    st = make_store(host_cache="1MiB")
+    data = put_entries(st, 4, numel=MiB // 8)
+    st.flush()
+    st.prefetch_views()
+    fut = st.prefetch("e.0")[0]
+    assert torch.equal(fut.result(timeout=30), data["e.0"])
+    assert st.cancel("e.0") == 1
+    del fut
+    # Cancelled while its stage 1 runs: the pin taken by the read goes when it lands.
+    w = Watch(st)
+    w.gate(["e.1"])
+    st.prefetch("e.1")
+    wait_until(lambda: w.names() == ["e.1"], "e.1 to start")
+    assert st.cancel("e.1") == 1
+    w.open()
+    wait_until(lambda: pf_stats(st)["in_use_bytes"] == 0, "e.1's credits to come back")
+    wait_until(lambda: churn(st, ["e.2", "e.3"]) or
+               (st._cache.peek(("e.0", "param")) is None
+                and st._cache.peek(("e.1", "param")) is None), "e.0 and e.1 to be evicted")
+
+
+def test_entries_the_cache_does_not_take_are_read_into_their_own_buffers(make_store) -> None:
+    st = make_store(host_cache="1MiB")
+    st.put("big", torch.arange(MiB, dtype=torch.float32))  # 4 MiB: larger than the cache
+    st.put("small", torch.ones(1000))
+    st.flush()
+    st.prefetch_views()
+    big = st.acquire("big")
+    assert not in_arena(st, big) and torch.equal(big, torch.arange(MiB, dtype=torch.float32))
+    s = pf_stats(st)
+    assert s["bytes_read"] == 4 * MiB and s["bytes_copied"] == 0
+    st.acquire("small")
+    assert pf_stats(st)["bytes_read"] == 4 * MiB  # a cache hit reads nothing
+
+
+def test_copies_until_views_are_asked_for(make_store) -> None:
+    st = make_store(host_cache="1MiB")
+    data = put_entries(st, 2, numel=MiB // 8)
+    st.flush()
+    got = st.acquire("e.0")  # a caller's own copy: writing into it is allowed
+    assert not in_arena(st, got) and torch.equal(got, data["e.0"])
+    got.zero_()
+    assert torch.equal(st.get("e.0"), data["e.0"])
+    s = pf_stats(st)
+    assert not s["zero_copy"] and s["bytes_copied"] == s["bytes_moved"] == MiB // 2
+    assert st.prefetch_views() and pf_stats(st)["zero_copy"]
+    assert in_arena(st, st.acquire("e.1"))
+    assert not st.prefetch_views(enabled=False)
+    st.release("e.0")
+    assert not in_arena(st, st.acquire("e.0"))

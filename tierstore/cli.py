@@ -631,15 +631,16 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
 @click.option("--decode-tokens", default=8, show_default=True, help="Tokens generated per prompt.")
 @click.option("--ring-slots", default="2,4", show_default=True,
               help="Comma-separated ring sizes K to measure (besides auto).")
-@click.option("--tier", type=click.Choice(["backing", "host"]), default="backing",
+@click.option("--tier", type=click.Choice(["backing", "nvme", "host"]), default="backing",
               show_default=True,
-              help="Where transfers read from: the backing tier (a 16 MiB host cache) or host "
+              help="Where the experts come from: the store's backing tier with no host cache, "
+                   "so every transfer reads it ('nvme' also checks that it is NVMe), or host "
                    "memory (a host cache holding every expert).")
 @click.option("--host-cache", type=SIZE, help="Host cache size (overrides --tier).")
 @click.option("--expert-budget", default=0.6, show_default=True,
               help="Expert mode's device budget as a fraction of all experts' bytes.")
-@click.option("--repeats", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Rounds over every mode (interleaved); each mode keeps its best round.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Rounds over every mode (interleaved); each mode reports its median.")
 @click.option("--device", default=None, help="Compute device (default: cuda if available).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
 def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: int, hidden: int,

@@ -952,6 +952,8 @@ class Store:
         shares its transfer and future (and raises its priority if this one is sooner).
         Transfers take the entry's bytes from the device's budget when they start and give
         them back on :meth:`release` or :meth:`cancel`. A failed read fails its future only.
+        On the CPU "device", after :meth:`prefetch_views`, nothing is copied: the result is
+        a read-only view (see there).
         """
         self._check_open()
         return self._queues.get(device).request(prefetch_keys(names, kind), priority)
@@ -969,7 +971,8 @@ class Store:
         spent waiting is the stall reported in ``stats()["prefetch"]``. On CUDA the current
         stream waits on the copy's event, not the host. The copy holds its budget until
         :meth:`release`. ``timeout`` (seconds) raises TimeoutError rather than waiting for
-        a budget that nothing releases."""
+        a budget that nothing releases. After :meth:`prefetch_views` on the CPU it is a
+        read-only view, not a copy."""
         self._check_open()
         (key,) = prefetch_keys([(name, kind)], kind)
         return self._queues.get(device).acquire(key, timeout)
@@ -996,6 +999,18 @@ class Store:
         resident copy is dropped as by :meth:`release`. Returns how many were found."""
         self._check_open()
         return self._queues.get(device).drop(prefetch_keys(names, kind), release=False)
+
+    def prefetch_views(self, device: str | torch.device | None = None,
+                       enabled: bool = True) -> bool:
+        """Make the prefetch queue of ``device`` lend read-only views instead of copies (or,
+        ``enabled=False``, copy again); returns whether it lends views. Only the CPU
+        "device" can, where device memory is host memory: a prefetched entry is then a view
+        of its pinned host-cache slot (or of the buffer it was read into, where the cache
+        did not take it), pinned while the queue holds it and while any tensor over it
+        lives. It applies to every user of that queue, and none may write into what
+        :meth:`acquire` returns. On CUDA stage 2 always copies: returns False."""
+        self._check_open()
+        return self._queues.get(device).set_zero_copy(enabled)
 
     def _entry_nbytes(self, key: Key) -> int:
         """An entry's size, for the credits its transfer will take."""

@@ -29,7 +29,7 @@ from torch import Tensor
 import tierstore
 from tierstore.lab import make_policy
 
-from .ring import expert_entry_names, queue_budget, queue_bytes_moved
+from .ring import expert_entry_names, lend_views, queue_budget, queue_bytes_moved
 
 ExpertWeights = tuple[Tensor, Tensor, Tensor]
 Key = tuple[int, int]  # (layer, expert)
@@ -62,6 +62,7 @@ class ExpertModeSource:
         self.dtype = dtype
         queue = queue_budget(store, self.device)
         self.budget = queue if budget is None else min(int(budget), queue)
+        self.views = lend_views(store, self.device)  # on the CPU: pins, not copies
         self._cache_bytes_arg = cache_bytes
         args = dict(DEFAULT_POLICY_ARGS if policy == "lfu-decay" and policy_args is None
                     else policy_args or {})
@@ -83,7 +84,7 @@ class ExpertModeSource:
         self.stall_s = 0.0
         self.busy_s = 0.0
         self._pass_start = 0.0
-        self._moved_start = 0
+        self._moved_start = self._read_start = 0
 
     # -- set-up -----------------------------------------------------------------------
     def _bind(self, model: Any) -> None:
@@ -104,6 +105,7 @@ class ExpertModeSource:
         self._size_cache(1)
         self.policy.attach(self.cache_bytes)
         self._moved_start = queue_bytes_moved(self.store, self.device)
+        self._read_start = queue_bytes_moved(self.store, self.device, "bytes_read")
 
     # -- bookkeeping --------------------------------------------------------------------
     def _size_cache(self, n_tokens: int) -> None:
@@ -284,6 +286,10 @@ class ExpertModeSource:
             "stall_s": self.stall_s,
             "busy_s": self.busy_s,
             "stall_frac": self.stall_s / self.busy_s if self.busy_s else 0.0,
+            # as the ring's: landed on the device (on the CPU pinned, not copied), and read
+            # from the backing tier (speculation that was cancelled in flight counts here)
             "bytes_moved": (queue_bytes_moved(self.store, self.device) - self._moved_start
                             if self.model is not None else 0),
+            "bytes_read": (queue_bytes_moved(self.store, self.device, "bytes_read")
+                           - self._read_start if self.model is not None else 0),
         }

@@ -66,8 +66,12 @@ class _Instrumented:
         self.inner, self.recorder, self.nbytes = inner, recorder, nbytes
         self.step = 0
         self.waited = 0.0
+        self.last = False  # the coming pass is the generation's last
 
     def begin_pass(self, model: MoEDecoder, n_tokens: int) -> None:
+        final = getattr(self.inner, "final_pass", None)
+        if self.last and final is not None:
+            final()  # a ring reads nothing for a pass that will not run
         self.inner.begin_pass(model, n_tokens)
 
     def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, Any]:
@@ -190,6 +194,7 @@ def generate(model: MoEDecoder, source: Any, prompts: Sequence[Sequence[int]],
     prefill_s = 0.0
     if max_new_tokens:
         cache = model.new_cache(b, t + max_new_tokens)
+        wrapped.last = max_new_tokens == 1
         logits = model(ids, wrapped, cache, mask)[:, -1]
         prefill_s = time.perf_counter() - start
         while True:
@@ -205,6 +210,7 @@ def generate(model: MoEDecoder, source: Any, prompts: Sequence[Sequence[int]],
             # transformers extends every row's mask, finished or not.
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
             wrapped.step += 1
+            wrapped.last = n + 1 == max_new_tokens
             logits = model(tok[:, None], wrapped, cache, mask)[:, -1]
     seconds = time.perf_counter() - start
     tokens = _trim(out[:, :n].tolist(), set(eos))

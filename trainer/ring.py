@@ -10,11 +10,13 @@ open; loading layer i+K behind K-1 layers of compute hides the transfer only if
 The slots are the store's device prefetch queue (:meth:`tierstore.Store.prefetch`): a
 layer's entries are requested at priority ``(pass, layer index)``, acquired when the layer
 runs and released after it; the queue's byte budget bounds what the ring may hold and its
-copy stream (a worker thread on the CPU) does the transfers.
+threads do the transfers: reads from the backing tier, then a copy on CUDA's copy stream,
+or on the CPU a pin (the experts are views of their host-cache slots, never copied, and
+``_convert`` makes a new tensor rather than writing into one).
 
-``slots="auto"`` measures a layer's transfer through the queue before the first pass, runs
-the first pass with as many slots as the budget holds, then picks K before each pass from
-the per-layer compute time measured in the previous one.
+``slots="auto"`` runs the first pass with as many slots as the budget holds, timing the
+first layer's transfer through the queue as it goes (without waiting for it), then picks K
+before each pass from that and the per-layer compute time measured in the previous one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -52,13 +54,25 @@ def queue_budget(store: tierstore.Store, device: torch.device) -> int:
     return int(stats["budget_bytes"])
 
 
-def queue_bytes_moved(store: tierstore.Store, device: torch.device) -> int:
-    """Bytes the store's prefetch queue for ``device`` has moved so far."""
+def lend_views(store: tierstore.Store, device: torch.device) -> bool:
+    """On the CPU, have the store's prefetch queue lend views of the experts' host bytes
+    instead of copying them (the sources only read experts, and ``_convert`` makes a new
+    tensor rather than writing into one); whether it does. A store without the switch (a
+    daemon client) or another device keeps copying."""
+    switch = getattr(store, "prefetch_views", None)
+    return bool(switch(device)) if switch is not None and device.type == "cpu" else False
+
+
+def queue_bytes_moved(store: tierstore.Store, device: torch.device,
+                      counter: str = "bytes_moved") -> int:
+    """Bytes the store's prefetch queue for ``device`` has moved so far (landed on the
+    device, copied or pinned); ``counter="bytes_read"``: the part read from the backing
+    tier."""
     dev = device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     stats = (store.stats().get("prefetch") or {}).get(str(dev)) or {}
-    return int(stats.get("bytes_moved", 0))
+    return int(stats.get(counter, 0))
 
 
 def layer_entry_bytes(store: tierstore.Store, layer: int, n_experts: int) -> int:
@@ -118,6 +132,19 @@ class RingSource:
         self.dtype = dtype
         queue = queue_budget(store, self.device)
         self.budget = queue if budget is None else min(int(budget), queue)
+        self.views = lend_views(store, self.device)
+        # On the CPU a slot is a pin, and per-entry queue bookkeeping (a future, a heap item,
+        # an acquire, a release for each of a layer's 3·E entries) costs more than a decode
+        # step's compute. So a slot is filled with one borrow of the whole layer, made by a
+        # worker thread (the ring's "copy stream"): one batched lookup, one parallel read of
+        # the misses, one batched release when the layer is done.
+        self._layerwise = (self.views and self.device.type == "cpu"
+                           and hasattr(store, "borrow_many"))
+        self._worker = (ThreadPoolExecutor(2, thread_name_prefix="tierstore-ring")
+                        if self._layerwise else None)
+        self._lent: dict[int, Any] = {}  # layer -> its Borrowed, while its slot holds it
+        self._lent_bytes = 0
+        self.peak_bytes = 0  # most layer bytes lent and requested at once (layer by layer)
         self.layers: list[int] = []
         self.slots = 0
         self.layer_bytes = 0
@@ -133,7 +160,10 @@ class RingSource:
         self._held: dict[int, dict[int, ExpertWeights]] = {}  # layer -> acquired experts
         self._pass_start = 0.0
         self._pass_stall = 0.0
-        self._moved_start = 0
+        self._moved_start = self._read_start = 0
+        self._calibrating: tuple[float, list[Future[Tensor]], list[float]] | None = None
+        self._final = self._final_next = False  # see final_pass
+        self._pass_end = 0  # ring position just past the running pass
 
     # -- ring bookkeeping -------------------------------------------------------------
     def _bind(self, model: Any) -> None:
@@ -145,6 +175,7 @@ class RingSource:
         self._names = {layer: [expert_entry_names(layer, e) for e in range(self.n_experts)]
                        for layer in self.layers}
         self._moved_start = queue_bytes_moved(self.store, self.device)
+        self._read_start = self._bytes_read()
         cap = max_slots(self.layer_bytes, self.budget, len(self.layers))
         if self.auto:
             self._calibrate()
@@ -155,28 +186,67 @@ class RingSource:
     def _layer_at(self, pos: int) -> int:
         return self.layers[pos % len(self.layers)]
 
+    def _bytes_read(self) -> int:
+        """Bytes read from the backing tier so far: the queue's count, or, where the ring
+        borrows whole layers, the store's."""
+        if not self._layerwise:
+            return queue_bytes_moved(self.store, self.device, "bytes_read")
+        return int(sum(t.get("bytes_read", 0) for t in self.store.stats()["tiers"].values()))
+
     def _request(self, pos: int) -> None:
         if pos in self._requested:
             return
         layer = self._layer_at(pos)
         names = [n for trio in self._names[layer] for n in trio]
+        if self._layerwise:
+            if layer in self._lent:
+                return  # its slot still holds it (K = number of layers)
+            assert self._worker is not None
+            self._requested[pos] = {"": self._worker.submit(self.store.borrow_many, names)}
+            layers = set(self._lent) | {self._layer_at(p) for p in self._requested}
+            self.peak_bytes = max(self.peak_bytes, len(layers) * self.layer_bytes)
+            return
         futures = self.store.prefetch(names, device=self.device,
                                       priority=(pos // len(self.layers), pos % len(self.layers)))
         self._requested[pos] = dict(zip(names, futures))
 
     def _top_up(self) -> None:
-        for pos in range(self._pos, self._pos + self.slots):
+        end = self._pos + self.slots
+        if self._final:  # nothing comes after this pass: no layer of the next is read
+            end = min(end, self._pass_end)
+        for pos in range(self._pos, end):
             self._request(pos)
 
+    def final_pass(self) -> None:
+        """The next pass is the last (the generation ends with it): the ring does not
+        wrap into a pass that will not run, so it reads no layer for it."""
+        self._final_next = True
+
     def _calibrate(self) -> None:
-        """Time one layer's transfer through the queue: the first layer the ring needs,
-        which then stays in its slot."""
+        """Time one layer's transfer through the queue without waiting for it (the pass's
+        compute starts meanwhile): the first layer the ring needs is requested first, the
+        moment its last entry lands is noted as it happens, and ``t_transfer`` is taken when
+        the first pass ends. The layers requested right behind it share the tier with it,
+        so the figure errs long and K towards more slots, never fewer."""
         t0 = time.perf_counter()
         self._request(self._pos)
-        wait(list(self._requested[self._pos].values()))
-        for f in self._requested[self._pos].values():
-            f.result()  # a failed read fails here, with the store's message
-        self.t_transfer = time.perf_counter() - t0
+        futures = list(self._requested[self._pos].values())
+        landed = [t0]
+
+        def note(_: Future[Tensor]) -> None:  # runs on the queue's thread as each lands
+            landed[0] = max(landed[0], time.perf_counter())
+
+        for f in futures:
+            f.add_done_callback(note)
+        self._calibrating = (t0, futures, landed)
+
+    def _calibrated(self) -> None:
+        if self._calibrating is None:
+            return
+        t0, futures, landed = self._calibrating
+        if all(f.done() for f in futures):
+            self.t_transfer = landed[0] - t0
+            self._calibrating = None
 
     # -- the ExpertSource protocol ------------------------------------------------------
     def begin_pass(self, model: Any, n_tokens: int) -> None:
@@ -187,12 +257,14 @@ class RingSource:
             # from the first MoE layer with an empty ring.
             self.close()
             self._pos += len(self.layers) - self._pos % len(self.layers)
-        if self.auto and self.t_compute > 0:
+        if self.auto and self.t_compute > 0 and self._calibrating is None:
             self.slots = choose_slots(self.t_transfer, self.t_compute, self.layer_bytes,
                                       self.budget, len(self.layers))
         self.slot_history.append(self.slots)
         self._pass_start = time.perf_counter()
         self._pass_stall = 0.0
+        self._final, self._final_next = self._final_next, False
+        self._pass_end = (self._pos // len(self.layers) + 1) * len(self.layers)
         self._top_up()
 
     def experts(self, layer: int, ids: Sequence[int], x: Tensor) -> Mapping[int, ExpertWeights]:
@@ -200,6 +272,8 @@ class RingSource:
         if layer != expected:
             raise tierstore.StoreError(f"the ring expected MoE layer {expected} next, "
                                        f"the model asked for layer {layer}")
+        if self._layerwise:
+            return self._lent_experts(layer, ids)
         self._request(self._pos)
         futures = self._requested[self._pos]
         held = self._held.setdefault(layer, {})
@@ -209,9 +283,15 @@ class RingSource:
             weights = held.get(e)
             if weights is None:
                 names = self._names[layer][e]
-                self.hits += all(futures[n].done() for n in names)
-                weights = tuple(self._convert(self.store.acquire(n, device=self.device))
-                                for n in names)  # type: ignore[assignment]
+                landed = all(futures[n].done() and not futures[n].cancelled() for n in names)
+                self.hits += landed
+                if landed and self.device.type == "cpu":
+                    # The futures hold what acquire would return, and on the CPU there is
+                    # no stream to order after the copy: skip the queue's bookkeeping.
+                    got = [futures[n].result() for n in names]
+                else:
+                    got = [self.store.acquire(n, device=self.device) for n in names]
+                weights = tuple(self._convert(t) for t in got)  # type: ignore[assignment]
                 held[e] = weights
             else:
                 self.hits += 1
@@ -222,6 +302,38 @@ class RingSource:
         self._pass_stall += stall
         return out
 
+    def _lent_experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
+        lent = self._lent.get(layer)
+        landed = lent is not None
+        t0 = time.perf_counter()
+        if lent is None:
+            self._request(self._pos)
+            future = self._requested[self._pos][""]
+            landed = future.done()
+            lent = future.result()
+            self._lent[layer] = lent
+            self._lent_bytes += self.layer_bytes
+        stall = time.perf_counter() - t0
+        self.stall_s += stall
+        self._pass_stall += stall
+        held = self._held.setdefault(layer, {})
+        out: dict[int, ExpertWeights] = {}
+        for e in ids:
+            weights = held.get(e)
+            if weights is None:
+                weights = tuple(self._convert(lent.tensors[n])  # type: ignore[assignment]
+                                for n in self._names[layer][e])
+                held[e] = weights
+            self.hits += landed
+            self.accesses += 1
+            out[e] = weights
+        return out
+
+    def _unlend(self, layer: int) -> None:
+        lent = self._lent.pop(layer, None)
+        if lent is not None:
+            lent.release()
+
     def _convert(self, t: Tensor) -> Tensor:
         return t if self.dtype is None or t.dtype == self.dtype else t.to(self.dtype)
 
@@ -230,7 +342,10 @@ class RingSource:
         self._requested.pop(pos, None)
         self._pos += 1
         # The slot is freed unless the same layer comes back within the ring (K = L).
-        if self.slots < len(self.layers):
+        if self.slots < len(self.layers) and self._layerwise:
+            self._held.pop(layer, None)
+            self._unlend(layer)
+        elif self.slots < len(self.layers):
             self._held.pop(layer, None)
             self.store.cancel([n for trio in self._names[layer] for n in trio],
                               device=self.device)
@@ -245,12 +360,19 @@ class RingSource:
         self.busy_s += elapsed
         self.passes += 1
         self.t_compute = max(elapsed - self._pass_stall, 0.0) / len(self.layers)
+        self._calibrated()
 
     def close(self) -> None:
         """Give every slot back to the device budget."""
         names = [n for layer in self.layers for trio in self._names[layer] for n in trio]
-        if names:
+        if names and not self._layerwise:
             self.store.cancel(names, device=self.device)
+        for futures in self._requested.values():
+            for f in futures.values():
+                if self._layerwise:  # a borrow still running is given back when it ends
+                    f.add_done_callback(_release_when_done)
+        for layer in list(self._lent):
+            self._unlend(layer)
         self._requested.clear()
         self._held.clear()
 
@@ -262,6 +384,7 @@ class RingSource:
             "moe_layers": len(self.layers),
             "layer_bytes": self.layer_bytes,
             "budget_bytes": self.budget,
+            "peak_bytes": self.peak_bytes,
             "t_transfer_s": self.t_transfer,
             "t_compute_s": self.t_compute,
             "stall_s": self.stall_s,
@@ -269,6 +392,15 @@ class RingSource:
             "stall_frac": self.stall_s / self.busy_s if self.busy_s else 0.0,
             "hit_rate": self.hits / self.accesses if self.accesses else None,
             "spec_accuracy": None,
-            "bytes_moved": (queue_bytes_moved(self.store, self.device) - self._moved_start
+            # bytes landed on the device (on the CPU: pinned, not copied), and the part of
+            # them read from the backing tier (the rest were host-cache hits)
+            "bytes_moved": ((self._lent_bytes if self._layerwise else
+                             queue_bytes_moved(self.store, self.device) - self._moved_start)
                             if self.layers else 0),
+            "bytes_read": self._bytes_read() - self._read_start if self.layers else 0,
         }
+
+
+def _release_when_done(future: Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().release()
