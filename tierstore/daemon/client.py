@@ -45,6 +45,7 @@ Key = tuple[str, str]
 MAX_CONNECTIONS = 8  # per client: concurrent requests from its threads
 RELEASE_DELAY_S = 0.002
 HITS_BATCH = 256  # self-served hits told to the daemon in one message, at most
+HITS_EVERY_S = 0.2  # ... and at least this often while gets keep coming
 # Reading the daemon's published index without a lock relies on loads not being reordered
 # with other loads (a sequence lock without fences), which x86-64 guarantees.
 FAST_PATH = platform.machine().lower() in ("x86_64", "amd64")
@@ -236,6 +237,7 @@ class RemoteStore:
         self._rows: dict[Key, tuple[int, int, _Meta]] = {}
         self._hits: list[int] = []  # [row, seq, ...] of self-served hits not yet told
         self._hits_lock = threading.Lock()
+        self._hits_sent = time.monotonic()
         self._local_hits = 0
         with warnings.catch_warnings():  # read-only on purpose: the daemon owns the slots
             warnings.simplefilter("ignore", UserWarning)
@@ -297,15 +299,18 @@ class RemoteStore:
         return {**fields, "h": hits}
 
     def _note_hit(self, row: int, seq: int) -> None:
+        # Told in batches: riding on the next request, or alone once HITS_BATCH have
+        # gathered or HITS_EVERY_S has passed (a message per get would cost both sides a
+        # wake-up, which is what serving hits locally saves).
         with self._hits_lock:
             self._hits += (row, seq)
-            full = len(self._hits) >= 2 * HITS_BATCH
-        if full:
+            due = (len(self._hits) >= 2 * HITS_BATCH
+                   or time.monotonic() - self._hits_sent > HITS_EVERY_S)
+        if due:
             self._send_hits()
-        else:
-            self._arm_releaser()
 
     def _send_hits(self) -> None:
+        self._hits_sent = time.monotonic()
         fields = self._with_hits({})
         if "h" not in fields or self._closed:
             return
