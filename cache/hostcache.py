@@ -58,7 +58,7 @@ _LOADING, _READY, _EVICTING = "loading", "ready", "evicting"
 
 class _Entry:
     __slots__ = ("key", "nbytes", "start", "meta", "dirty", "gen", "pins", "state", "gone",
-                 "staged", "watch")
+                 "staged", "watch", "memo")
 
     def __init__(self, key: Key, nbytes: int, meta: Any) -> None:
         self.key = key
@@ -72,6 +72,7 @@ class _Entry:
         self.gone = False  # invalidated (or evicted): no longer in the index
         self.staged = False  # a slot for a next version, indexed only by commit_staged
         self.watch: Any = None  # the token of a watch() on it, until it retires
+        self.memo: Any = None  # the caller's, for the entry's life (see Handle.memo)
 
 
 class Handle:
@@ -93,6 +94,16 @@ class Handle:
     @property
     def key(self) -> Key:
         return self._entry.key
+
+    @property
+    def memo(self) -> Any:
+        """Whatever the caller stored with the entry (e.g. a typed view of its slot, which
+        is valid as long as the entry: its slot never moves). None until set."""
+        return self._entry.memo
+
+    @memo.setter
+    def memo(self, value: Any) -> None:
+        self._entry.memo = value
 
     @property
     def nbytes(self) -> int:

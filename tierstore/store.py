@@ -614,10 +614,20 @@ class Store:
             check_name(name)
             check_kind(k)
         found, handles = self._host_bytes(keys)
+        slots = {h.key: h for h in handles}
         tensors = {}
         for a, key in zip(asked, keys):
             meta, raw = found[key]
-            tensors[a] = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
+            h = slots.get(key)
+            dtype = dtype_from_name(meta.dtype)
+            typed = h.memo if h is not None else None
+            if typed is None or typed.dtype != dtype or typed.shape != meta.shape:
+                typed = from_bytes(raw, dtype, meta.shape)
+                if h is not None:
+                    h.memo = typed  # the slot never moves: one typed view per entry
+            # A fresh alias each time, so that nothing one borrower sets on its tensor
+            # (requires_grad, say) reaches the next.
+            tensors[a] = typed.detach()
         return Borrowed(tensors, lambda: self._release_handles(handles))
 
     def stage_many(

@@ -35,6 +35,7 @@ import tierstore
 from .decoder import expert_names
 
 ExpertWeights = tuple[Tensor, Tensor, Tensor]
+INLINE_BORROW_S = 1e-3  # a layer's borrow faster than this read nothing: see RingSource
 
 
 def expert_entry_names(layer: int, expert: int) -> tuple[str, str, str]:
@@ -143,6 +144,10 @@ class RingSource:
         self._worker = (ThreadPoolExecutor(2, thread_name_prefix="tierstore-ring")
                         if self._layerwise else None)
         self._lent: dict[int, Any] = {}  # layer -> its Borrowed, while its slot holds it
+        # A borrow that finds every entry cached is a few hundred microseconds of Python;
+        # handed to the worker it would contend with the compute for the interpreter, so it
+        # runs in line while the last borrow was that cheap (see _borrow).
+        self._inline = False
         self._lent_bytes = 0
         self.peak_bytes = 0  # most layer bytes lent and requested at once (layer by layer)
         self.layers: list[int] = []
@@ -202,7 +207,15 @@ class RingSource:
             if layer in self._lent:
                 return  # its slot still holds it (K = number of layers)
             assert self._worker is not None
-            self._requested[pos] = {"": self._worker.submit(self.store.borrow_many, names)}
+            if self._inline:
+                future: Future[Any] = Future()
+                try:
+                    future.set_result(self._borrow(names))
+                except Exception as e:  # noqa: BLE001 (raised where the layer asks for it)
+                    future.set_exception(e)
+            else:
+                future = self._worker.submit(self._borrow, names)
+            self._requested[pos] = {"": future}
             layers = set(self._lent) | {self._layer_at(p) for p in self._requested}
             self.peak_bytes = max(self.peak_bytes, len(layers) * self.layer_bytes)
             return
@@ -301,6 +314,14 @@ class RingSource:
         self.stall_s += stall
         self._pass_stall += stall
         return out
+
+    def _borrow(self, names: list[str]) -> Any:
+        t0 = time.perf_counter()
+        lent = self.store.borrow_many(names)
+        # Cheap means nothing was read from the backing tier: keep borrowing in line. A
+        # borrow that had to read goes back to the worker, so reads overlap compute.
+        self._inline = time.perf_counter() - t0 < INLINE_BORROW_S
+        return lent
 
     def _lent_experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
         lent = self._lent.get(layer)
