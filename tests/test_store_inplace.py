@@ -140,3 +140,20 @@ def test_hostcache_staged_slot_is_invisible_until_committed() -> None:
     with pytest.raises(RuntimeError):
         cache.commit_staged(t)
     assert cache.stats().bytes_allocated == 4096
+
+
+def test_borrowed_views_are_fresh_aliases_of_one_slot(tmp_path) -> None:
+    """Each borrow gets its own tensor object over the entry's slot (nothing one borrower
+    sets on it reaches the next), and a rewrite in another dtype is seen as that dtype."""
+    with tierstore.open(tmp_path / "s", create=True, host_cache="16MiB") as st:
+        st.put("w", torch.arange(8, dtype=torch.float32))
+        with st.borrow_many(["w"]) as a:
+            t = a.tensors["w"]
+            t.requires_grad_(True)
+        with st.borrow_many(["w"]) as b:
+            u = b.tensors["w"]
+            assert u is not t and not u.requires_grad and u.data_ptr() == t.data_ptr()
+        st.put("w", torch.arange(8, dtype=torch.int32))  # same size: rewritten in place
+        with st.borrow_many(["w"]) as c:
+            v = c.tensors["w"]
+            assert v.dtype == torch.int32 and torch.equal(v, torch.arange(8, dtype=torch.int32))
