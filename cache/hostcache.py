@@ -551,10 +551,7 @@ class HostCache:
         old = self._wait_settled(key)
         if old is not None:
             self._unindex(old)
-            old.gone = True
-            self._bytes_resident -= old.nbytes
-            if old.pins == 0:
-                self._free_slot(old)
+            self._let_go(old)
             if old.nbytes == entry.nbytes:
                 self._policy.record_hit(key)
             else:
@@ -586,11 +583,16 @@ class HostCache:
     def _drop_staged(self, entry: _Entry) -> None:
         entry.pins -= 1
         entry.staged = False
+        self._let_go(entry)
+        self._cond.notify_all()
+
+    def _let_go(self, entry: _Entry) -> None:
+        """An entry is no longer any key's version: its bytes stop counting, and its slot
+        is freed now, or by the last unpin."""
         entry.gone = True
         self._bytes_resident -= entry.nbytes
         if entry.pins == 0:
             self._free_slot(entry)
-        self._cond.notify_all()
 
     # handles
     def publish(self, handle: Handle) -> None:
@@ -792,11 +794,8 @@ class HostCache:
                 self._cond.wait()
             self._unindex(entry)
             self._policy.record_remove(key, evicted=False)
-            entry.gone = True
             entry.dirty = False
-            self._bytes_resident -= entry.nbytes
-            if entry.pins == 0:
-                self._free_slot(entry)
+            self._let_go(entry)
             self._cond.notify_all()
             return True
 

@@ -16,10 +16,9 @@ from tierstore.cli import main
 from tierstore.lab import read_trace
 from trainer.decoder import load_model
 from trainer.generate import generate, make_source
-from trainer.hf_import import import_hf
 
 transformers = pytest.importorskip("transformers")
-from test_hf_models import make_hf_model  # noqa: E402 (the families' tiny HF models)
+from test_hf_models import imported_path  # noqa: E402 (the families' tiny HF models)
 
 KEYS = {"tokens", "tokens_per_s", "stall_frac", "hit_rate", "spec_accuracy"}
 
@@ -27,9 +26,7 @@ KEYS = {"tokens", "tokens_per_s", "stall_frac", "hit_rate", "spec_accuracy"}
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("gen")
-    make_hf_model("mixtral", root / "hf")
-    import_hf(root / "hf", root / "store", progress=False)
-    yield root / "store"
+    yield imported_path("mixtral", root)[1]
     shutil.rmtree(root, ignore_errors=True)  # slab files are preallocated
 
 

@@ -99,10 +99,17 @@ def make_hf_model(family: str, model_dir: Path, seed: int = 0, save_original_for
     return model
 
 
+def imported_path(family: str, root: Path, **kw: Any) -> tuple[Any, Path]:
+    """A tiny ``family`` model saved under ``root / "hf"`` and imported into ``root /
+    "store"``: (the transformers model, the store's path)."""
+    hf = make_hf_model(family, root / "hf", **kw)
+    import_hf(root / "hf", root / "store", progress=False)
+    return hf, root / "store"
+
+
 def imported(family: str, tmp_path: Path, **kw: Any) -> tuple[Any, tierstore.Store]:
-    hf = make_hf_model(family, tmp_path / "hf", **kw)
-    import_hf(tmp_path / "hf", tmp_path / "store", progress=False)
-    return hf, tierstore.open(tmp_path / "store")
+    hf, path = imported_path(family, tmp_path, **kw)
+    return hf, tierstore.open(path)
 
 
 def prompt_ids(batch: int, t: int, vocab: int, seed: int = 1) -> torch.Tensor:

@@ -19,11 +19,10 @@ import tierstore
 from trainer.decoder import HF_FAMILIES, expert_names, load_model
 from trainer.expert_mode import ExpertModeSource
 from trainer.generate import generate, make_source, pad_left
-from trainer.hf_import import import_hf
 from trainer.ring import RingSource, choose_slots, max_slots
 
 transformers = pytest.importorskip("transformers")
-from test_hf_models import make_hf_model  # noqa: E402 (the families' tiny HF models)
+from test_hf_models import imported_path  # noqa: E402 (the families' tiny HF models)
 
 ATOL = 1e-4
 HOST_CACHE = "16KiB"  # far smaller than one expert layer: reads go to the backing tier
@@ -36,18 +35,15 @@ def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
                  ) -> Iterator[tuple[str, Any, Path]]:
     family = request.param
     root = tmp_path_factory.mktemp(family)
-    hf = make_hf_model(family, root / "hf", **OVERRIDES.get(family, {}))
-    import_hf(root / "hf", root / "store", progress=False)
-    yield family, hf, root / "store"
+    hf, store = imported_path(family, root, **OVERRIDES.get(family, {}))
+    yield family, hf, store
     shutil.rmtree(root, ignore_errors=True)  # slab files are preallocated
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("mixtral-alone")
-    make_hf_model("mixtral", root / "hf")
-    import_hf(root / "hf", root / "store", progress=False)
-    yield root / "store"
+    yield imported_path("mixtral", root)[1]
     shutil.rmtree(root, ignore_errors=True)  # slab files are preallocated
 
 
