@@ -68,6 +68,9 @@ class PosixEngine:
             raise ValueError("threads must be >= 1")
         self.threads, self.direct = threads, direct
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierstore-io")
+        # At most ``threads`` requests in flight, whether issued by the pool or, through
+        # the blocking calls, on callers' threads: the queue depth is the thread count.
+        self._depth = threading.BoundedSemaphore(threads)
         self._refused: set[str] = set()
         self._lock = threading.Lock()
 
@@ -93,16 +96,20 @@ class PosixEngine:
         os.close(fh.fd)
 
     def pread(self, fh: FileHandle, buf: memoryview, offset: int) -> Future[int]:
-        return self._pool.submit(_full_preadv, fh.fd, buf, offset)
+        return self._pool.submit(self.read, fh, buf, offset)
 
     def pwrite(self, fh: FileHandle, buf: memoryview, offset: int) -> Future[int]:
-        return self._pool.submit(_full_pwritev, fh.fd, buf, offset)
+        return self._pool.submit(self.write, fh, buf, offset)
 
+    # The blocking calls issue the system call on the caller's thread: a caller that blocks
+    # anyway gains nothing from a hand-off to the pool, and pays a thread wake-up for it.
     def read(self, fh: FileHandle, buf: memoryview, offset: int) -> int:
-        return self.pread(fh, buf, offset).result()
+        with self._depth:
+            return _full_preadv(fh.fd, buf, offset)
 
     def write(self, fh: FileHandle, buf: memoryview, offset: int) -> int:
-        return self.pwrite(fh, buf, offset).result()
+        with self._depth:
+            return _full_pwritev(fh.fd, buf, offset)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -140,11 +147,14 @@ class KvikioEngine(PosixEngine):
         fh.extra.close()
         super().close_file(fh)
 
-    def pread(self, fh: FileHandle, buf: Any, offset: int) -> Future[int]:
-        return self._pool.submit(lambda: fh.extra.pread(buf, len(buf), offset).get())
+    # ``pread``/``pwrite`` (inherited) run these on the pool.
+    def read(self, fh: FileHandle, buf: Any, offset: int) -> int:
+        with self._depth:
+            return int(fh.extra.pread(buf, len(buf), offset).get())
 
-    def pwrite(self, fh: FileHandle, buf: Any, offset: int) -> Future[int]:
-        return self._pool.submit(lambda: fh.extra.pwrite(buf, len(buf), offset).get())
+    def write(self, fh: FileHandle, buf: Any, offset: int) -> int:
+        with self._depth:
+            return int(fh.extra.pwrite(buf, len(buf), offset).get())
 
 
 def _kvikio_compat_mode(kvikio: Any) -> str:

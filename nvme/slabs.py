@@ -83,6 +83,12 @@ class SlabMedium:
     def pwrite(self, seg: int, offset: int, buf: memoryview) -> Future[int]:
         return self.engine.pwrite(self._files[seg], buf, offset)
 
+    def read(self, seg: int, offset: int, buf: memoryview) -> None:
+        self.engine.read(self._files[seg], buf, offset)
+
+    def write(self, seg: int, offset: int, buf: memoryview) -> None:
+        self.engine.write(self._files[seg], buf, offset)
+
     def sync(self, segs: Iterable[int]) -> None:
         for seg in set(segs):
             os.fdatasync(self._files[seg].fd)

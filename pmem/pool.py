@@ -420,6 +420,12 @@ class PoolMedium:
 
             return self._run(nbytes, lambda a, b: m.write(start + a, src + a, b - a), keep, written)
 
+    def read(self, seg: int, offset: int, buf: memoryview) -> None:
+        self.pread(seg, offset, buf).result()  # large copies split across the pool's threads
+
+    def write(self, seg: int, offset: int, buf: memoryview) -> None:
+        self.pwrite(seg, offset, buf).result()
+
     def sync(self, segs: Iterable[int]) -> None:
         """Make every completed ``pwrite`` to ``segs`` durable: a drain on DAX (each copy
         already flushed its lines), msync of the written ranges otherwise."""

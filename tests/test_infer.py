@@ -241,6 +241,71 @@ def test_cpu_ring_computes_on_pinned_cache_slots_and_gives_them_back(mixtral: Pa
         assert pins and not any(pins)
 
 
+def test_expert_mode_guesses_while_guessing_pays(mixtral: Path) -> None:
+    """Expert mode reads a guessed expert ahead only while such reads keep being used: with
+    guesses that are always right it guesses on every layer; with guesses that are always
+    wrong it stops after the first and only probes now and then. Either way the tokens are
+    the resident model's. The guesses come from the routing a resident run recorded."""
+    from trainer import expert_mode
+
+    with open_offloaded(mixtral) as store:
+        model = load_model(store, "cpu")
+        cfg = model.cfg
+        prompt = [batch(cfg.vocab_size)[0][0].tolist()]
+        new = 16
+        resident = make_source("resident", store, model)
+        routed: list[tuple[int, list[int]]] = []
+        inner_resident = resident.experts
+
+        def record(layer: int, ids: Any, x: torch.Tensor) -> Any:
+            routed.append((layer, list(ids)))
+            return inner_resident(layer, ids, x)
+
+        resident.experts = record  # type: ignore[method-assign]
+        want = generate(model, resident, prompt, new, eos_token_ids=()).tokens
+        one = layer_bytes(store, cfg.moe_layers[0], cfg.n_experts)
+        expert = one // cfg.n_experts
+
+        def run(oracle: bool) -> dict[str, Any]:
+            src = ExpertModeSource(store, "cpu", budget=one + 2 * expert)
+            call = [-1]
+            inner = src.experts
+
+            def counted(layer: int, ids: Any, x: torch.Tensor) -> Any:
+                call[0] += 1
+                return inner(layer, ids, x)
+
+            def predict(layer: int, x: torch.Tensor) -> set[int]:
+                nxt_layer, nxt = routed[call[0] + 1]
+                assert nxt_layer == layer
+                if oracle:
+                    return set(nxt)
+                return set([e for e in range(cfg.n_experts) if e not in nxt][:cfg.top_k])
+
+            src.experts = counted  # type: ignore[method-assign]
+            src.predict = predict  # type: ignore[method-assign]
+            got = generate(model, src, prompt, new, eos_token_ids=())
+            src.close()
+            assert got.tokens == want
+            return src.stats()
+
+        turns = (new + 1) * (len(cfg.moe_layers) - 1)  # passes x layers with a next layer
+        right = run(oracle=True)
+        assert right["spec_skipped"] == 0 and right["spec_accuracy"] == 1.0
+        assert right["spec_requested"] > 0
+        assert right["spec_useful"] == right["spec_requested"]
+        assert right["spec_precision"] > expert_mode.SPEC_MIN_PRECISION
+        wrong = run(oracle=False)
+        assert wrong["spec_useful"] == 0 and wrong["spec_accuracy"] == 0.0
+        probes = turns // expert_mode.SPEC_PROBE_EVERY
+        # A guess the cache already holds reads nothing and moves no precision: until the
+        # first read guess the source keeps guessing, after it only probes.
+        assert wrong["spec_skipped"] >= turns // 2
+        assert wrong["spec_requested"] <= cfg.top_k * (1 + probes)
+        assert wrong["spec_precision"] < expert_mode.SPEC_MIN_PRECISION
+        assert in_use_settles_to_zero(store)
+
+
 def test_choose_slots() -> None:
     mib = 1 << 20
     # (K-1) * t_compute >= t_transfer: 10 ms transfer behind 4 ms layers needs K = 4.
@@ -311,8 +376,10 @@ def test_bench_infer_reports_every_mode_against_its_tier(tmp_path: Path) -> None
                 assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1]  # the median
             ring = by["ring K=1"]
             assert "vs_ring_limit" in ring
-            # only a run that reads the backing tier has a bandwidth limit
-            assert ("vs_bandwidth_limit" in ring) == (tier == "nvme")
+            # only a run that reads the backing tier, and is bound by those reads (moving
+            # every layer's experts takes longer than computing), has a bandwidth limit
+            bound = res[phase]["ring_move_limit_tokens_per_s"] < by["resident"]["tokens_per_s"]
+            assert ("vs_bandwidth_limit" in ring) == (tier == "nvme" and bound)
             assert (ring["tier_bytes_per_pass"] > 0) == (tier == "nvme")
     with pytest.raises(tierstore.StoreError, match="unknown tier"):
         run_infer(tier="disk")

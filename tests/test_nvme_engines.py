@@ -155,6 +155,15 @@ def test_store_reads_reuse_dropped_results(tmp_path) -> None:
         assert torch.equal(kept, data)  # a result still held is never handed out again
         st.put("e.1", data + 1)
         assert torch.equal(st.get("e.1"), data + 1)
+        # Small entries too (a 128 KiB expert tensor): fresh buffers that size are mapped
+        # anew by the C allocator on every read.
+        small = torch.arange(1 << 15, dtype=torch.float32)
+        st.put_many([(f"s.{i}", small) for i in range(2)])
+        st.get_many(["s.0", "s.1"])  # the results are dropped at once
+        reused = st._results.reused  # the same address could be a fresh mapping: count
+        again = st.get_many(["s.0", "s.1"])
+        assert st._results.reused == reused + 2
+        assert all(torch.equal(t, small) for t in again.values())
 
 
 @pytest.mark.gpu

@@ -181,20 +181,20 @@ def test_extent_being_read_is_not_reused(make_store, monkeypatch) -> None:
     st.put("hot", value(0, n))
     first = st.info("hot")
     medium = st._medium
-    real_pread = medium.pread
+    real_read = medium.read  # the chunk jobs' blocking read
     held, release = threading.Event(), threading.Event()
     armed = [True]
     lock = threading.Lock()
 
-    def pread(seg, offset, buf):
+    def read(seg, offset, buf):
         with lock:
             hold, armed[0] = armed[0], False
         if hold:
             held.set()
             release.wait(60)
-        return real_pread(seg, offset, buf)
+        real_read(seg, offset, buf)
 
-    monkeypatch.setattr(medium, "pread", pread)
+    monkeypatch.setattr(medium, "read", read)
     result: list[torch.Tensor | BaseException] = []
 
     def reader() -> None:

@@ -256,23 +256,22 @@ def test_failed_batch_leaves_no_write_in_flight(make_store, monkeypatch) -> None
     st = make_store(host_cache=0, io_threads=4)
     st.put("seed", torch.arange(10))  # the first segment exists
     medium = st._medium
-    real_pwrite = medium.pwrite
+    real_write = medium.write  # the chunk jobs' blocking write
     hold = {"armed": True}
     gate, stale_done = threading.Event(), threading.Event()
 
-    def pwrite(seg, offset, buf):
+    def write(seg, offset, buf):
         if hold.pop("armed", False):
             gate.wait(2)
-            fut = real_pwrite(seg, offset, buf)
-            fut.result()
+            real_write(seg, offset, buf)
             stale_done.set()
-            return fut
-        return real_pwrite(seg, offset, buf)
+            return
+        real_write(seg, offset, buf)
 
     def no_room(seg, min_bytes):
         raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
-    monkeypatch.setattr(medium, "pwrite", pwrite)
+    monkeypatch.setattr(medium, "write", write)
     monkeypatch.setattr(medium, "create_segment", no_room)
     a = torch.full((1 << 18,), 1, dtype=torch.int32)  # 1 MiB, one chunk
     too_big = torch.empty(200 << 20, dtype=torch.uint8)  # needs a segment it cannot get

@@ -7,7 +7,10 @@ entries, versions or free space: it creates segments, moves bytes, makes them du
 says where they are. NVMe (``nvme.SlabMedium``: one preallocated slab file per segment) and
 persistent memory (``pmem.PoolMedium``: regions of one mapped pool file) differ only there.
 
-The asynchronous calls are the primitives; a blocking read is ``medium.pread(...).result()``.
+The asynchronous calls are the primitives. ``read``/``write`` are their blocking forms,
+for callers that are already on a worker thread (the store's chunk jobs): where the medium
+can, it does the I/O on the calling thread, sparing a hand-off to its own pool and back,
+which on a small entry costs about as much CPU as the read itself.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ class Medium(Protocol):
 
     def pwrite(self, seg: int, offset: int, buf: memoryview) -> Future[None]:
         """Write ``buf`` (aligned as for ``pread``) at ``offset`` of ``seg``; not yet durable."""
+
+    def read(self, seg: int, offset: int, buf: memoryview) -> None:
+        """``pread`` that blocks until ``buf`` is full."""
+
+    def write(self, seg: int, offset: int, buf: memoryview) -> None:
+        """``pwrite`` that blocks until the bytes are written (not yet durable)."""
 
     def sync(self, segs: Iterable[int]) -> None:
         """Make every completed ``pwrite`` to these segments durable (fdatasync, persist)."""

@@ -257,11 +257,11 @@ class Store:
         self._chunk = chunk_bytes
         self._lock_fd = lock_fd
         self._alloc = ExtentAllocator(ALIGNMENT)
-        # Chunk jobs (copy, checksum, then the medium's own I/O call) run here, so the
-        # CPU work of one chunk overlaps the I/O of the others. Twice the I/O threads, so
-        # while io_threads requests are in flight (the medium's own pool bounds them) as
-        # many workers checksum or copy landed chunks: with one I/O thread, the checksum
-        # would otherwise stall the next read.
+        # Chunk jobs (copy, checksum, and the medium's blocking I/O call, made on the job's
+        # own thread) run here, so the CPU work of one chunk overlaps the I/O of the others.
+        # Twice the I/O threads, so while io_threads requests are in flight (the engine
+        # bounds them) as many workers checksum or copy landed chunks: with one I/O thread,
+        # the checksum would otherwise stall the next read.
         self._workers = ThreadPoolExecutor(2 * io_threads, thread_name_prefix="tierstore-chunk")
         self._staging = StagingPool(chunk_bytes, keep=2 * io_threads)
         # Uncached reads land in reused memory once callers drop earlier results, so a
@@ -476,13 +476,13 @@ class Store:
             stop = min(end, nbytes)
             crc = crc32c.crc32c(src[start:stop])
             if aligned and end <= nbytes:
-                self._medium.pwrite(seg, off + start, memoryview(src[start:end])).result()
+                self._medium.write(seg, off + start, memoryview(src[start:end]))
                 return crc
             stage = self._staging.take()  # reused, so no page faults on the hot path
             try:
                 stage[: stop - start] = src[start:stop]
                 stage[stop - start : end - start] = 0
-                self._medium.pwrite(seg, off + start, memoryview(stage[: end - start])).result()
+                self._medium.write(seg, off + start, memoryview(stage[: end - start]))
             finally:
                 self._staging.give(stage)
             return crc
@@ -848,7 +848,7 @@ class Store:
         def chunk_job(i: int, c: int) -> None:
             rec, buf, start = recs[i], bufs[i], c * recs[i].chunk
             end = min(start + rec.chunk, rec.length)
-            self._medium.pread(rec.seg, rec.off + start, memoryview(buf[start:end])).result()
+            self._medium.read(rec.seg, rec.off + start, memoryview(buf[start:end]))
             stop = min(end, rec.nbytes)
             got = crc32c.crc32c(buf[start:stop])
             if got != rec.crc[c]:

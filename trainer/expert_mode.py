@@ -8,7 +8,11 @@ Three parts, all on the store's device prefetch queue (:meth:`tierstore.Store.pr
   the attention of the layer after). Between adjacent layers the residual stream changes
   little, so the guess is usually right; a wrong guess is cancelled when the real routing
   is known. Prediction accuracy is ``|predicted ∩ routed| / |routed|`` over the layers that
-  had a prediction.
+  had a prediction. Only a guess the cache does not already hold costs a read, and those
+  are the hard ones (rarely routed experts); so the source keeps a running precision of
+  what it fetched on a guess (the fraction then routed) and, while that falls below
+  ``SPEC_MIN_PRECISION``, guesses only every ``SPEC_PROBE_EVERY``-th time, to notice when
+  guessing pays again. A wrong guess moves as many bytes as a right one saves.
 - **A device-side expert cache** of ``cache_bytes`` whose eviction and admission follow a
   cache policy from the cache lab (``lfu-decay`` by default): experts that keep being routed
   to stay on the device across tokens. Hit rate is over every routed expert access.
@@ -39,6 +43,11 @@ Key = tuple[int, int]  # (layer, expert)
 DEFAULT_POLICY_ARGS: dict[str, Any] = {"period": 16}
 
 _CACHED, _TRANSIENT, _PREDICTED = "cached", "transient", "predicted"
+# Below this running precision of the experts read on a guess, a guess reads more bytes for
+# nothing than it saves (both cost one expert's transfer): guess only now and then.
+SPEC_MIN_PRECISION = 0.5
+SPEC_PROBE_EVERY = 8
+SPEC_MEMORY = 0.95  # weight of the past in the running precision, per resolved layer
 
 
 class ExpertModeSource:
@@ -78,9 +87,13 @@ class ExpertModeSource:
         self._in: dict[str, set[Key]] = {_CACHED: set(), _TRANSIENT: set(), _PREDICTED: set()}
         self._weights: dict[Key, ExpertWeights] = {}  # acquired ones
         self._predicted: dict[int, set[int]] = {}  # layer -> experts predicted for it
+        self._fetched: dict[int, set[int]] = {}  # layer -> experts read because predicted
+        self._spec_used = self._spec_read = 0.0  # running (decayed) counts behind precision
+        self._spec_turn = 0
         self._pass = 0
         self.hits = self.misses = 0
         self.spec_correct = self.spec_routed = self.spec_requested = 0
+        self.spec_useful = self.spec_skipped = 0
         self.stall_s = 0.0
         self.busy_s = 0.0
         self._pass_start = 0.0
@@ -192,8 +205,15 @@ class ExpertModeSource:
         # Predictions for this layer that missed: cancel them, their room is needed.
         guessed = self._predicted.pop(layer, None)
         if guessed is not None:
-            self.spec_correct += len(guessed & {k[1] for k in keys})
+            routed = {k[1] for k in keys}
+            self.spec_correct += len(guessed & routed)
             self.spec_routed += len(keys)
+            fetched = self._fetched.pop(layer, set())
+            if fetched:
+                used = len(fetched & routed)
+                self.spec_useful += used
+                self._spec_used = SPEC_MEMORY * self._spec_used + used
+                self._spec_read = SPEC_MEMORY * self._spec_read + len(fetched)
             self._drop([(layer, e) for e in guessed
                         if (layer, e) not in wanted and self._state.get((layer, e)) == _PREDICTED])
         # This layer's missing experts first, so that they lead the queue.
@@ -219,15 +239,36 @@ class ExpertModeSource:
             self._account(k, wanted)
         return out
 
+    def spec_precision(self) -> float:
+        """Running fraction of the experts read on a guess that their layer then routed to
+        (a prior of one in two before any)."""
+        return (self._spec_used + 1.0) / (self._spec_read + 2.0)
+
+    def predict(self, layer: int, x: Tensor) -> set[int]:
+        """The experts MoE layer ``layer`` is guessed to route ``x`` (the normalised hidden
+        states of the layer running now) to: its own router applied to them."""
+        ids = self.model.router_topk(layer, x)[0]
+        # Decoding routes a handful of tokens: a set of a short list beats torch.unique.
+        if ids.numel() <= 256:
+            return set(ids.flatten().tolist())
+        return set(torch.unique(ids).tolist())
+
     def _speculate(self, layer: int, x: Tensor, pinned: set[Key]) -> None:
         nxt = self.model.next_moe_layer(layer)
         if nxt is None:
             return
-        pred = torch.unique(self.model.router_topk(nxt, x)[0]).tolist()
-        self._predicted[nxt] = set(pred)
+        self._spec_turn += 1
+        if (self.spec_precision() < SPEC_MIN_PRECISION
+                and self._spec_turn % SPEC_PROBE_EVERY):
+            self.spec_skipped += 1
+            return
+        pred = self.predict(nxt, x)
+        self._predicted[nxt] = pred
         room = (self.budget - self._held_bytes()) // self.expert_bytes
-        guess = [(nxt, e) for e in pred if (nxt, e) not in self._state][:max(0, room)]
+        guess = [(nxt, e) for e in sorted(pred) if (nxt, e) not in self._state][:max(0, room)]
         self._request(guess, _PREDICTED)
+        if guess:
+            self._fetched[nxt] = {k[1] for k in guess}
         self.spec_requested += len(guess)
 
     def _account(self, k: Key, pinned: set[Key]) -> None:
@@ -267,6 +308,7 @@ class ExpertModeSource:
         """Give every expert back to the device budget."""
         self._drop(list(self._state))
         self._predicted.clear()
+        self._fetched.clear()
 
     def stats(self) -> dict[str, Any]:
         accesses = self.hits + self.misses
@@ -283,6 +325,11 @@ class ExpertModeSource:
             "spec_accuracy": (self.spec_correct / self.spec_routed if self.spec_routed
                               else None),
             "spec_requested": self.spec_requested,
+            # of those, routed before they were dropped; and guesses left out while the
+            # running precision was low
+            "spec_useful": self.spec_useful,
+            "spec_precision": self.spec_precision(),
+            "spec_skipped": self.spec_skipped,
             "stall_s": self.stall_s,
             "busy_s": self.busy_s,
             "stall_frac": self.stall_s / self.busy_s if self.busy_s else 0.0,
