@@ -429,6 +429,37 @@ def test_remote_store_api(served: Daemon) -> None:
         st.get("api.w")
 
 
+def test_borrowed_and_prefetched_views_are_the_daemons_slots(served: Daemon) -> None:
+    """``borrow_many`` and a CPU prefetch queue lending views hand out the daemon's cache
+    slots themselves (no copy), leased while held and given back when let go."""
+    with tierstore.connect(served.sock) as st:
+        vals = {f"lend.{i}": torch.randn(4096, generator=torch.Generator().manual_seed(i))
+                for i in range(3)}
+        st.put_many(vals)
+        st.get_many(list(vals))  # cached in the daemon
+        arena = st._arena_t
+        lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+
+        def mine() -> int:
+            rows = [c for c in st.status()["client_list"] if c["pid"] == os.getpid()]
+            return int(rows[0]["leases"]) if rows else 0
+
+        lent = st.borrow_many(list(vals))
+        assert all(lo <= t.data_ptr() < hi for t in lent.tensors.values())
+        assert all(torch.equal(lent.tensors[n], v) for n, v in vals.items())
+        assert mine() >= 1
+        lent.release()
+        wait_for(lambda: mine() == 0)
+        assert st.prefetch_views("cpu")
+        (fut,) = st.prefetch(["lend.0"], device="cpu")
+        got = st.acquire("lend.0", device="cpu")
+        assert fut.result(timeout=30) is got or torch.equal(fut.result(), got)
+        assert lo <= got.data_ptr() < hi and torch.equal(got, vals["lend.0"])
+        del got, fut
+        assert st.release("lend.0", device="cpu")
+        wait_for(lambda: mine() == 0)
+
+
 # -- protocol fuzz ------------------------------------------------------------------------
 def raw_conn(sock: Path) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -677,10 +708,14 @@ def test_train_and_generate_through_the_daemon(tmp_path: Path) -> None:
         assert "steps 3-4" in cli("train", "--connect", str(sock), "--steps", "4", "--resume")
         ask = ("--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--greedy", "--json")
         remote = json.loads(cli("generate", "--connect", str(sock), *ask).splitlines()[-1])
+        # expert mode too: both modes compute on views of the daemon's slots
+        expert = json.loads(cli("generate", "--connect", str(sock), *ask, "--mode",
+                                "expert").splitlines()[-1])
     finally:
         assert daemon.terminate() == 0, daemon.log.read_text()
     local = json.loads(cli("generate", "--store", str(tmp_path / "store"), *ask).splitlines()[-1])
     assert remote["tokens"] == local["tokens"] and len(local["tokens"][0]) == 6
+    assert expert["tokens"] == local["tokens"]
     bad = CliRunner().invoke(main, ["train", "--connect", str(sock), "--store", "x",
                                     "--steps", "1"])
     assert bad.exit_code == 2 and "--connect" in bad.output

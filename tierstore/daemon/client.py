@@ -37,7 +37,15 @@ from nvme import RecycledBuffers
 from .. import errors
 from ..errors import StoreClosedError, StoreError
 from ..prefetch import DeviceQueues
-from ..store import EntryInfo, FsckReport, SnapshotInfo, check_kind, check_name, prefetch_keys
+from ..store import (
+    Borrowed,
+    EntryInfo,
+    FsckReport,
+    SnapshotInfo,
+    check_kind,
+    check_name,
+    prefetch_keys,
+)
 from ..tensors import as_bytes, dtype_from_name, dtype_name, from_bytes
 from . import protocol as P
 
@@ -530,6 +538,26 @@ class RemoteStore:
         weakref.finalize(t, self._late.put, lease)
         return t
 
+    def borrow_many(self, names: Iterable[str | Key], kind: str = "param") -> Borrowed:
+        """As :meth:`tierstore.Store.borrow_many`: read-only views of the daemon's cache
+        slots, leased (pinned) in one request until the returned :class:`Borrowed` is
+        released. An entry the daemon does not cache comes back as a copy of its own."""
+        self._check_open()
+        asked = list(names)
+        keys = [(a, kind) if isinstance(a, str) else tuple(a) for a in asked]
+        got, lease = self._fetch(keys)
+        tensors: dict[Any, torch.Tensor] = {}
+        try:
+            for a, key, (meta, raw) in zip(asked, keys, got):
+                if isinstance(raw, torch.Tensor) and meta.nbytes:
+                    tensors[a] = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
+                else:
+                    tensors[a] = _deliver(key, meta, raw, None, None, self._results.take)
+        except BaseException:
+            lease.release()
+            raise
+        return Borrowed(tensors, lease.release)
+
     # -- catalog queries ----------------------------------------------------------------
     def __contains__(self, key: str | Key) -> bool:
         name, kind = (key, "param") if isinstance(key, str) else key
@@ -591,6 +619,13 @@ class RemoteStore:
 
     def _entry_nbytes(self, key: Key) -> int:
         return self.info(*key).nbytes
+
+    def prefetch_views(self, device: str | torch.device | None = None,
+                       enabled: bool = True) -> bool:
+        """As :meth:`tierstore.Store.prefetch_views`: on the CPU the queue lends read-only
+        views of the daemon's cache slots (leased while held) instead of copies."""
+        self._check_open()
+        return self._queues.get(device).set_zero_copy(enabled)
 
     def prefetch(self, names: str | Iterable[str | Key], *,
                  device: str | torch.device | None = None,
