@@ -128,9 +128,10 @@ def test_cli_import_hf(tmp_path: Path) -> None:
     assert "import-hf" in CliRunner().invoke(main, ["--help"]).output
 
 
-def _cli_error(tmp_path: Path, model_dir: Path) -> str:
+def _cli_error(tmp_path: Path, model_dir: Path, store: Path | None = None,
+               *extra: str) -> str:
     r = CliRunner().invoke(main, ["import-hf", str(model_dir), "--store",
-                                  str(tmp_path / "st-err")])
+                                  str(store or tmp_path / "st-err"), *extra])
     assert r.exit_code == 2, r.output
     assert len(r.output.strip().splitlines()) == 1, r.output
     return r.output
@@ -164,3 +165,53 @@ def test_load_model_on_a_store_without_model(tmp_path: Path) -> None:
     with tierstore.open(tmp_path / "st", create=True) as store, \
             pytest.raises(tierstore.StoreError, match="holds no model"):
         load_model(store, "cpu")
+
+
+KILL_AFTER = r"""
+import os, signal, sys
+from trainer.hf_import import import_hf
+calls = [0]
+def progress(n):  # called once an expert's put_many has returned
+    calls[0] += 1
+    if calls[0] == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+import_hf(sys.argv[1], sys.argv[2], progress=progress)
+"""
+
+
+def test_import_killed_part_way_resumes(tmp_path: Path) -> None:
+    """An import SIGKILLed after five experts keeps those five (each committed with its
+    three tensors); a plain import into that store is refused with a pointer to --resume,
+    a resume from another checkpoint is refused, and --resume keeps the five as they are,
+    imports the rest and yields the model transformers computes."""
+    import shutil
+    import subprocess
+    import sys
+
+    hf = make_hf_model("mixtral", tmp_path / "hf")
+    st = tmp_path / "st"
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-c", KILL_AFTER, str(tmp_path / "hf"), str(st), "5"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -9, p.stderr
+    with tierstore.open(st) as store:
+        kept = {n: store.info(n).version for n in store.names("layers.")}
+        assert ("model.json", "meta") not in store
+    assert len(kept) == 5 * 3  # whole experts only
+    out = _cli_error(tmp_path, tmp_path / "hf", st)
+    assert "interrupted import" in out and "--resume" in out
+    other = tmp_path / "hf-other"
+    shutil.copytree(tmp_path / "hf", other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rms_norm_eps"] = cfg.get("rms_norm_eps", 1e-5) * 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    out = _cli_error(tmp_path, other, st, "--resume")
+    assert "another checkpoint" in out
+    r = CliRunner().invoke(main, ["import-hf", str(tmp_path / "hf"), "--store", str(st),
+                                  "--resume"])
+    assert r.exit_code == 0, r.output
+    with tierstore.open(st) as store:
+        assert {n: store.info(n).version for n in kept} == kept  # not written again
+        assert len(store.names("layers.")) == 3 * 6 * 3
+        assert ("import.json", "meta") not in store
+    _logits_match(hf, st)

@@ -198,7 +198,10 @@ def import_(source: str, store: str, fmt: str | None) -> None:
 @click.argument("model_dir", type=click.Path())
 @click.option("--store", "store", required=True, type=click.Path(file_okay=False),
               help="Store to import into (created if missing; must not hold a model yet).")
-def import_hf_(model_dir: str, store: str) -> None:
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted import of the same checkpoint into STORE: experts "
+                   "and tensors already stored as the checkpoint has them are kept.")
+def import_hf_(model_dir: str, store: str, resume: bool) -> None:
     """Import the Hugging Face MoE model in MODEL_DIR (config.json, single or sharded
     safetensors, tokenizer files) for `tierstore generate`: each expert becomes one entry
     group (layers.{i}.experts.{e}.w1|w2|w3), the dense weights, config and tokenizer are
@@ -206,11 +209,12 @@ def import_hf_(model_dir: str, store: str) -> None:
 
     \b
     tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral
+    tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral --resume   # after an interruption
     """
     from trainer.hf_import import import_hf
 
     def go() -> None:
-        info = import_hf(model_dir, store, progress=True)
+        info = import_hf(model_dir, store, progress=True, resume=resume)
         cfg = info["config"]
         click.echo(f"imported {info['family']}: {cfg['n_layers']} layers, "
                    f"{len(cfg['moe_layers'])}x{cfg['n_experts']} experts, "

@@ -8,6 +8,12 @@ together), the dense weights under ``dense.`` with the decoder's names, the toke
 under ``tokenizer.``, and ``model.json`` last, so a store whose import was interrupted holds
 no model rather than half of one.
 
+An import first records where it comes from (``import.json``: the HF config and the weight
+files' names and sizes). ``resume=True`` (``--resume``) continues an interrupted import of
+the same checkpoint: an expert whose three tensors are stored with the shapes and dtype the
+checkpoint has is kept (they were committed together), as is a dense tensor or tokenizer
+file stored as it is in the checkpoint; everything else is imported.
+
 Experts are accepted both per expert (``experts.{e}.w1/w2/w3`` as Mixtral checkpoints have
 them, ``experts.{e}.gate_proj/up_proj/down_proj`` as Qwen and OLMoE have them; what
 ``transformers`` 5's ``save_pretrained`` writes by default) and fused into 3-D tensors over
@@ -20,6 +26,7 @@ expert slice at a time, so the import never holds more than one expert's tensors
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -56,6 +63,13 @@ _FFN = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "w1": "w1", "w2":
 _MOE_BLOCK = r"(?:block_sparse_moe|mlp)"
 _PER_EXPERT = re.compile(rf"^{_MOE_BLOCK}\.experts\.(\d+)\.(\w+)\.weight$")
 _FUSED = re.compile(rf"^{_MOE_BLOCK}\.experts\.(gate_up_proj|down_proj)$")
+
+
+IMPORT_ENTRY = ("import.json", "meta")  # the source of an import under way
+# safetensors' dtype codes, for telling whether a stored tensor already is the checkpoint's
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class HFImportError(tierstore.StoreError):
@@ -139,6 +153,9 @@ class _Reader:
 
     def shape(self, name: str) -> list[int]:
         return list(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        return _ST_DTYPES.get(self._handle(name).get_slice(name).get_dtype())
 
     def expert_slice(self, name: str, e: int) -> torch.Tensor:
         return self._handle(name).get_slice(name)[e]
@@ -247,10 +264,12 @@ def _generation_eos(model_dir: str) -> tuple[int, ...]:
 
 
 def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
-              progress: bool | Callable[[int], Any] = True) -> dict[str, Any]:
+              progress: bool | Callable[[int], Any] = True, *,
+              resume: bool = False) -> dict[str, Any]:
     """Import the model in ``model_dir`` into the store at ``store_path`` (created if
     missing) and return its ``model.json`` content. ``progress``: ``True`` for a tqdm bar
-    over the bytes imported, or a callable that receives byte counts."""
+    over the bytes imported, or a callable that receives byte counts. ``resume``: continue
+    an interrupted import of the same checkpoint (see the module docstring)."""
     model_dir = os.fspath(model_dir)
     hf = read_hf_config(model_dir)
     try:
@@ -280,17 +299,24 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
         def advance(n: int) -> None:
             return None
 
-    with tierstore.open(store_path, create=True) as store:
-        if MODEL_ENTRY in store or store.names("layers."):
-            raise _fail(f"store {store.path} already holds a model or expert entries; "
-                        "import into a new store")
+    source = {"hf_config": hf,
+              "files": sorted((os.path.basename(p), os.path.getsize(p))
+                              for p in set(files.values()))}
+    # No host cache: an import reads nothing back, and each expert should be durable once
+    # its put_many returns, so that an interrupted import can be resumed from there.
+    with tierstore.open(store_path, create=True, host_cache=0) as store:
+        _begin(store, source, resume)
+        keep = _Keep(store, resume)
         try:
-            stored_dtype = _put_experts(store, reader, cfg, per_expert, fused, advance)
+            stored_dtype = _put_experts(store, reader, cfg, per_expert, fused, advance, keep)
             cfg = replace(cfg, dtype=stored_dtype)
             for name, hf_name in dense.items():
-                t = reader.get(hf_name)
-                store.put(DENSE_PREFIX + name, t.contiguous())
-                advance(t.numel() * t.element_size())
+                shape, src = reader.shape(hf_name), reader.dtype(hf_name)
+                if src is None or not keep(DENSE_PREFIX + name, shape, src):
+                    t = reader.get(hf_name)
+                    store.put(DENSE_PREFIX + name, t.contiguous())
+                    src = t.dtype
+                advance(math.prod(shape) * src.itemsize)
             toks = []
             for fname in TOKENIZER_FILES:
                 path = os.path.join(model_dir, fname)
@@ -304,11 +330,45 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
             info = {"format": MODEL_FORMAT, "family": cfg.family, "config": cfg.to_dict(),
                     "hf_config": hf, "dense_prefix": DENSE_PREFIX, "tokenizer": toks}
             store.put(MODEL_ENTRY[0], json_entry(info), kind=MODEL_ENTRY[1])
+            store.delete(IMPORT_ENTRY[0], IMPORT_ENTRY[1], missing_ok=True)
             store.flush()
         finally:
             if bar is not None:
                 bar.close()
     return info
+
+
+def _begin(store: tierstore.Store, source: dict[str, Any], resume: bool) -> None:
+    """Refuse a store that holds a model, or another import; record this import's source
+    (or, resuming, check that the interrupted import had the same one)."""
+    if MODEL_ENTRY in store:
+        raise _fail(f"store {store.path} already holds a model; import into a new store")
+    begun = IMPORT_ENTRY in store
+    if not begun and not store.names("layers."):
+        store.put(IMPORT_ENTRY[0], json_entry(source), kind=IMPORT_ENTRY[1])
+        return
+    if not begun:
+        raise _fail(f"store {store.path} already holds expert entries; import into a new store")
+    if not resume:
+        raise _fail(f"store {store.path} holds an interrupted import; continue it with "
+                    "--resume, or import into a new store")
+    was = json.loads(bytes(store.get(*IMPORT_ENTRY).numpy()).decode())
+    if was != json.loads(json.dumps(source)):
+        raise _fail(f"store {store.path} holds an interrupted import of another checkpoint "
+                    "(its config or weight files differ); import into a new store")
+
+
+class _Keep:
+    """Resuming: whether an entry is already stored as the checkpoint has it."""
+
+    def __init__(self, store: tierstore.Store, resume: bool) -> None:
+        self.store, self.resume = store, resume
+
+    def __call__(self, name: str, shape: list[int], dtype: torch.dtype | None) -> bool:
+        if not self.resume or dtype is None or name not in self.store:
+            return False
+        info = self.store.info(name)
+        return info.dtype == dtype and list(info.shape) == list(shape)
 
 
 def _check_complete(cfg: DecoderConfig, dense: dict[str, str],
@@ -338,22 +398,32 @@ def _check_complete(cfg: DecoderConfig, dense: dict[str, str],
 
 def _put_experts(store: tierstore.Store, reader: _Reader, cfg: DecoderConfig,
                  per_expert: dict[tuple[int, int], dict[str, str]],
-                 fused: dict[int, dict[str, str]], advance: Callable[[int], Any]) -> str:
-    """Every expert in one ``put_many`` each; returns the experts' dtype name."""
+                 fused: dict[int, dict[str, str]], advance: Callable[[int], Any],
+                 keep: _Keep) -> str:
+    """Every expert in one ``put_many`` each (those ``keep`` says are stored already are
+    skipped); returns the experts' dtype name."""
     dtype = "float32"
+    want = [[cfg.moe_ffn, cfg.hidden_size], [cfg.hidden_size, cfg.moe_ffn],
+            [cfg.moe_ffn, cfg.hidden_size]]
     for layer in cfg.moe_layers:
         for e in range(cfg.n_experts):
+            src = reader.dtype(fused[layer]["gate_up_proj"] if layer in fused
+                               else per_expert[(layer, e)]["w1"])
+            names = expert_names(layer, e)
+            if all(keep(n, w, src) for n, w in zip(names, want)):
+                assert src is not None
+                dtype = str(src).removeprefix("torch.")
+                advance(sum(math.prod(w) for w in want) * src.itemsize)
+                continue
             if layer in fused:
                 w1, w2, w3 = _fused_expert(reader, cfg, layer, fused[layer], e)
             else:
-                names = per_expert[(layer, e)]
-                w1, w2, w3 = (reader.get(names[w]) for w in ("w1", "w2", "w3"))
+                hf_names = per_expert[(layer, e)]
+                w1, w2, w3 = (reader.get(hf_names[w]) for w in ("w1", "w2", "w3"))
             shapes = [list(w.shape) for w in (w1, w2, w3)]
-            want = [[cfg.moe_ffn, cfg.hidden_size], [cfg.hidden_size, cfg.moe_ffn],
-                    [cfg.moe_ffn, cfg.hidden_size]]
             if shapes != want:
                 raise _fail(f"layer {layer} expert {e}: shapes {shapes}, config says {want}")
-            store.put_many(list(zip(expert_names(layer, e), (w1, w2, w3))))
+            store.put_many(list(zip(names, (w1, w2, w3))))
             dtype = str(w1.dtype).removeprefix("torch.")
             advance(sum(w.numel() * w.element_size() for w in (w1, w2, w3)))
     return dtype
