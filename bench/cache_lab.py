@@ -79,6 +79,17 @@ def run_cache_lab(
         raise tierstore.StoreError(f"unknown policies {sorted(unknown)}; known: {lab.POLICIES}")
     if "belady" not in names:
         names.append("belady")
+    stray = set(policy_args) - set(lab.POLICIES)
+    if stray:
+        raise tierstore.StoreError(
+            f"--policy-arg names unknown policies {sorted(stray)} (want POLICY:K=V,...); "
+            f"known: {lab.POLICIES}")
+    for name, args in policy_args.items():
+        if name != "belady":  # belady's arguments need the trace
+            try:
+                lab.make_policy(name, **args)
+            except (TypeError, ValueError) as e:
+                raise tierstore.StoreError(f"--policy-arg {name}: {e}") from None
     fractions = parse_capacities(capacities, trace.distinct_bytes())
     rows = lab.sweep(trace, names, fractions, policy_args=policy_args,
                      write_fraction=write_fraction)

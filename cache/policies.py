@@ -247,6 +247,9 @@ _RENORMALIZE_BELOW = 2.0**-900
 #: The clocks ``LfuDecayPolicy`` can decay on (see its docstring); the first is the default.
 CLOCKS: tuple[str, ...] = ("auto", "pass", "step", "access")
 
+# LfuDecayPolicy's victim classes under a step clock, evicted in this order (see its docstring).
+_PASSED, _THIS_STEP, _AHEAD = 0, 1, 2
+
 
 class LfuDecayPolicy(_HeapPolicy):
     """LFU with exponential decay, a ghost table and an admission threshold (the default).
@@ -280,14 +283,31 @@ class LfuDecayPolicy(_HeapPolicy):
     Ghost table: an LRU-bounded map (``ghost_size`` keys) from recently evicted or refused
     keys to their unscaled counts. A key that comes back resumes its decayed count.
 
-    Victim: the evictable resident key with the smallest count, ties least recently used.
+    Victim: the evictable resident key with the smallest count, ties least recently used,
+    taken first from the keys that have let their turn pass. A routing trace visits the
+    layers in the same order every step, so a key used in the last step whose place in this
+    step has gone by unused is not needed before the next step, while one whose place is
+    still ahead may be needed within this step. Once a step clock ticks (``"step"``, or
+    ``"auto"`` after its first ``tick()``), resident keys fall into three classes, each
+    ordered by count: *passed* (not accessed for more than ``turn`` times the previous
+    step's number of accesses), then *this step* (accessed since the last tick: their next
+    use is a step away at best), then *ahead* (accessed in the last step, place still to
+    come). Only when the cache holds less than about a step do the last two classes matter,
+    and keeping the keys still ahead is then what Belady's optimum does too. ``turn`` is in
+    steps; the 10 % over one step absorbs steps that route to a few more experts than the
+    last, so a key whose place is just coming up is not taken for passed. Each class has
+    its own heap: keys leave *ahead* (or *this step*) for *passed* in access order, one heap
+    push each, and a tick relabels the *this step* heap as *ahead*, so the cost per access
+    stays O(log n) amortised. A pass (``"pass"``) is known only when a key repeats, which
+    can be several accesses late, so without ticks, and with ``turn = 0``, the victim is
+    the smallest count alone (a caller that never ticks pays nothing for the classes).
 
     Admission: a missed key whose count (ghost + 1) is below ``theta`` is refused when any
     victim it would displace has a larger count. Its access is still remembered in the
     ghost table, so a key that keeps coming back earns admission. ``theta = 0`` admits all.
 
-    Defaults (beta = 0.7, period = 1 tick, theta = 2, a pass or step clock) come from a
-    sweep over synthetic and recorded training and decode traces (``python -m
+    Defaults (beta = 0.7, period = 1 tick, theta = 2, turn = 1.1, a pass or step clock)
+    come from a sweep over synthetic and recorded training and decode traces (``python -m
     bench.cache_lab``; the results are in the README, "Host cache"). With a per-step clock the
     memory is about 1 / (1 - beta) ~ 3 steps: long enough to keep the experts a layer keeps
     routing to, short enough to follow popularity drift and bursts.
@@ -303,6 +323,7 @@ class LfuDecayPolicy(_HeapPolicy):
         ghost_size: int = 65536,
         clock: str = "auto",
         auto_tick: bool | None = None,
+        turn: float = 1.1,
     ) -> None:
         super().__init__()
         if not 0.0 < beta < 1.0:
@@ -313,6 +334,8 @@ class LfuDecayPolicy(_HeapPolicy):
             raise ValueError(f"theta must be >= 0, got {theta}")
         if int(ghost_size) < 0:
             raise ValueError(f"ghost_size must be >= 0, got {ghost_size}")
+        if turn != 0 and not turn >= 1:
+            raise ValueError(f"turn must be 0 (off) or >= 1 step, got {turn}")
         if auto_tick is not None:  # the older spelling: True ticks per access, False per step
             clock = "access" if auto_tick else "step"
         if clock not in CLOCKS:
@@ -329,6 +352,18 @@ class LfuDecayPolicy(_HeapPolicy):
         self._pass: set[Key] = set()  # keys accessed since the last tick ("pass" clock)
         self.pass_limit = 1 << 16
         self._stepped = False  # tick() has been called ("auto" then counts steps only)
+        # Turn-aware victim classes (see the class docstring); all keys are _PASSED, in
+        # self._heap, until a step clock has ticked once.
+        self.turn = float(turn)
+        self._heaps = [self._heap, [], []]
+        # Keys not _PASSED, by last access: key -> the number of that access. Their class
+        # follows from it (this step's or the last), so a tick moves no key but the ones
+        # whose turn came a whole step ago.
+        self._young: OrderedDict[Key, int] = OrderedDict()
+        self._access_no = 0  # number of the access in progress
+        self._step_start = 1  # number of the first access since the last tick
+        self._step_len = 0  # accesses in the previous step (0: no step seen yet)
+        self._track_turns = bool(self.turn) and clock in ("auto", "step")
 
     @property
     def auto_tick(self) -> bool:
@@ -341,10 +376,13 @@ class LfuDecayPolicy(_HeapPolicy):
         switches the clock from passes to these ticks."""
         self._stepped = True
         self._pass.clear()
+        self._track_turns = bool(self.turn) and self.clock in ("auto", "step")
         self._advance()
 
     def _advance(self) -> None:
         self._settle()
+        if self._stepped and self._track_turns:
+            self._end_step()
         self._until_decay -= 1
         if self._until_decay == 0:
             self._until_decay = self.period
@@ -354,6 +392,7 @@ class LfuDecayPolicy(_HeapPolicy):
 
     def _on_access(self, key: Key) -> None:
         """Advance the clock for the access to ``key`` that is starting (before its +1)."""
+        self._access_no += 1
         clock = self.clock
         if clock == "access":
             self._advance()
@@ -361,6 +400,10 @@ class LfuDecayPolicy(_HeapPolicy):
             seen = self._pass
             if key in seen or len(seen) >= self.pass_limit:
                 seen.clear()
+                if self._track_turns:
+                    # A pass ended before any tick: nobody ticks, so stop tracking turns.
+                    self._track_turns = False
+                    self._young.clear()
                 self._advance()
             seen.add(key)
 
@@ -373,6 +416,123 @@ class LfuDecayPolicy(_HeapPolicy):
             self._pending = (self._pending[0], self._pending[1] * s)
         self._scale = 1.0
         self._rebuild()
+
+    # victim classes
+    def _class_of(self, key: Key) -> int:
+        no = self._young.get(key)
+        if no is None or not self._step_len:
+            return _PASSED
+        return _THIS_STEP if no >= self._step_start else _AHEAD
+
+    def _end_step(self) -> None:
+        """A tick: this step's keys become the ones ahead, last step's have passed."""
+        n = self._access_no - self._step_start + 1
+        young, heaps, live = self._young, self._heaps, self._live
+        if not self._step_len:
+            if n <= 0 or not young:  # (young is empty if turns were not tracked)
+                self._step_start = self._access_no + 1
+                return
+            # The first step: its keys sit in the _PASSED heap until now.
+            ahead = heaps[_AHEAD]
+            for key in young:
+                u, seq = live[key]
+                ahead.append((u, seq, key))
+            heapq.heapify(ahead)
+        else:
+            passed = heaps[_PASSED]
+            while young:
+                key, no = next(iter(young.items()))
+                if no >= self._step_start:
+                    break
+                del young[key]
+                u, seq = live[key]
+                heapq.heappush(passed, (u, seq, key))
+            # The keys of this step keep their heap items: the heap changes class.
+            heaps[_AHEAD], heaps[_THIS_STEP] = heaps[_THIS_STEP], []
+        if n > 0:
+            self._step_len = n
+        self._step_start = self._access_no + 1
+        self._compact()
+
+    def _age(self) -> None:
+        """Keys not accessed for ``turn`` steps' worth of accesses have let their turn pass."""
+        if not self._step_len:
+            return
+        oldest = self._access_no - self.turn * self._step_len
+        young, live, passed = self._young, self._live, self._heaps[_PASSED]
+        while young:
+            key, no = next(iter(young.items()))
+            if no >= oldest:
+                break
+            del young[key]
+            u, seq = live[key]
+            heapq.heappush(passed, (u, seq, key))
+        self._compact()
+
+    def _set(self, key: Key, priority: float) -> None:
+        self._seq += 1
+        self._live[key] = (priority, self._seq)
+        if self._track_turns:
+            # Recorded before the first tick too, so that tick can class the first step.
+            self._young[key] = self._access_no
+            self._young.move_to_end(key)
+        cls = _THIS_STEP if self._step_len else _PASSED
+        heapq.heappush(self._heaps[cls], (priority, self._seq, key))
+        self._compact()
+
+    def _compact(self) -> None:
+        h = self._heaps
+        if len(h[0]) + len(h[1]) + len(h[2]) > 2 * len(self._live) + 64:
+            self._rebuild()
+
+    def _drop(self, key: Key) -> tuple[float, int] | None:
+        cls = self._class_of(key)
+        state = self._live.pop(key, None)
+        self._young.pop(key, None)
+        heap = self._heaps[cls]
+        while heap and not self._is_live_in(heap[0], cls):
+            heapq.heappop(heap)
+        return state
+
+    def _rebuild(self) -> None:
+        heaps: list[list[tuple[float, int, Key]]] = [[], [], []]
+        for k, (p, s) in self._live.items():
+            heaps[self._class_of(k)].append((p, s, k))
+        for h in heaps:
+            heapq.heapify(h)
+        self._heaps = heaps
+        self._heap = heaps[_PASSED]
+
+    def _is_live_in(self, item: tuple[float, int, Key], cls: int) -> bool:
+        key = item[2]
+        state = self._live.get(key)
+        if state is None or state[1] != item[1]:
+            return False
+        if not self._step_len:
+            return cls == _PASSED
+        no = self._young.get(key)
+        if no is None:
+            return cls == _PASSED
+        return cls == (_THIS_STEP if no >= self._step_start else _AHEAD)
+
+    def _is_live(self, item: tuple[float, int, Key]) -> bool:
+        return self._is_live_in(item, _PASSED)
+
+    def _clean_top(self) -> None:
+        for cls, heap in enumerate(self._heaps if self._step_len else self._heaps[:1]):
+            while heap and not self._is_live_in(heap[0], cls):
+                heapq.heappop(heap)
+
+    def _ordered(self, is_evictable: IsEvictable) -> Iterator[Key]:
+        for cls, heap in enumerate(self._heaps if self._step_len else self._heaps[:1]):
+            for item in heap_walk(heap):
+                if self._is_live_in(item, cls) and is_evictable(item[2]):
+                    yield item[2]
+
+    def candidates(self, incoming: Key, is_evictable: IsEvictable = _always) -> Iterator[Key]:
+        self._age()
+        self._clean_top()
+        return self._ordered(is_evictable)
 
     # accesses
     def record_hit(self, key: Key) -> None:

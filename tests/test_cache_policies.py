@@ -158,7 +158,8 @@ def test_lfu_decay_non_power_of_two_beta():
 
 
 def test_lfu_decay_ghost_resumes_decayed_count():
-    p = LfuDecayPolicy(beta=0.5, period=1, theta=0, auto_tick=False)
+    # turn=0: victims by count alone (the turn classes are tested below)
+    p = LfuDecayPolicy(beta=0.5, period=1, theta=0, auto_tick=False, turn=0)
     cache = AccountingCache(p, 2, log_evictions=True)
     for k in "aaab":  # a = 3, b = 1
         cache.access(k, 1)
@@ -230,9 +231,83 @@ def test_lfu_decay_renormalizes_exactly():
 
 
 def test_lfu_decay_rejects_bad_parameters():
-    for bad in (dict(beta=1.0), dict(beta=0.0), dict(period=0), dict(theta=-1)):
+    for bad in (dict(beta=1.0), dict(beta=0.0), dict(period=0), dict(theta=-1), dict(turn=0.5)):
         with pytest.raises(ValueError):
             LfuDecayPolicy(**bad)
+
+
+def _turn_run(**args):
+    """Two steps of unit entries in a three-entry cache (see the turn tests)."""
+    p = LfuDecayPolicy(beta=0.5, period=1, theta=0, clock="step", **args)
+    cache = AccountingCache(p, 3, log_evictions=True)
+    for k in "aaab":  # step 1, accesses 1-4: a = 3 (last used at access 3), b = 1
+        cache.access(k, 1)
+    p.tick()  # a = 1.5, b = 0.5; the step had 4 accesses; a and b are ahead
+    return p, cache
+
+
+def test_lfu_decay_turn_classes_by_hand():
+    p, cache = _turn_run()  # turn = 1.1: passed after 4.4 accesses unused
+    cache.access("c", 1)  # access 5 fits: c = 1, used this step
+    # access 6: nothing has passed (a was last used at 3 > 6 - 4.4); this step's keys go
+    # before the ones ahead, so c (1) goes although b (0.5) has the smaller count
+    cache.access("d", 1)
+    assert cache.evicted == ["c"]
+    cache.access("e", 1)  # access 7: still nothing passed; d, used this step, goes
+    assert cache.evicted == ["c", "d"]
+    # access 8: a (last used at 3 < 8 - 4.4) has let its turn pass: it goes first, count
+    # 1.5 and all, before e (1, this step) and b (0.5, ahead)
+    cache.access("f", 1)
+    assert cache.evicted == ["c", "d", "a"]
+    assert list(p.candidates(None)) == ["e", "f", "b"]
+    assert list(p.candidates(None, lambda k: k not in "ef")) == ["b"]  # pinned: skipped
+    p.tick()  # e and f are ahead now; b has had a whole step: passed
+    assert list(p.candidates(None)) == ["b", "e", "f"]
+    assert (p.count("b"), p.count("e")) == (0.25, 0.5)  # counts decay as before
+
+
+def test_lfu_decay_turn_zero_orders_by_count_alone():
+    p, cache = _turn_run(turn=0)
+    for k in "cdef":
+        cache.access(k, 1)
+    # d: b (0.5) goes; e: c and d tie at 1 with a at 1.5, c is older; f: d
+    assert cache.evicted == ["b", "c", "d"]
+
+
+def test_lfu_decay_turns_need_a_step_clock():
+    # Without ticks (the pass clock) or before the first tick there is no step length:
+    # victims by count alone, as with turn = 0.
+    p = LfuDecayPolicy(beta=0.5, period=1, theta=0, clock="pass")
+    _, evicted, _ = run(p, list("aaabcdef"), 3)
+    q = LfuDecayPolicy(beta=0.5, period=1, theta=0, clock="pass", turn=0)
+    assert evicted == run(q, list("aaabcdef"), 3)[1]
+    p = LfuDecayPolicy(beta=0.5, period=1, theta=0, clock="step")
+    _, evicted, _ = run(p, list("aaabcdef"), 3)  # never ticked
+    assert evicted == ["b", "c", "d"]  # a = 3 stays; then the oldest count-1 key each time
+
+
+def test_lfu_decay_auto_clock_orders_by_turn_once_ticked():
+    p = LfuDecayPolicy(beta=0.5, period=1, theta=0)  # clock="auto"
+    cache = AccountingCache(p, 4)
+    for k in "aba":  # the repeat of a ends a pass before any tick: a = 1.5, b = 0.5
+        cache.access(k, 1)
+    p.tick()  # a = 0.75, b = 0.25; no step length yet, turns were not tracked
+    for k in "ca":  # accesses 4 and 5: c = 1, a = 1.75
+        cache.access(k, 1)
+    p.tick()  # a 2-access step: a = 0.875, c = 0.5 are ahead, b = 0.125 has passed
+    cache.access("d", 1)  # access 6 fits: d = 1, this step
+    assert list(p.candidates(None)) == ["b", "d", "c", "a"]  # by count: b c a d
+
+
+def test_lfu_decay_turn_heaps_stay_compact():
+    p = LfuDecayPolicy(theta=0)
+    cache = AccountingCache(p, 8)
+    for i in range(5000):
+        if i % 6 == 0:
+            p.tick()
+        cache.access((i * 7) % 13, 1)
+    assert sum(len(h) for h in p._heaps) <= 2 * len(p) + 64
+    assert sorted(p.candidates(None)) == sorted(cache.sizes)
 
 
 # semoe (literal Algorithm 1)

@@ -110,3 +110,14 @@ def test_bench_cache_writes_the_documented_json(tmp_path, policies: str) -> None
             assert r["hit_rate"] <= next(
                 b["hit_rate"] for b in rows
                 if b["policy"] == "belady" and b["capacity_fraction"] == r["capacity_fraction"])
+
+
+def test_bench_cache_bad_policy_arguments_are_one_line_errors() -> None:
+    common = ("bench", "cache", "--synthetic", "zipf:layers=2,experts=4,steps=5",
+              "--capacity", "0.5", "--policies", "lfu-decay", "--policy-arg")
+    for arg, says in (("lfu-decay:beta=2", "beta must be in (0, 1)"),
+                      ("lfu-decay:turn=0.5", "turn must be 0"),
+                      ("lfu-decay:nope=1", "nope"),
+                      ("beta=0.5", "unknown policies")):
+        out = run(*common, arg, code=2)
+        assert says in out and len(out.strip().splitlines()) == 1, out
