@@ -169,8 +169,9 @@ def _row(name: str, res: GenerationResult, phase: str, stats: dict[str, Any],
            "stall_frac": res.stall_frac,
            # every pass of the run (the prefill and each decode step) read this much
            "tier_bytes_per_pass": tier_bytes / (1 + steps)}
-    for k in ("slots", "slot_history", "hit_rate", "spec_accuracy", "bytes_moved", "bytes_read",
-              "t_compute_s", "t_transfer_s", "cache_bytes"):
+    for k in ("slots", "slot_history", "hit_rate", "spec_accuracy", "spec_precision",
+              "spec_requested", "spec_skipped", "bytes_moved", "bytes_read", "t_compute_s",
+              "t_transfer_s", "cache_bytes"):
         if res.source.get(k) is not None:
             row[k] = res.source[k]
     return row
