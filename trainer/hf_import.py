@@ -11,8 +11,8 @@ no model rather than half of one.
 An import first records where it comes from (``import.json``: the HF config and the weight
 files' names and sizes). ``resume=True`` (``--resume``) continues an interrupted import of
 the same checkpoint: an expert whose three tensors are stored with the shapes and dtype the
-checkpoint has is kept (they were committed together), as is a dense tensor or tokenizer
-file stored as it is in the checkpoint; everything else is imported.
+checkpoint has is kept (they were committed together), as is a dense tensor stored as the
+checkpoint has it; everything else is imported (the small tokenizer files always are).
 
 Experts are accepted both per expert (``experts.{e}.w1/w2/w3`` as Mixtral checkpoints have
 them, ``experts.{e}.gate_proj/up_proj/down_proj`` as Qwen and OLMoE have them; what
