@@ -58,7 +58,7 @@ _LOADING, _READY, _EVICTING = "loading", "ready", "evicting"
 
 class _Entry:
     __slots__ = ("key", "nbytes", "start", "meta", "dirty", "gen", "pins", "state", "gone",
-                 "staged", "watch", "memo")
+                 "staged", "watch", "memo", "slot_view")
 
     def __init__(self, key: Key, nbytes: int, meta: Any) -> None:
         self.key = key
@@ -73,6 +73,7 @@ class _Entry:
         self.staged = False  # a slot for a next version, indexed only by commit_staged
         self.watch: Any = None  # the token of a watch() on it, until it retires
         self.memo: Any = None  # the caller's, for the entry's life (see Handle.memo)
+        self.slot_view: torch.Tensor | None = None  # see HostCache._view
 
 
 class Handle:
@@ -243,16 +244,27 @@ class HostCache:
     def lookup_many(self, keys: list[Key]) -> list[Handle | None]:
         """:meth:`lookup` of several keys under one acquisition of the lock."""
         out: list[Handle | None] = []
+        hit: list[Key] = []
+        entries = self._entries
         with self._cond:
             for key in keys:
-                entry = self._wait_settled(key)
+                entry = entries.get(key)
+                if entry is not None and entry.state != _READY:
+                    # Waiting lets other threads in (an invalidate, say): the hits so far
+                    # are recorded first, while their keys are surely in the policy.
+                    self._policy.record_hits(hit)
+                    self._hits += len(hit)
+                    hit.clear()
+                    entry = self._wait_settled(key)
                 if entry is None:
                     self._misses += 1
                     out.append(None)
                     continue
-                self._hits += 1
-                self._policy.record_hit(key)
-                out.append(self._pin(entry, new=False))
+                hit.append(key)
+                entry.pins += 1
+                out.append(Handle(self, entry, self._view(entry), False))
+            self._hits += len(hit)
+            self._policy.record_hits(hit)
         return out
 
     def __contains__(self, key: object) -> bool:
@@ -279,8 +291,14 @@ class HostCache:
         return Handle(self, entry, self._view(entry), new)
 
     def _view(self, entry: _Entry) -> torch.Tensor:
-        offset = entry.start * PAGE
-        return self._arena[offset : offset + entry.nbytes]
+        # Made once per slot: slicing the arena costs more than the rest of a hit.
+        view = entry.slot_view
+        if view is None:
+            offset = entry.start * PAGE
+            view = self._arena[offset : offset + entry.nbytes]
+            if entry.start >= 0:  # an entry's slot, once given, never moves
+                entry.slot_view = view
+        return view
 
     # inserts
     def insert(self, key: Key, nbytes: int, meta: Any = None, *, data: Any = None) -> Handle | None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 __all__ = [
@@ -87,6 +87,11 @@ class Policy(ABC):
     @abstractmethod
     def record_hit(self, key: Key) -> None:
         """``key`` is resident and was accessed."""
+
+    def record_hits(self, keys: Iterable[Key]) -> None:
+        """:meth:`record_hit` of each key in turn (a batch: one call per lookup)."""
+        for key in keys:
+            self.record_hit(key)
 
     @abstractmethod
     def record_miss(self, key: Key, nbytes: int) -> None:
@@ -539,6 +544,13 @@ class LfuDecayPolicy(_HeapPolicy):
         self._settle()
         self._on_access(key)
         self._set(key, self._live[key][0] + 1.0 / self._scale)
+
+    def record_hits(self, keys: Iterable[Key]) -> None:
+        self._settle()  # the batch records no miss: nothing is pending after the first
+        on_access, set_, live = self._on_access, self._set, self._live
+        for key in keys:
+            on_access(key)
+            set_(key, live[key][0] + 1.0 / self._scale)
 
     def record_miss(self, key: Key, nbytes: int) -> None:
         self._settle()

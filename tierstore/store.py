@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import math
 import os
@@ -143,6 +144,22 @@ def check_kind(kind: str) -> None:
         raise StoreError(
             f"invalid state kind {kind!r}: lowercase identifier such as {', '.join(KINDS)}"
         )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _checked_key(name: str, kind: str) -> None:
+    check_name(name)
+    check_kind(kind)
+
+
+def check_key(name: str, kind: str) -> None:
+    """``check_name`` and ``check_kind``, remembered for keys that passed: the readers that
+    ask for the same keys every pass (a ring, a trainer) pay for the checks once."""
+    if type(name) is str and type(kind) is str:
+        _checked_key(name, kind)  # an invalid key raises, and raising is not cached
+    else:
+        check_name(name)
+        check_kind(kind)
 
 
 def prefetch_keys(names: str | Iterable[str | Key], kind: str) -> list[Key]:
@@ -611,20 +628,22 @@ class Store:
         asked = list(names)
         keys = [(a, kind) if isinstance(a, str) else tuple(a) for a in asked]
         for name, k in keys:
-            check_name(name)
-            check_kind(k)
+            check_key(name, k)
         found, handles = self._host_bytes(keys)
         slots = {h.key: h for h in handles}
         tensors = {}
         for a, key in zip(asked, keys):
             meta, raw = found[key]
             h = slots.get(key)
-            dtype = dtype_from_name(meta.dtype)
-            typed = h.memo if h is not None else None
-            if typed is None or typed.dtype != dtype or typed.shape != meta.shape:
-                typed = from_bytes(raw, dtype, meta.shape)
+            memo = h.memo if h is not None else None
+            if memo is not None and memo[0] is meta:
+                typed = memo[1]
+            else:
+                typed = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
                 if h is not None:
-                    h.memo = typed  # the slot never moves: one typed view per entry
+                    # The slot never moves: one typed view per entry and meta (an
+                    # overwrite in place brings a new meta).
+                    h.memo = (meta, typed)
             # A fresh alias each time, so that nothing one borrower sets on its tensor
             # (requires_grad, say) reaches the next.
             tensors[a] = typed.detach()
@@ -723,8 +742,7 @@ class Store:
     ) -> list[torch.Tensor]:
         self._check_open()
         for name, kind in keys:
-            check_name(name)
-            check_kind(kind)
+            check_key(name, kind)
         found, handles = self._host_bytes(keys)
         try:
             return [
