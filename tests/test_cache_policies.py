@@ -527,6 +527,22 @@ def test_no_policy_beats_belady_on_equal_sizes(keys, capacity):
         assert sum(run(_make(name, keys), keys, capacity)[0]) <= best
 
 
+@pytest.mark.parametrize("name", [n for n in POLICIES if n != "belady"])
+def test_a_batch_of_hits_is_the_hits_one_by_one(name):
+    """record_hits (one call per cache lookup) leaves the policy as record_hit in turn."""
+    keys = [0, 1, 2, 3, 1, 2, 4, 0, 5]
+    policies = [make_policy(name), make_policy(name)]
+    for p in policies:
+        cache = AccountingCache(p, 5)
+        for k in keys:
+            cache.access(k, 1)
+    hits = [k for k in (3, 1, 4, 1, 5, 3, 1) if k in policies[0]]
+    policies[0].record_hits(hits)
+    for k in hits:
+        policies[1].record_hit(k)
+    assert list(policies[0].candidates(9)) == list(policies[1].candidates(9))
+
+
 def test_make_policy_registry():
     assert POLICIES[0] == "lfu-decay"
     assert set(POLICIES) == {"lfu-decay", "semoe", "lru", "lfu", "arc", "belady"}

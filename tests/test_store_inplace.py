@@ -157,3 +157,6 @@ def test_borrowed_views_are_fresh_aliases_of_one_slot(tmp_path) -> None:
         with st.borrow_many(["w"]) as c:
             v = c.tensors["w"]
             assert v.dtype == torch.int32 and torch.equal(v, torch.arange(8, dtype=torch.int32))
+        st.put("w", torch.arange(8, dtype=torch.int32).view(2, 4))  # and in another shape
+        with st.borrow_many(["w"]) as d:
+            assert d.tensors["w"].shape == (2, 4)
