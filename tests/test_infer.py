@@ -18,7 +18,7 @@ import torch
 import tierstore
 from trainer.decoder import HF_FAMILIES, expert_names, load_model
 from trainer.expert_mode import ExpertModeSource
-from trainer.generate import generate, make_source, pad_left
+from trainer.generate import generate, make_source, pad_left, responsive_interpreter
 from trainer.ring import RingSource, choose_slots, max_slots
 
 transformers = pytest.importorskip("transformers")
@@ -164,6 +164,49 @@ def test_sampling_repeats_with_a_seed(mixtral: Path) -> None:
         assert all(len(row) == 10 for row in a)
 
 
+def test_generation_switches_threads_quickly_and_puts_the_interval_back(mixtral: Path) -> None:
+    """While a source streams, the interpreter switches threads every 0.5 ms at most (the
+    compute thread gets it back from the read threads); afterwards, and after nested or
+    overlapping blocks, the caller's interval is back."""
+    import sys
+    import threading
+
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+    with open_offloaded(mixtral) as store:
+        model = load_model(store, "cpu", torch.float32)
+        src = make_source("ring", store, model, ring_slots=1)
+        inner = src.experts
+
+        def experts(*args: Any) -> Any:
+            seen.append(sys.getswitchinterval())
+            return inner(*args)
+
+        src.experts = experts  # type: ignore[method-assign]
+        try:
+            generate(model, src, [[5, 6, 7]], 2, eos_token_ids=[])
+        finally:
+            src.close()
+    assert seen and max(seen) <= 5e-4 < before
+    assert sys.getswitchinterval() == before
+    entered, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with responsive_interpreter():
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    entered.wait(10)
+    with responsive_interpreter(1e-3), responsive_interpreter():
+        assert sys.getswitchinterval() <= 5e-4
+    assert sys.getswitchinterval() <= 5e-4  # the other block is still running
+    release.set()
+    t.join()
+    assert sys.getswitchinterval() == before
+
+
 def test_ring_holds_k_layers_within_the_budget(mixtral: Path) -> None:
     path = mixtral
     with tierstore.open(path, host_cache=HOST_CACHE) as probe:
@@ -239,6 +282,19 @@ def test_cpu_ring_computes_on_pinned_cache_slots_and_gives_them_back(mixtral: Pa
         assert src.stats()["peak_bytes"] == one
         pins = [e.pins for e in store._cache._entries.values()]  # type: ignore[union-attr]
         assert pins and not any(pins)
+        # Its borrowing threads end with it; a closed ring that is used again starts anew.
+        generate(model, src, [ids[0].tolist()], 2, eos_token_ids=())
+        src.close()
+        deadline = time.monotonic() + 10
+        while _ring_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _ring_threads()
+
+
+def _ring_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("tierstore-ring")]
 
 
 def test_expert_mode_guesses_while_guessing_pays(mixtral: Path) -> None:

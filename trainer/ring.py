@@ -206,7 +206,8 @@ class RingSource:
         if self._layerwise:
             if layer in self._lent:
                 return  # its slot still holds it (K = number of layers)
-            assert self._worker is not None
+            if self._worker is None:  # closed, and used again
+                self._worker = ThreadPoolExecutor(2, thread_name_prefix="tierstore-ring")
             if self._inline:
                 future: Future[Any] = Future()
                 try:
@@ -396,6 +397,9 @@ class RingSource:
             self._unlend(layer)
         self._requested.clear()
         self._held.clear()
+        if self._worker is not None:  # its threads would otherwise outlive the source
+            self._worker.shutdown(wait=False)
+            self._worker = None
 
     def stats(self) -> dict[str, Any]:
         return {
