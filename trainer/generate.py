@@ -36,9 +36,9 @@ MODES = ("ring", "expert", "resident", "on-demand")
 # interpreter. The compute thread lets go of it inside every torch op and needs it back to
 # issue the next; at CPython's default 5 ms switch interval a read thread busy in Python
 # (checksums' bookkeeping, catalog lookups) keeps it that long, and a CPU prefill of a few
-# hundred ops per layer waits on it op after op. 0.5 ms gave a ring prefill from NVMe
-# 0.94 of its bandwidth limit instead of 0.80 (trained `medium`), and a compute-bound one
-# 0.89 of resident instead of 0.83.
+# hundred ops per layer waits on it op after op. At 0.5 ms a transfer-bound ring prefill
+# from NVMe ran 8 % faster (trained `medium`, K=4), and a compute-bound one at 0.89 of
+# resident instead of 0.83 (README, "Switching threads sooner").
 STREAMING_SWITCH_INTERVAL_S = 5e-4
 _switch_lock = threading.Lock()
 _switch_users = 0
