@@ -39,6 +39,60 @@ def test_engine_round_trip_at_offsets(tmp_path, direct: bool) -> None:
         eng.close()
 
 
+def test_blocking_calls_hand_large_requests_to_the_pool(tmp_path, monkeypatch) -> None:
+    """A small blocking read or write runs on the caller's thread; a large one (1 MiB and
+    up) runs on the engine's threads, which take the next queued request at once. Both
+    come back with the bytes, and never more than ``threads`` are in flight."""
+    import threading
+
+    import nvme.engines as engines
+
+    where: list[str] = []
+    inflight, peak = [0], [0]
+    guard = threading.Lock()
+
+    def traced(fn):
+        def call(fd, buf, offset):
+            with guard:
+                where.append(threading.current_thread().name)
+                inflight[0] += 1
+                peak[0] = max(peak[0], inflight[0])
+            try:
+                return fn(fd, buf, offset)
+            finally:
+                with guard:
+                    inflight[0] -= 1
+        return call
+
+    monkeypatch.setattr(engines, "_full_preadv", traced(engines._full_preadv))
+    monkeypatch.setattr(engines, "_full_pwritev", traced(engines._full_pwritev))
+    eng = PosixEngine(threads=2, direct=False)
+    try:
+        fh = eng.open(str(tmp_path / "f"), create=True)
+        big = aligned_empty(engines.HANDOFF_MIN_BYTES)
+        big[:] = np.random.default_rng(1).integers(0, 256, big.size, dtype=np.uint8)
+        assert eng.write(fh, memoryview(big[:4096]), 0) == 4096
+        assert eng.write(fh, memoryview(big), 0) == big.size
+        back = aligned_empty(big.size)
+        assert eng.read(fh, memoryview(back[:4096]), 0) == 4096
+        assert eng.read(fh, memoryview(back), 0) == big.size
+        assert np.array_equal(back, big)
+        me = threading.current_thread().name
+        assert where[0] == me and where[2] == me
+        assert where[1].startswith("tierstore-io") and where[3].startswith("tierstore-io")
+        where.clear()
+        callers = [threading.Thread(target=eng.read, args=(fh, memoryview(aligned_empty(n)), 0))
+                   for n in (4096, big.size) * 4]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+        assert len(where) == 8 and peak[0] <= 2
+        eng.close_file(fh)
+    finally:
+        eng.close()
+
+
 def test_short_read_past_end_of_file_is_an_error(tmp_path) -> None:
     eng = PosixEngine(threads=1, direct=False)
     try:
