@@ -9,8 +9,9 @@ persistent memory (``pmem.PoolMedium``: regions of one mapped pool file) differ 
 
 The asynchronous calls are the primitives. ``read``/``write`` are their blocking forms,
 for callers that are already on a worker thread (the store's chunk jobs): where the medium
-can, it does the I/O on the calling thread, sparing a hand-off to its own pool and back,
-which on a small entry costs about as much CPU as the read itself.
+can, it does a small request's I/O on the calling thread, sparing a hand-off to its own pool
+and back, which on a small entry costs about as much CPU as the read itself; large requests
+still queue on the pool, whose threads start the next one without a wake-up.
 """
 
 from __future__ import annotations

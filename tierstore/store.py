@@ -275,7 +275,8 @@ class Store:
         self._lock_fd = lock_fd
         self._alloc = ExtentAllocator(ALIGNMENT)
         # Chunk jobs (copy, checksum, and the medium's blocking I/O call, made on the job's
-        # own thread) run here, so the CPU work of one chunk overlaps the I/O of the others.
+        # own thread for small chunks) run here, so the CPU work of one chunk overlaps the
+        # I/O of the others.
         # Twice the I/O threads, so while io_threads requests are in flight (the engine
         # bounds them) as many workers checksum or copy landed chunks: with one I/O thread,
         # the checksum would otherwise stall the next read.
