@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,41 @@ def _full_pwritev(fd: int, buf: memoryview, offset: int) -> int:
     return done
 
 
+class FairDepth:
+    """A bound on requests in flight that serves waiters in arrival order.
+
+    ``threading.Semaphore`` lets a thread that releases a slot take it straight back, so
+    readers issuing request after request kept every slot and a writer's chunks waited
+    for minutes behind them. Here a freed slot passes to the longest waiter, and a newcomer
+    queues behind anyone already waiting. Use as a context manager around one request.
+    """
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError("slots must be >= 1")
+        self._free = slots
+        self._lock = threading.Lock()
+        self._waiters: deque[threading.Lock] = deque()
+
+    def __enter__(self) -> FairDepth:
+        with self._lock:
+            if self._free and not self._waiters:
+                self._free -= 1
+                return self
+            turn = threading.Lock()
+            turn.acquire()
+            self._waiters.append(turn)
+        turn.acquire()  # released by the holder that hands us its slot
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            if self._waiters:
+                self._waiters.popleft().release()  # the slot passes on, never freed between
+            else:
+                self._free += 1
+
+
 class PosixEngine:
     """``preadv``/``pwritev`` on a thread pool, O_DIRECT where the filesystem allows it."""
 
@@ -72,7 +108,7 @@ class PosixEngine:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierstore-io")
         # At most ``threads`` requests in flight, whether issued by the pool or, through
         # the blocking calls, on callers' threads: the queue depth is the thread count.
-        self._depth = threading.BoundedSemaphore(threads)
+        self._depth = FairDepth(threads)
         self._refused: set[str] = set()
         self._lock = threading.Lock()
 

@@ -93,6 +93,56 @@ def test_blocking_calls_hand_large_requests_to_the_pool(tmp_path, monkeypatch) -
         eng.close()
 
 
+def test_depth_limit_serves_waiters_in_arrival_order() -> None:
+    """A thread that frees a slot and asks again queues behind the threads already waiting
+    (readers issuing request after request cannot starve a writer), and no more than
+    ``slots`` threads ever hold one."""
+    import threading
+    import time
+
+    from nvme.engines import FairDepth
+
+    depth = FairDepth(1)
+    order: list[str] = []
+    depth.__enter__()
+
+    def waiter() -> None:
+        with depth:
+            order.append("waiter")
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not depth._waiters and time.monotonic() < deadline:
+        time.sleep(0.001)
+    depth.__exit__(None, None, None)
+    with depth:
+        order.append("again")
+    t.join()
+    assert order == ["waiter", "again"]
+
+    depth = FairDepth(3)
+    held, peak, guard = [0], [0], threading.Lock()
+
+    def hammer() -> None:
+        for _ in range(200):
+            with depth:
+                with guard:
+                    held[0] += 1
+                    peak[0] = max(peak[0], held[0])
+                with guard:
+                    held[0] -= 1
+
+    ts = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert held[0] == 0 and 1 <= peak[0] <= 3
+    with pytest.raises(ValueError):
+        FairDepth(0)
+
+
 def test_short_read_past_end_of_file_is_an_error(tmp_path) -> None:
     eng = PosixEngine(threads=1, direct=False)
     try:
