@@ -141,8 +141,7 @@ class RingSource:
         # the misses, one batched release when the layer is done.
         self._layerwise = (self.views and self.device.type == "cpu"
                            and hasattr(store, "borrow_many"))
-        self._worker = (ThreadPoolExecutor(2, thread_name_prefix="tierstore-ring")
-                        if self._layerwise else None)
+        self._worker: ThreadPoolExecutor | None = None  # made on first use, ended by close()
         self._lent: dict[int, Any] = {}  # layer -> its Borrowed, while its slot holds it
         # A borrow that finds every entry cached is a few hundred microseconds of Python;
         # handed to the worker it would contend with the compute for the interpreter, so it
@@ -206,7 +205,7 @@ class RingSource:
         if self._layerwise:
             if layer in self._lent:
                 return  # its slot still holds it (K = number of layers)
-            if self._worker is None:  # closed, and used again
+            if self._worker is None:
                 self._worker = ThreadPoolExecutor(2, thread_name_prefix="tierstore-ring")
             if self._inline:
                 future: Future[Any] = Future()
