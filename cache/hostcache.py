@@ -267,6 +267,28 @@ class HostCache:
             self._policy.record_hits(hit)
         return out
 
+    def renew_many(self, handles: list[Handle], metas: list[Any]) -> bool:
+        """Pin released handles again, as a lookup of their keys would, if each entry is
+        still the cached one with ``metas``' meta (same slot, same layout); else pin none
+        and return False. Cheaper than a lookup for a reader that takes the same entries
+        again and again (a ring's layer): no new handles, the views it holds stay valid."""
+        entries = self._entries
+        with self._cond:
+            for h, meta in zip(handles, metas, strict=True):
+                entry = h._entry
+                if (not h._released or entry.state != _READY or entry.gone
+                        or entry.meta is not meta or entries.get(entry.key) is not entry):
+                    return False
+            keys = []
+            for h in handles:
+                h._entry.pins += 1
+                h._released = False
+                h.new = False
+                keys.append(h._entry.key)
+            self._hits += len(keys)
+            self._policy.record_hits(keys)
+        return True
+
     def __contains__(self, key: object) -> bool:
         with self._cond:
             entry = self._entries.get(key)

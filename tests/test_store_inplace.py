@@ -160,3 +160,44 @@ def test_borrowed_views_are_fresh_aliases_of_one_slot(tmp_path) -> None:
         st.put("w", torch.arange(8, dtype=torch.int32).view(2, 4))  # and in another shape
         with st.borrow_many(["w"]) as d:
             assert d.tensors["w"].shape == (2, 4)
+
+
+def test_a_released_borrow_renews_only_while_its_entries_are_unchanged(store) -> None:
+    """``renew`` pins the same cached entries again (a hit each, the same tensors) while
+    each is the version it was; a rewrite (new version, same slot or not), an eviction or
+    a read that bypassed the cache makes it refuse, pinning nothing, and a new borrow then
+    sees the current bytes."""
+    store.put_many({"a": _t(1), "b": _t(2)})
+    lent = store.borrow_many(["a", "b"])
+    with pytest.raises(tierstore.StoreError):
+        lent.renew()  # still lent
+    views = dict(lent.tensors)
+    lent.release()
+    if store._cache is None:  # read into buffers of their own: nothing to pin again
+        assert not lent.renew()
+        return
+    hits = store.stats()["cache"]["hits"]
+    assert lent.renew()
+    assert store.stats()["cache"]["hits"] == hits + 2
+    assert all(lent.tensors[k] is views[k] for k in views)
+    assert torch.equal(lent.tensors["a"], _t(1)) and torch.equal(lent.tensors["b"], _t(2))
+    # Renewed means pinned: a write is a new version elsewhere, the views keep the old bytes.
+    store.put("a", _t(3))
+    assert torch.equal(lent.tensors["a"], _t(1))
+    lent.release()
+    assert not lent.renew()  # "a" changed
+    entries = store._cache._entries
+    assert not any(e.pins for e in entries.values())  # and "b" was not left pinned
+    with store.borrow_many(["a", "b"]) as again:
+        assert torch.equal(again.tensors["a"], _t(3))
+    # A same-size rewrite in place (same slot, a new version) refuses as well.
+    fresh = store.borrow_many(["b"])
+    fresh.release()
+    store.put("b", _t(4))
+    assert not fresh.renew()
+    fresh = store.borrow_many(["b"])
+    assert torch.equal(fresh.tensors["b"], _t(4))
+    fresh.release()
+    store._cache.invalidate(("b", "param"))  # as an eviction does
+    assert not fresh.renew()
+    assert not any(e.pins for e in entries.values())

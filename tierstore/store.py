@@ -184,17 +184,38 @@ def check_tag(tag: str) -> None:
 
 
 class Borrowed:
-    """Read-only views lent by :meth:`Store.borrow_many`; release once (or use ``with``)."""
+    """Read-only views lent by :meth:`Store.borrow_many`; release once (or use ``with``).
 
-    def __init__(self, tensors: dict[Any, torch.Tensor], release: Callable[[], None]) -> None:
+    A released borrow may be :meth:`renew`-ed: a reader that takes the same entries again
+    and again (a ring's layer, every token) pins them again at a fraction of a new borrow's
+    cost, and keeps its tensors.
+    """
+
+    def __init__(self, tensors: dict[Any, torch.Tensor], release: Callable[[], None],
+                 renew: Callable[[], bool] | None = None) -> None:
         self.tensors = tensors
+        self._releaser = release
         self._release: Callable[[], None] | None = release
+        self._renew = renew
 
     def release(self) -> None:
         """Unpin the views' slots: the views must not be read after this."""
         release, self._release = self._release, None
         if release is not None:
             release()
+
+    def renew(self) -> bool:
+        """After :meth:`release`: pin the same entries again and return True if every one
+        is still the cached version it was (same slot, dtype and shape; as a new borrow
+        would, this counts as a cache hit), so ``tensors`` may be read again. False where
+        any has changed, been evicted or was never cached (read into a buffer of its own):
+        nothing is pinned and the caller borrows anew. Raises while the views are lent."""
+        if self._release is not None:
+            raise StoreError("renew() of a borrow that has not been released")
+        if self._renew is None or not self._renew():
+            return False
+        self._release = self._releaser
+        return True
 
     def __enter__(self) -> Borrowed:
         return self
@@ -648,7 +669,12 @@ class Store:
             # A fresh alias each time, so that nothing one borrower sets on its tensor
             # (requires_grad, say) reaches the next.
             tensors[a] = typed.detach()
-        return Borrowed(tensors, lambda: self._release_handles(handles))
+        renew = None
+        if self._cache is not None and len(handles) == len(found):  # every one cached
+            hs = [slots[key] for key in found]
+            metas = [found[key][0] for key in found]
+            renew = functools.partial(self._cache.renew_many, hs, metas)
+        return Borrowed(tensors, functools.partial(self._release_handles, handles), renew)
 
     def stage_many(
         self, items: Iterable[tuple[str, str, torch.dtype, Sequence[int]]]

@@ -12,7 +12,9 @@ layer's entries are requested at priority ``(pass, layer index)``, acquired when
 runs and released after it; the queue's byte budget bounds what the ring may hold and its
 threads do the transfers: reads from the backing tier, then a copy on CUDA's copy stream,
 or on the CPU a pin (the experts are views of their host-cache slots, never copied, and
-``_convert`` makes a new tensor rather than writing into one).
+``_convert`` makes a new tensor rather than writing into one). A layer whose entries are
+still cached as they were when its slot was last released is pinned again by renewing that
+borrow (:meth:`tierstore.Borrowed.renew`), which costs a third of a new one.
 
 ``slots="auto"`` runs the first pass with as many slots as the budget holds, timing the
 first layer's transfer through the queue as it goes (without waiting for it), then picks K
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -143,6 +145,10 @@ class RingSource:
                            and hasattr(store, "borrow_many"))
         self._worker: ThreadPoolExecutor | None = None  # made on first use, ended by close()
         self._lent: dict[int, Any] = {}  # layer -> its Borrowed, while its slot holds it
+        # layer -> its last Borrowed, released, and the expert tuples made from it: where
+        # the layer's entries are still cached as they were, renewing it pins them again
+        # for a fraction of a new borrow's cost (decoding from host memory, every token).
+        self._spent: dict[int, tuple[Any, dict[int, ExpertWeights]]] = {}
         # A borrow that finds every entry cached is a few hundred microseconds of Python;
         # handed to the worker it would contend with the compute for the interpreter, so it
         # runs in line while the last borrow was that cheap (see _borrow).
@@ -178,6 +184,8 @@ class RingSource:
         self.layer_bytes = layer_entry_bytes(self.store, self.layers[0], self.n_experts)
         self._names = {layer: [expert_entry_names(layer, e) for e in range(self.n_experts)]
                        for layer in self.layers}
+        self._flat = {layer: [n for trio in trios for n in trio]
+                      for layer, trios in self._names.items()}
         self._moved_start = queue_bytes_moved(self.store, self.device)
         self._read_start = self._bytes_read()
         cap = max_slots(self.layer_bytes, self.budget, len(self.layers))
@@ -201,18 +209,24 @@ class RingSource:
         if pos in self._requested:
             return
         layer = self._layer_at(pos)
-        names = [n for trio in self._names[layer] for n in trio]
+        names = self._flat[layer]
         if self._layerwise:
             if layer in self._lent:
                 return  # its slot still holds it (K = number of layers)
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(2, thread_name_prefix="tierstore-ring")
-            if self._inline:
-                future: Future[Any] = Future()
+            spent = self._spent.pop(layer, None)
+            if spent is not None and spent[0].renew():
+                future: Any = _Done()
+                future.value = spent[0]
+                self._held[layer] = spent[1]
+            elif self._inline:
+                # A Future (a lock and a condition) would cost a tenth of this borrow.
+                future = _Done()
                 try:
-                    future.set_result(self._borrow(names))
+                    future.value = self._borrow(names)
                 except Exception as e:  # noqa: BLE001 (raised where the layer asks for it)
-                    future.set_exception(e)
+                    future.error = e
             else:
                 future = self._worker.submit(self._borrow, names)
             self._requested[pos] = {"": future}
@@ -339,11 +353,14 @@ class RingSource:
         self._pass_stall += stall
         held = self._held.setdefault(layer, {})
         out: dict[int, ExpertWeights] = {}
+        tensors, names = lent.tensors, self._names[layer]
         for e in ids:
             weights = held.get(e)
             if weights is None:
-                weights = tuple(self._convert(lent.tensors[n])  # type: ignore[assignment]
-                                for n in self._names[layer][e])
+                w1, w2, w3 = names[e]
+                weights = (tensors[w1], tensors[w2], tensors[w3])
+                if self.dtype is not None:
+                    weights = tuple(self._convert(t) for t in weights)  # type: ignore[assignment]
                 held[e] = weights
             self.hits += landed
             self.accesses += 1
@@ -352,8 +369,11 @@ class RingSource:
 
     def _unlend(self, layer: int) -> None:
         lent = self._lent.pop(layer, None)
+        held = self._held.pop(layer, None)
         if lent is not None:
             lent.release()
+            # Converted experts are copies, made again from the bytes on the next turn.
+            self._spent[layer] = (lent, held if held is not None and self.dtype is None else {})
 
     def _convert(self, t: Tensor) -> Tensor:
         return t if self.dtype is None or t.dtype == self.dtype else t.to(self.dtype)
@@ -364,7 +384,6 @@ class RingSource:
         self._pos += 1
         # The slot is freed unless the same layer comes back within the ring (K = L).
         if self.slots < len(self.layers) and self._layerwise:
-            self._held.pop(layer, None)
             self._unlend(layer)
         elif self.slots < len(self.layers):
             self._held.pop(layer, None)
@@ -423,6 +442,33 @@ class RingSource:
                             if self.layers else 0),
             "bytes_read": self._bytes_read() - self._read_start if self.layers else 0,
         }
+
+
+class _Done:
+    """The settled outcome of a borrow made in line: the part of a Future the ring uses."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        fn(self)
 
 
 def _release_when_done(future: Future[Any]) -> None:
