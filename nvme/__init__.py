@@ -1,13 +1,22 @@
 """NVMe backing tier: copy-on-write slab files and the I/O engines that move their bytes."""
 
 from .buffers import ALIGNMENT, RecycledBuffers, StagingPool, aligned_empty, is_aligned
-from .engines import ENGINES, FileHandle, KvikioEngine, PosixEngine, cuda_and_kvikio, make_engine
+from .engines import (
+    ENGINES,
+    HANDOFF_MIN_BYTES,
+    FileHandle,
+    KvikioEngine,
+    PosixEngine,
+    cuda_and_kvikio,
+    make_engine,
+)
 from .slabs import SlabMedium
 
 __all__ = [
     "ALIGNMENT",
     "ENGINES",
     "FileHandle",
+    "HANDOFF_MIN_BYTES",
     "KvikioEngine",
     "PosixEngine",
     "RecycledBuffers",

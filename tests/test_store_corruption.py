@@ -127,3 +127,20 @@ def test_corrupt_kind_is_named(make_store) -> None:
         st.get("w", "exp_avg_sq")
     assert (ei.value.name, ei.value.kind) == ("w", "exp_avg_sq")
     assert "exp_avg_sq" in str(ei.value)
+
+
+def test_the_first_corrupt_entry_of_a_batch_is_named(make_store, cache_kw) -> None:
+    """With several corrupt entries in one read, the error names the first of them in the
+    order asked, every time, and the healthy ones still read afterwards."""
+    st, data = fill_and_reopen(make_store, **cache_kw)
+    flip_byte(st.info("victim"), st.info("victim").nbytes - 1)  # its last chunk
+    flip_byte(st.info("neighbour.after"), 0)
+    for _ in range(5):
+        with pytest.raises(tierstore.CorruptEntryError) as ei:
+            st.get_many(["small", "victim", "neighbour.before", "neighbour.after"])
+        assert ei.value.name == "victim"
+        with pytest.raises(tierstore.CorruptEntryError) as ei:
+            st.get_many(["neighbour.after", "small", "victim"])
+        assert ei.value.name == "neighbour.after"
+    got = st.get_many(["small", "neighbour.before"])
+    assert all(torch.equal(got[n], data[n]) for n in got)

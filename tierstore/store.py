@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from cache import HostCache
-from nvme import ENGINES, RecycledBuffers, StagingPool, aligned_empty
+from nvme import ENGINES, HANDOFF_MIN_BYTES, RecycledBuffers, StagingPool, aligned_empty
 
 from .alloc import ExtentAllocator
 from .catalog import FORMAT_VERSION, Catalog, Record, entry_key
@@ -302,6 +302,7 @@ class Store:
         # bounds them) as many workers checksum or copy landed chunks: with one I/O thread,
         # the checksum would otherwise stall the next read.
         self._workers = ThreadPoolExecutor(2 * io_threads, thread_name_prefix="tierstore-chunk")
+        self._io_threads = io_threads
         self._staging = StagingPool(chunk_bytes, keep=2 * io_threads)
         # Uncached reads land in reused memory once callers drop earlier results, so a
         # steady stream of reads does not fault fresh pages in for every entry.
@@ -905,19 +906,47 @@ class Store:
                     f"{self._medium.location(rec.seg, rec.off + start)[0]})",
                 )
 
-        jobs = [
-            self._workers.submit(chunk_job, i, c)
-            for i, rec in enumerate(recs)
-            for c in range(len(range(0, rec.length, rec.chunk)))
-        ]
+        work = [(i, c) for i, rec in enumerate(recs)
+                for c in range(len(range(0, rec.length, rec.chunk)))]
+        if len(work) == 1:  # nothing to overlap: no hand-off
+            chunk_job(*work[0])
+            return bufs
+        # A few workers take the chunks in turn, rather than a job (a future, a queue item
+        # and a thread wake-up) per chunk: a layer of 512 KiB entries is a hundred chunks.
+        # Requests under HANDOFF_MIN_BYTES are issued by the worker itself, io_threads at a
+        # time, and more workers would only queue for those slots. Larger ones wait on the
+        # engine's pool, whose queue must not run dry: the whole of this pool for those.
+        big = any(min(rec.chunk, rec.length) >= HANDOFF_MIN_BYTES for rec in recs)
+        fetchers = self._io_threads * (2 if big else 1)
+        todo = iter(enumerate(work))
+        take = threading.Lock()
+        failed: list[tuple[int, BaseException]] = []
+
+        def drain() -> None:
+            while not failed:
+                with take:
+                    item = next(todo, None)
+                if item is None:
+                    return
+                n, (i, c) = item
+                try:
+                    chunk_job(i, c)
+                except BaseException as e:  # noqa: BLE001 (raised by the caller below)
+                    failed.append((n, e))
+
+        jobs = [self._workers.submit(drain) for _ in range(min(len(work), fetchers))]
         try:
             for f in jobs:
                 f.result()
         finally:
+            if not all(f.done() for f in jobs):  # interrupted: stop taking chunks
+                failed.append((len(work), StoreError("fetch interrupted")))
             # Never let a read land in a buffer after its extent's lease has ended.
             for f in jobs:
                 if not f.cancel():
                     f.exception()
+        if failed:
+            raise min(failed, key=lambda x: x[0])[1]
         return bufs
 
     def _verify_record(self, name: str, kind: str, rec: Record) -> None:
