@@ -914,10 +914,11 @@ class Store:
         # A few workers take the chunks in turn, rather than a job (a future, a queue item
         # and a thread wake-up) per chunk: a layer of 512 KiB entries is a hundred chunks.
         # Requests under HANDOFF_MIN_BYTES are issued by the worker itself, io_threads at a
-        # time, and more workers would only queue for those slots. Larger ones wait on the
-        # engine's pool, whose queue must not run dry: the whole of this pool for those.
+        # time, and more workers would only queue for those slots: one more, to issue the
+        # next request while another worker checksums. Larger requests wait on the engine's
+        # pool, whose queue must not run dry: the whole of this pool for those.
         big = any(min(rec.chunk, rec.length) >= HANDOFF_MIN_BYTES for rec in recs)
-        fetchers = self._io_threads * (2 if big else 1)
+        fetchers = self._io_threads + (self._io_threads if big else 1)
         todo = iter(enumerate(work))
         take = threading.Lock()
         failed: list[tuple[int, BaseException]] = []
