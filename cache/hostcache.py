@@ -276,8 +276,9 @@ class HostCache:
         with self._cond:
             for h, meta in zip(handles, metas, strict=True):
                 entry = h._entry
-                if (not h._released or entry.state != _READY or entry.gone
-                        or entry.meta is not meta or entries.get(entry.key) is not entry):
+                # Still indexed means not invalidated or evicted (both unindex first).
+                if (not h._released or entry.state != _READY or entry.meta is not meta
+                        or entries.get(entry.key) is not entry):
                     return False
             keys = []
             for h in handles:
