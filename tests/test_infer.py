@@ -7,6 +7,7 @@ exactly the tokens of its ``generate``. Also the ring-size chooser and the budge
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from trainer.ring import RingSource, choose_slots, max_slots
 
 transformers = pytest.importorskip("transformers")
 from test_hf_models import imported_path  # noqa: E402 (the families' tiny HF models)
+from test_store_corruption import flip_byte  # noqa: E402
 
 ATOL = 1e-4
 HOST_CACHE = "16KiB"  # far smaller than one expert layer: reads go to the backing tier
@@ -292,9 +294,9 @@ def test_cpu_ring_computes_on_pinned_cache_slots_and_gives_them_back(mixtral: Pa
 
 
 def test_cpu_ring_renews_unchanged_layers_and_sees_rewritten_experts(mixtral: Path) -> None:
-    """Decoding from host memory, a ring borrows each layer once and afterwards renews the
-    released borrow every turn; an expert rewritten between generations is not renewed
-    but borrowed anew, so the ring computes with the new weights."""
+    """Decoding from host memory, a ring borrows each layer whole once and afterwards
+    renews the released borrow every turn; an expert rewritten between generations is not
+    renewed but borrowed anew, so the ring computes with the new weights."""
     with tierstore.open(mixtral, host_cache="64MiB") as store:
         model = load_model(store, "cpu")
         cfg = model.cfg
@@ -320,7 +322,13 @@ def test_cpu_ring_renews_unchanged_layers_and_sees_rewritten_experts(mixtral: Pa
         ids, _ = batch(cfg.vocab_size)
         prompt = [ids[0].tolist()]
         generate(model, src, prompt, 4, eos_token_ids=())
-        assert len(borrows) == len(cfg.moe_layers)  # 4 passes, one borrow per layer
+        # 4 passes. The first reads each layer from the backing tier in parts; the second
+        # finds every part cached and borrows the layer whole; the others renew that.
+        whole = [n for e in range(cfg.n_experts) for n in expert_names(cfg.moe_layers[0], e)]
+        sizes = [len(b) for b in borrows]
+        n_moe = len(cfg.moe_layers)
+        assert sizes.count(len(whole)) == n_moe and sizes[-n_moe:] == [len(whole)] * n_moe
+        assert sum(sizes[:-n_moe]) == n_moe * len(whole)
         layer, e = next(iter(used))
         w1 = expert_names(layer, e)[0]
         store.put(w1, store.get(w1) * -2.0)
@@ -333,6 +341,74 @@ def test_cpu_ring_renews_unchanged_layers_and_sees_rewritten_experts(mixtral: Pa
         assert torch.equal(used[(layer, e)], store.get(w1))
         resident = make_source("resident", store, model)
         assert second == generate(model, resident, prompt, 4, eos_token_ids=()).tokens
+
+
+def _gated_borrows(store: tierstore.Store, gated: str, gate: threading.Event,
+                   waited: list[bool]) -> None:
+    """Hold any borrow that includes ``gated`` until ``gate`` is set (at most 30 s; whether
+    it had to give up is appended to ``waited``)."""
+    inner = store.borrow_many
+
+    def borrow(names: Any, *args: Any, **kw: Any) -> Any:
+        names = list(names)
+        if gated in names:
+            waited.append(not gate.wait(30))
+        return inner(names, *args, **kw)
+
+    store.borrow_many = borrow  # type: ignore[method-assign]
+
+
+def test_ring_streams_a_layer_read_from_the_backing_tier(mixtral: Path) -> None:
+    """A layer read from the backing tier is lent in parts: its first experts can be used
+    while a later part is still being read, and each expert is the stored one."""
+    with tierstore.open(mixtral, host_cache="64MiB") as store:
+        model = load_model(store, "cpu")
+        cfg = model.cfg
+        layer, last = cfg.moe_layers[0], cfg.n_experts - 1
+        gate, waited = threading.Event(), []
+        _gated_borrows(store, expert_names(layer, last)[0], gate, waited)
+        src = RingSource(store, "cpu", slots=1,
+                         budget=layer_bytes(store, layer, cfg.n_experts))
+        src.begin_pass(model, 1)
+        ids = list(range(cfg.n_experts))
+        got = src.experts(layer, ids, torch.zeros(1, cfg.hidden_size))
+        first = got[0]  # lands while the last part is held back
+        assert not gate.is_set() and not waited
+        assert torch.equal(first[0], store.get(expert_names(layer, 0)[0]))
+        gate.set()
+        for e in ids:
+            assert all(torch.equal(t, store.get(n)) for t, n in zip(got[e], expert_names(layer, e)))
+        assert waited == [False]
+        src.layer_done(layer)
+        src.close()
+        pins = [e.pins for e in store._cache._entries.values()]  # type: ignore[union-attr]
+        assert not any(pins)
+
+
+def test_ring_raises_a_parts_read_error_where_its_expert_is_used(mixtral: Path) -> None:
+    """A corrupt entry in a later part fails the lookup of its own expert with the store's
+    error (not a routing KeyError); the parts that were read are still given back."""
+    with tierstore.open(mixtral, host_cache="64MiB") as store:
+        model = load_model(store, "cpu")
+        cfg = model.cfg
+        layer, last = cfg.moe_layers[0], cfg.n_experts - 1
+        bad = expert_names(layer, last)[2]
+        flip_byte(store.info(bad), 0)
+        try:
+            src = RingSource(store, "cpu", slots=1,
+                             budget=layer_bytes(store, layer, cfg.n_experts))
+            src.begin_pass(model, 1)
+            got = src.experts(layer, list(range(cfg.n_experts)),
+                              torch.zeros(1, cfg.hidden_size))
+            assert torch.equal(got[0][0], store.get(expert_names(layer, 0)[0]))
+            with pytest.raises(tierstore.CorruptEntryError, match=bad):
+                got[last]
+            src.end_pass()
+            src.close()
+        finally:
+            flip_byte(store.info(bad), 0)  # the module's other tests share this model
+        pins = [e.pins for e in store._cache._entries.values()]  # type: ignore[union-attr]
+        assert pins and not any(pins)
 
 
 def _ring_threads() -> list[str]:

@@ -322,8 +322,10 @@ class ExpertSource(Protocol):
         """A forward pass over ``n_tokens`` tokens (batch x new positions) starts."""
 
     def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
-        """Block until every expert in ``ids`` (sorted, unique) of MoE layer ``layer`` is on
-        the model's device, return them. ``x`` ``[N, hidden]`` is the normalised hidden state
+        """The experts in ``ids`` (sorted, unique) of MoE layer ``layer``, on the model's
+        device. Looking one up blocks until it is there; the model looks them up in
+        ascending id order as it applies them, so a source may return while the later ones
+        are still being loaded. ``x`` ``[N, hidden]`` is the normalised hidden state
         those experts will be applied to (a source may apply the NEXT MoE layer's router to
         it to predict and prefetch that layer's experts: ``model.router_topk(next_layer,
         x)``)."""

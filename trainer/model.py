@@ -397,7 +397,8 @@ def moe_combine(x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
 
     ``x`` is ``[T, D]``; ``weights`` maps at least every routed expert id to its
     ``(w1, w2, w3)`` (extra entries are ignored). Experts run in ascending id order on their
-    gathered tokens, and outputs go back to their slots by a gather with unique indices, so
+    gathered tokens, each looked up just before it runs (a source may still be loading the
+    later ones), and outputs go back to their slots by a gather with unique indices, so
     the result does not depend on the mapping's order and is deterministic on every device.
     """
     n_tok, k = topk_idx.shape
@@ -408,10 +409,9 @@ def moe_combine(x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
     pieces = []
     start = 0
     for e, c in zip(ids.tolist(), counts.tolist()):
-        try:
-            w1, w2, w3 = weights[e]
-        except KeyError:
-            raise KeyError(f"expert {e} was routed to but its weights were not supplied") from None
+        if e not in weights:  # not a lookup's KeyError: a source's own errors pass through
+            raise KeyError(f"expert {e} was routed to but its weights were not supplied")
+        w1, w2, w3 = weights[e]
         rows = token_of[start:start + c]
         pieces.append(expert_forward(x[rows], w1, w2, w3))
         start += c

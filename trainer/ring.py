@@ -14,7 +14,9 @@ threads do the transfers: reads from the backing tier, then a copy on CUDA's cop
 or on the CPU a pin (the experts are views of their host-cache slots, never copied, and
 ``_convert`` makes a new tensor rather than writing into one). A layer whose entries are
 still cached as they were when its slot was last released is pinned again by renewing that
-borrow (:meth:`tierstore.Borrowed.renew`), which costs a third of a new one.
+borrow (:meth:`tierstore.Borrowed.renew`), which costs a third of a new one. A layer that
+must be read from the backing tier is borrowed in parts of consecutive experts, and the
+model starts on it once its first part has landed (:class:`_Streamed`).
 
 ``slots="auto"`` runs the first pass with as many slots as the budget holds, timing the
 first layer's transfer through the queue as it goes (without waiting for it), then picks K
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +40,7 @@ from .decoder import expert_names
 
 ExpertWeights = tuple[Tensor, Tensor, Tensor]
 INLINE_BORROW_S = 1e-3  # a layer's borrow faster than this read nothing: see RingSource
+STREAM_PARTS = 4  # a layer read from the backing tier is borrowed in this many parts
 
 
 def expert_entry_names(layer: int, expert: int) -> tuple[str, str, str]:
@@ -144,15 +147,21 @@ class RingSource:
         self._layerwise = (self.views and self.device.type == "cpu"
                            and hasattr(store, "borrow_many"))
         self._worker: ThreadPoolExecutor | None = None  # made on first use, ended by close()
-        self._lent: dict[int, Any] = {}  # layer -> its Borrowed, while its slot holds it
-        # layer -> its last Borrowed, released, and the expert tuples made from it: where
-        # the layer's entries are still cached as they were, renewing it pins them again
-        # for a fraction of a new borrow's cost (decoding from host memory, every token).
-        self._spent: dict[int, tuple[Any, dict[int, ExpertWeights]]] = {}
+        self._lent: dict[int, _Loan] = {}  # layer -> its borrows, while its slot holds it
+        # layer -> its last loan, released, and the expert tuples made from it: where the
+        # layer's entries are still cached as they were, renewing it pins them again for a
+        # fraction of a new borrow's cost (decoding from host memory, every token).
+        self._spent: dict[int, tuple[_Loan, dict[int, ExpertWeights]]] = {}
         # A borrow that finds every entry cached is a few hundred microseconds of Python;
         # handed to the worker it would contend with the compute for the interpreter, so it
         # runs in line while the last borrow was that cheap (see _borrow).
         self._inline = False
+        # A borrow that reads is split into parts of consecutive experts, read in order:
+        # the model applies experts in ascending id order, so it starts on a layer once
+        # its first part has landed (see _Streamed). In one pass (a prefill) the last
+        # layer's compute then hides behind its own reads, and every layer gives its slot
+        # back sooner, so the next layer's read starts sooner.
+        self._per_part = 1
         self._lent_bytes = 0
         self.peak_bytes = 0  # most layer bytes lent and requested at once (layer by layer)
         self.layers: list[int] = []
@@ -186,6 +195,10 @@ class RingSource:
                        for layer in self.layers}
         self._flat = {layer: [n for trio in trios for n in trio]
                       for layer, trios in self._names.items()}
+        self._per_part = -(-self.n_experts // STREAM_PARTS)
+        self._parts = {layer: [self._flat[layer][3 * e:3 * (e + self._per_part)]
+                               for e in range(0, self.n_experts, self._per_part)]
+                       for layer in self.layers}
         self._moved_start = queue_bytes_moved(self.store, self.device)
         self._read_start = self._bytes_read()
         cap = max_slots(self.layer_bytes, self.budget, len(self.layers))
@@ -216,20 +229,27 @@ class RingSource:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(2, thread_name_prefix="tierstore-ring")
             spent = self._spent.pop(layer, None)
-            if spent is not None and spent[0].renew():
-                future: Any = _Done()
-                future.value = spent[0]
+            renewed = spent is not None and spent[0].renew()
+            parts: list[Any]
+            if renewed and len(spent[0].parts) == 1:
+                parts = [_Done(spent[0].parts[0].result())]
                 self._held[layer] = spent[1]
-            elif self._inline:
-                # A Future (a lock and a condition) would cost a tenth of this borrow.
-                future = _Done()
+            elif renewed or self._inline:
+                # In line: a Future (a lock and a condition) would cost a tenth of this
+                # borrow. A layer borrowed in parts whose parts are all still cached is
+                # borrowed whole now, and renewed once per turn from then on.
+                done = _Done()
                 try:
-                    future.value = self._borrow(names)
+                    done.value = self._borrow(names)
                 except Exception as e:  # noqa: BLE001 (raised where the layer asks for it)
-                    future.error = e
+                    done.error = e
+                if renewed:
+                    spent[0].release()
+                parts = [done]
             else:
-                future = self._worker.submit(self._borrow, names)
-            self._requested[pos] = {"": future}
+                parts = [self._worker.submit(self._borrow, group)
+                         for group in self._parts[layer]]
+            self._requested[pos] = dict(enumerate(parts))
             layers = set(self._lent) | {self._layer_at(p) for p in self._requested}
             self.peak_bytes = max(self.peak_bytes, len(layers) * self.layer_bytes)
             return
@@ -338,42 +358,56 @@ class RingSource:
         return lent
 
     def _lent_experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
-        lent = self._lent.get(layer)
-        landed = lent is not None
-        t0 = time.perf_counter()
-        if lent is None:
+        loan = self._lent.get(layer)
+        landed = loan is not None
+        if loan is None:
             self._request(self._pos)
-            future = self._requested[self._pos][""]
-            landed = future.done()
-            lent = future.result()
-            self._lent[layer] = lent
+            loan = self._lent[layer] = _Loan(list(self._requested[self._pos].values()))
             self._lent_bytes += self.layer_bytes
-        stall = time.perf_counter() - t0
-        self.stall_s += stall
-        self._pass_stall += stall
         held = self._held.setdefault(layer, {})
+        if len(loan.parts) > 1:
+            return _Streamed(self, loan, held, self._names[layer], ids)
+        if not landed:
+            landed = loan.parts[0].done()
+            self._stalled(loan.parts[0])
         out: dict[int, ExpertWeights] = {}
-        tensors, names = lent.tensors, self._names[layer]
+        tensors, names = loan.parts[0].result().tensors, self._names[layer]
         for e in ids:
             weights = held.get(e)
             if weights is None:
-                w1, w2, w3 = names[e]
-                weights = (tensors[w1], tensors[w2], tensors[w3])
-                if self.dtype is not None:
-                    weights = tuple(self._convert(t) for t in weights)  # type: ignore[assignment]
-                held[e] = weights
+                weights = held[e] = self._weights(tensors, names[e])
             self.hits += landed
             self.accesses += 1
             out[e] = weights
         return out
 
+    def _weights(self, tensors: Mapping[str, Tensor], trio: tuple[str, str, str]
+                 ) -> ExpertWeights:
+        w1, w2, w3 = (tensors[n] for n in trio)
+        if self.dtype is None:
+            return w1, w2, w3
+        return self._convert(w1), self._convert(w2), self._convert(w3)
+
+    def _stalled(self, future: Any) -> Any:
+        """The borrow ``future`` holds, counting the wait for it as stall."""
+        if future.done():
+            return future.result()
+        t0 = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            stall = time.perf_counter() - t0
+            self.stall_s += stall
+            self._pass_stall += stall
+
     def _unlend(self, layer: int) -> None:
-        lent = self._lent.pop(layer, None)
+        loan = self._lent.pop(layer, None)
         held = self._held.pop(layer, None)
-        if lent is not None:
-            lent.release()
-            # Converted experts are copies, made again from the bytes on the next turn.
-            self._spent[layer] = (lent, held if held is not None and self.dtype is None else {})
+        if loan is None:
+            return
+        loan.release()
+        # Converted experts are copies, made again from the bytes on the next turn.
+        self._spent[layer] = (loan, held if held is not None and self.dtype is None else {})
 
     def _convert(self, t: Tensor) -> Tensor:
         return t if self.dtype is None or t.dtype == self.dtype else t.to(self.dtype)
@@ -444,13 +478,85 @@ class RingSource:
         }
 
 
+class _Loan:
+    """A layer's experts as lent: the borrows (futures of :class:`tierstore.Borrowed`) of
+    its parts, consecutive experts each (one part when the layer was borrowed whole)."""
+
+    __slots__ = ("parts", "settled")
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        self.settled = False  # every part had landed (or failed) when it was released
+
+    def release(self) -> None:
+        """Give back every part: those landed now, one still being read when it lands."""
+        self.settled = True
+        for f in self.parts:
+            if f.done():
+                _release_when_done(f)
+            else:
+                # Released by the reading thread, maybe after a renewal was tried: such a
+                # loan is never renewed (see renew).
+                self.settled = False
+                f.add_done_callback(_release_when_done)
+
+    def renew(self) -> bool:
+        """Pin every part again (see :meth:`tierstore.Borrowed.renew`), or none."""
+        if not self.settled:
+            return False
+        renewed = []
+        for f in self.parts:
+            if not (not f.cancelled() and f.exception() is None and f.result().renew()):
+                for b in renewed:
+                    b.release()
+                return False
+            renewed.append(f.result())
+        return True
+
+
+class _Streamed(Mapping[int, ExpertWeights]):
+    """A layer's routed experts while its parts are still landing: looking an expert up
+    waits for its own part only. The model applies experts in ascending id order, so it
+    computes on the first part while the rest are read."""
+
+    def __init__(self, ring: RingSource, loan: _Loan, held: dict[int, ExpertWeights],
+                 names: list[tuple[str, str, str]], ids: Sequence[int]) -> None:
+        self._ring, self._loan, self._held, self._names = ring, loan, held, names
+        self._ids = ids
+        self._wanted = set(ids)
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        if e not in self._wanted:
+            raise KeyError(e)
+        ring = self._ring
+        weights = self._held.get(e)
+        if weights is None:
+            part = self._loan.parts[e // ring._per_part]
+            ring.hits += part.done()
+            tensors = ring._stalled(part).tensors
+            weights = self._held[e] = ring._weights(tensors, self._names[e])
+        else:
+            ring.hits += 1
+        ring.accesses += 1
+        return weights
+
+    def __contains__(self, e: object) -> bool:
+        return e in self._wanted
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class _Done:
     """The settled outcome of a borrow made in line: the part of a Future the ring uses."""
 
     __slots__ = ("value", "error")
 
-    def __init__(self) -> None:
-        self.value: Any = None
+    def __init__(self, value: Any = None) -> None:
+        self.value: Any = value
         self.error: BaseException | None = None
 
     def done(self) -> bool:
