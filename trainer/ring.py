@@ -506,7 +506,7 @@ class _Loan:
             return False
         renewed = []
         for f in self.parts:
-            if not (not f.cancelled() and f.exception() is None and f.result().renew()):
+            if f.cancelled() or f.exception() is not None or not f.result().renew():
                 for b in renewed:
                     b.release()
                 return False
