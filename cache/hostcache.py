@@ -750,12 +750,15 @@ class HostCache:
             return [k for k, e in self._entries.items() if e.dirty]
 
     def flush(
-        self, writeback: WriteBack | None = None, *, many: WriteBackMany | None = None
+        self, writeback: WriteBack | None = None, *, many: WriteBackMany | None = None,
+        batch_bytes: int | None = None,
     ) -> int:
         """Write every dirty entry back; returns how many were written by this call.
 
-        With ``many`` every dirty entry goes to one call (so a store can make them all
-        durable with one commit); otherwise ``writeback`` gets them one at a time. Entries
+        With ``many`` the dirty entries go to it in batches of at most ``batch_bytes``
+        (all in one call if None; an entry larger than that is a batch of its own), so a
+        store can make each batch durable with one commit; otherwise ``writeback`` gets
+        them one at a time. A batch that fails leaves it and the later ones dirty. Entries
         are pinned during their write-back and cleaned only if not re-dirtied meanwhile.
         Write-backs of evictions already in flight are waited for, so when this returns,
         everything dirty at the call has been written back. Entries still being loaded by
@@ -776,10 +779,10 @@ class HostCache:
         done = 0
         try:
             if many is not None:
-                if targets:
-                    many([(e.key, self._view(e), e.meta) for e, _ in targets])
-                self._cleaned(targets)
-                done = len(targets)
+                for batch in _batches(targets, batch_bytes):
+                    many([(e.key, self._view(e), e.meta) for e, _ in batch])
+                    self._cleaned(batch)
+                    done += len(batch)
             else:
                 for i, (entry, gen) in enumerate(targets):
                     writeback(entry.key, self._view(entry), entry.meta)
@@ -801,6 +804,13 @@ class HostCache:
                     self._set_dirty(entry, False)
                 self._unpin(entry)
                 self._writebacks += 1
+
+    def holds(self, key: Key, meta: Any) -> bool:
+        """Whether ``meta`` still describes ``key``'s current version here: False once the
+        entry was invalidated or replaced, so a late write-back of it can be dropped."""
+        with self._cond:
+            entry = self._entries.get(key)
+            return entry is not None and entry.meta is meta and not entry.gone
 
     def peek(self, key: Key) -> tuple[Any, bool] | None:
         """(meta, dirty) of a resident entry without counting an access; None if absent.
@@ -912,6 +922,25 @@ class HostCache:
                 bytes_allocated=self._alloc.allocated_pages * PAGE,
                 capacity_bytes=self.capacity_bytes,
             )
+
+
+def _batches(targets: list[tuple[_Entry, int]], limit: int | None
+             ) -> Iterator[list[tuple[_Entry, int]]]:
+    """``targets`` in order, cut into runs of at most ``limit`` bytes (one run if None)."""
+    if limit is None:
+        if targets:
+            yield targets
+        return
+    run: list[tuple[_Entry, int]] = []
+    size = 0
+    for item in targets:
+        if run and size + item[0].nbytes > limit:
+            yield run
+            run, size = [], 0
+        run.append(item)
+        size += item[0].nbytes
+    if run:
+        yield run
 
 
 def _check_arena(arena: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from .engines import (
     cuda_and_kvikio,
     make_engine,
 )
-from .slabs import SlabMedium
+from .slabs import SlabMedium, holds_data
 
 __all__ = [
     "ALIGNMENT",
@@ -25,5 +25,6 @@ __all__ = [
     "aligned_empty",
     "cuda_and_kvikio",
     "is_aligned",
+    "holds_data",
     "make_engine",
 ]

@@ -9,6 +9,7 @@ them by path relative to the store, so a store directory can be moved.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections.abc import Iterable
@@ -23,6 +24,32 @@ def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def holds_data(path: str, piece: int = 8 << 20) -> bool:
+    """Whether any byte of the file is not zero. Holes are skipped where the file system
+    reports them (an fallocated, never-written slab is all holes or unwritten extents)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        pos = 0
+        while pos < size:
+            try:
+                pos = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # nothing but holes from here on
+                    return False
+                if e.errno != errno.EINVAL:
+                    raise
+            data = os.pread(fd, min(piece, size - pos), pos)
+            if not data:
+                return False
+            if data.count(0) != len(data):
+                return True
+            pos += len(data)
+        return False
     finally:
         os.close(fd)
 
@@ -44,6 +71,9 @@ class SlabMedium:
         self.slab_bytes = slab_bytes
         self.engine = make_engine(engine, threads) if isinstance(engine, str) else engine
         self._files: dict[int, FileHandle] = {}
+        # Slab files the catalog names that are gone: their entries fail to read (naming the
+        # file) while the rest of the store stays usable, so what survives can be got out.
+        self._missing: dict[int, str] = {}
         self._lock = threading.Lock()
         os.makedirs(os.path.join(self.root, SLAB_DIR), exist_ok=True)
 
@@ -55,14 +85,36 @@ class SlabMedium:
 
     def attach(self, segments: Iterable[tuple[int, str, int, int]]) -> None:
         for seg, rel, _base, _size in segments:
-            self._files[seg] = self.engine.open(self._abspath(rel))
+            path = self._abspath(rel)
+            try:
+                self._files[seg] = self.engine.open(path)
+            except FileNotFoundError:
+                self._missing[seg] = path
+
+    def missing(self) -> dict[int, str]:
+        """Segments whose slab file was not found at open, by segment number."""
+        return dict(self._missing)
+
+    def _file(self, seg: int) -> FileHandle:
+        fh = self._files.get(seg)
+        if fh is None:
+            path = self._missing.get(seg, f"segment {seg}")
+            raise FileNotFoundError(errno.ENOENT, "slab file is missing", path)
+        return fh
 
     def create_segment(self, seg: int, min_bytes: int) -> tuple[int, str, int, int]:
         size = max(self.slab_bytes, -(-min_bytes // 4096) * 4096)
         rel = os.path.join(SLAB_DIR, f"slab-{seg:06d}.dat")
         path = self._abspath(rel)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # left by a crash before the catalog committed this segment
+        if os.path.exists(path):
+            # No catalog segment names this file. A crash between creating a slab and
+            # committing it leaves one that was never written (all zeros): safe to redo.
+            # One holding data is somebody's data: never reuse it.
+            if holds_data(path):
+                raise FileExistsError(
+                    errno.EEXIST, "slab file holds data but the catalog does not name it; "
+                    "move it away (`tierstore fsck` lists such files)", path)
+            os.unlink(path)
         fh = self.engine.open(path, create=True)
         try:
             os.posix_fallocate(fh.fd, 0, size)
@@ -78,29 +130,30 @@ class SlabMedium:
         return seg, rel, 0, size
 
     def pread(self, seg: int, offset: int, buf: memoryview) -> Future[int]:
-        return self.engine.pread(self._files[seg], buf, offset)
+        return self.engine.pread(self._file(seg), buf, offset)
 
     def pwrite(self, seg: int, offset: int, buf: memoryview) -> Future[int]:
-        return self.engine.pwrite(self._files[seg], buf, offset)
+        return self.engine.pwrite(self._file(seg), buf, offset)
 
     def read(self, seg: int, offset: int, buf: memoryview) -> None:
-        self.engine.read(self._files[seg], buf, offset)
+        self.engine.read(self._file(seg), buf, offset)
 
     def write(self, seg: int, offset: int, buf: memoryview) -> None:
-        self.engine.write(self._files[seg], buf, offset)
+        self.engine.write(self._file(seg), buf, offset)
 
     def sync(self, segs: Iterable[int]) -> None:
         for seg in set(segs):
-            os.fdatasync(self._files[seg].fd)
+            os.fdatasync(self._file(seg).fd)
 
     def view(self, seg: int, offset: int, nbytes: int) -> memoryview | None:
         return None
 
     def location(self, seg: int, offset: int) -> tuple[str, int]:
-        return self._files[seg].path, offset
+        fh = self._files.get(seg)
+        return (fh.path if fh is not None else self._missing.get(seg, "?")), offset
 
     def orphans(self, known: Iterable[int]) -> list[str]:
-        """Slab files no catalog segment names (a crash between creating and committing)."""
+        """Files under the slab directory that no catalog segment names."""
         names = {f"slab-{s:06d}.dat" for s in known}
         d = os.path.join(self.root, SLAB_DIR)
         return sorted(os.path.join(d, f) for f in os.listdir(d) if f not in names)

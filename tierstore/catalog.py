@@ -12,6 +12,12 @@ One LMDB write transaction is the commit point of every change to the store. Sub
 
 The map is grown on ``MDB_MAP_FULL``; growing needs every transaction of this process
 closed, so all transactions pass a shared gate that the resize takes exclusively.
+
+Caveats. LMDB maps the file and trusts it: a file shorter than its header says would kill the
+process with SIGBUS on the first touch of a missing page, and an empty or foreign file would
+be taken for a new catalog. So an existing catalog is never created on open, and its two
+meta pages are read and checked against the file's length before it is mapped
+(:func:`check_file`). Damage LMDB itself reports surfaces as :class:`CatalogError`.
 """
 
 from __future__ import annotations
@@ -28,13 +34,66 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from .errors import StoreError, StoreFullError
+from .errors import CatalogError, StoreError, StoreFullError
 
 FORMAT_VERSION = 1
 _EXT = struct.Struct(">IQ")  # big-endian so LMDB's byte order is (segment, offset) order
 _REF = struct.Struct(">QQ")
 _LEN = struct.Struct(">Q")
 T = TypeVar("T")
+DATA_FILE = "data.mdb"
+_MAGIC = 0xBEEFC0DE
+# Errors in which LMDB says the file is not what it should be (not misuse, not a full map).
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
+           lmdb.VersionMismatchError, lmdb.PanicError, lmdb.BadRslotError, lmdb.DiskError)
+REPAIR_HINT = "run `tierstore fsck --repair STORE` to bring the store back to its latest snapshot"
+
+
+def _meta_page(raw: bytes) -> tuple[int, int, int] | None:
+    """(page size, last page, txnid) of one LMDB meta page, or None if it is not one.
+
+    The offsets are those of ``MDB_meta`` after the 16-byte page header on a 64-bit build:
+    magic at 16, the page size in the free DB's ``md_pad`` at 40, ``mm_last_pg`` and
+    ``mm_txnid`` at 136 and 144.
+    """
+    if len(raw) < 152:
+        return None
+    magic, _version = struct.unpack_from("<II", raw, 16)
+    psize = struct.unpack_from("<I", raw, 40)[0]
+    last, txnid = struct.unpack_from("<QQ", raw, 136)
+    if magic != _MAGIC or psize < 512 or psize & (psize - 1):
+        return None
+    return psize, last, txnid
+
+
+def check_file(path: str) -> None:
+    """Refuse a catalog that is missing, not LMDB, or shorter than its header says.
+
+    Run before mapping: LMDB would fault (SIGBUS) on the pages a truncated file lacks.
+    """
+    data = os.path.join(path, DATA_FILE)
+    try:
+        with open(data, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            first = f.read(4096)
+            head = _meta_page(first)
+            second = None
+            if head is not None:
+                f.seek(head[0])
+                second = _meta_page(f.read(4096))
+    except FileNotFoundError:
+        raise CatalogError(f"catalog {data} is missing; {REPAIR_HINT}") from None
+    except OSError as e:
+        raise CatalogError(f"catalog {data} cannot be read ({e.strerror})") from None
+    metas = [m for m in (head, second) if m is not None]
+    if not metas:
+        what = "empty" if size == 0 else "not an LMDB catalog (damaged or overwritten)"
+        raise CatalogError(f"catalog {data} is {what}; {REPAIR_HINT}")
+    psize, last, _ = max(metas, key=lambda m: m[2])
+    need = (last + 1) * psize
+    if size < need:
+        raise CatalogError(f"catalog {data} is truncated: {size} bytes where its header "
+                           f"needs {need}; {REPAIR_HINT}")
 
 
 @dataclass
@@ -80,7 +139,7 @@ def ext_key(seg: int, off: int) -> bytes:
     return _EXT.pack(seg, off)
 
 
-class _Gate:
+class Gate:
     """Many transactions at once, or one map resize alone."""
 
     def __init__(self) -> None:
@@ -127,15 +186,29 @@ def _is_full(e: lmdb.Error) -> bool:
 class Catalog:
     DBS = ("entries", "free", "refs", "segments", "snapshots", "snapentries", "meta")
 
-    def __init__(self, path: str, *, map_size: int = 1 << 30) -> None:
-        os.makedirs(path, exist_ok=True)
+    def __init__(self, path: str, *, map_size: int = 1 << 30, create: bool = False) -> None:
+        """Open the catalog at ``path``; ``create`` makes a new one, and only then may the
+        directory be missing or empty."""
+        if create:
+            os.makedirs(path, exist_ok=True)
+        else:
+            check_file(path)
         self.path = path
-        self.env = lmdb.open(
-            path, map_size=map_size, max_dbs=len(self.DBS), max_readers=1024,
-            subdir=True, sync=True, metasync=True, readahead=False, lock=True,
-        )
-        self.db = {name: self.env.open_db(name.encode()) for name in self.DBS}
-        self._gate = _Gate()
+        try:
+            self.env = lmdb.open(
+                path, map_size=map_size, max_dbs=len(self.DBS), max_readers=1024,
+                subdir=True, sync=True, metasync=True, readahead=False, lock=True,
+                create=create,
+            )
+        except lmdb.Error as e:
+            raise self._damaged(e) from e
+        try:
+            self.db = {name: self.env.open_db(name.encode())
+                       for name in self.DBS}
+        except lmdb.Error as e:
+            self.env.close()
+            raise self._damaged(e) from e
+        self._gate = Gate()
         self._commit = threading.Lock()  # one writer; LMDB would block too, but holding the GIL
 
     def close(self) -> None:
@@ -143,27 +216,67 @@ class Catalog:
             self.env.close()
 
     # -- transactions ---------------------------------------------------------------
+    def _damaged(self, e: lmdb.Error) -> StoreError:
+        where = os.path.join(self.path, DATA_FILE)
+        if isinstance(e, lmdb.ReadonlyError) or "Permission denied" in str(e):
+            return StoreError(f"catalog {where}: permission denied; open the store as the "
+                              "user who owns it, or make its files writable")
+        if isinstance(e, _DAMAGE) or isinstance(e, lmdb.Error) and "No such file" in str(e):
+            return CatalogError(f"catalog {where} is damaged ({e}); {REPAIR_HINT}")
+        return StoreError(f"catalog {where}: {e}")
+
     @contextlib.contextmanager
     def read(self) -> Iterator[lmdb.Transaction]:
-        with self._gate.shared(), self.env.begin() as txn:
-            yield txn
+        with self._gate.shared():
+            try:
+                with self.env.begin() as txn:
+                    yield txn
+            except lmdb.Error as e:
+                raise self._damaged(e) from e
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction], T], *, copy_to: str | None = None) -> T:
         """Run ``fn`` in one write transaction and commit it; the commit point of a change.
 
         ``fn`` must only touch the catalog, since it is run again after the map grows.
+        ``copy_to`` names a file that receives a copy of the catalog as this commit left
+        it, before any later commit (see :meth:`copy_to`).
         """
         with self._commit:
             while True:
                 try:
                     with self._gate.shared(), self.env.begin(write=True) as txn:
-                        return fn(txn)
+                        out = fn(txn)
+                    break
                 except lmdb.MapFullError:
                     self._grow()
                 except lmdb.Error as e:
                     if _is_full(e):
                         raise StoreFullError(f"catalog commit failed, disk full: {e}") from e
-                    raise StoreError(f"catalog error: {e}") from e
+                    raise self._damaged(e) from e
+            if copy_to is not None:
+                self.copy_to(copy_to)
+            return out
+
+    def copy_to(self, dest: str) -> None:
+        """Write a consistent copy of the catalog to ``dest`` (an LMDB data file) and make
+        it durable; ``dest`` is replaced atomically, so a crash leaves the old copy whole."""
+        tmp = dest + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            with self._gate.shared():
+                self.env.copyfd(fd)
+            os.fsync(fd)
+        except lmdb.Error as e:
+            raise StoreFullError(f"cannot copy the catalog to {dest}: {e}") if _is_full(e) \
+                else self._damaged(e) from e
+        finally:
+            os.close(fd)
+        os.replace(tmp, dest)
+        dfd = os.open(os.path.dirname(os.path.abspath(dest)), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     def _grow(self) -> None:
         with self._gate.exclusive():

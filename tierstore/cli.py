@@ -117,22 +117,43 @@ def ls(store: str, prefix: str, long_: bool) -> None:
 @main.command()
 @click.argument("store", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def fsck(store: str, as_json: bool) -> None:
-    """Verify every checksum (live and snapshot versions), the reference counts and the
-    free map. Exits 1 if anything is wrong."""
+@click.option("--repair", is_flag=True,
+              help="For a store whose catalog is lost or damaged: move the damaged catalog "
+                   "aside, bring the store back to its latest snapshot from the catalog copy "
+                   "that snapshot saved, and verify every entry.")
+def fsck(store: str, as_json: bool, repair: bool) -> None:
+    """Verify every checksum (live and snapshot versions), the reference counts, the free
+    map and the slab files. Exits 1 if anything is wrong; a damaged catalog is reported
+    too, and `--repair` recovers from it."""
+    from .errors import CatalogError
+    from .store import FsckReport
 
     def go() -> int:
-        with _open(store) as st:
-            total = st.stats()["bytes_stored"]
-            with _bar(total, "fsck") as bar:
-                seen = [0]
+        with _bar(0, "repair" if repair else "fsck") as bar:
+            seen = [0]
 
-                def progress(done: int) -> None:
-                    bar.total = max(bar.total, done)
-                    bar.update(done - seen[0])
-                    seen[0] = done
+            def progress(done: int) -> None:
+                bar.total = max(bar.total, done)
+                bar.update(done - seen[0])
+                seen[0] = done
 
-                report = st.fsck(progress)
+            if repair:
+                from .repair import repair_store
+
+                done = repair_store(store, progress)
+                report = done.check
+                if done.damaged_catalog:
+                    report.notes.append(f"damaged catalog kept at {done.damaged_catalog}")
+                report.notes += [f"set aside {p} (written after the snapshot)"
+                                 for p in done.set_aside]
+                report.notes.append(f"restored snapshot {done.snapshot!r}")
+            else:
+                try:
+                    with _open(store, host_cache=0) as st:
+                        bar.total = st.stats()["bytes_stored"]
+                        report = st.fsck(progress)
+                except CatalogError as e:
+                    report = FsckReport(problems=[str(e)])
         if as_json:
             click.echo(json.dumps(vars(report)))
         else:
@@ -180,16 +201,15 @@ def export(store: str, out: str, fmt: str, shard_size: int) -> None:
 def import_(source: str, store: str, fmt: str | None) -> None:
     """Import SOURCE: a zarr v3 group, a .safetensors file, or a sharded directory
     (or its *.safetensors.index.json)."""
-    from .interchange import detect_format, import_into
+    from .interchange import import_into, open_source
 
     def go() -> None:
-        fmt_ = fmt or detect_format(source)
-        size = sum(
-            os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(source) for f in fs
-        ) if os.path.isdir(source) else os.path.getsize(source)
-        with _open(store, create=True) as st, _bar(size, "import") as bar:
-            n = import_into(st, source, fmt=fmt_, progress=bar)
-        click.echo(f"imported {n} tensors from {source} ({fmt_})")
+        # Checked from its headers before the store is opened (or created): a source that
+        # cannot be imported leaves no store and no half import behind.
+        src = open_source(source, fmt)
+        with _open(store, create=True) as st, _bar(src.nbytes, "import") as bar:
+            n = import_into(st, src, progress=bar)
+        click.echo(f"imported {n} tensors from {source} ({src.fmt})")
 
     _run(go)
 

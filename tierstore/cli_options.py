@@ -30,11 +30,16 @@ SIZE = SizeType()
 
 
 def run_command(fn: Callable[[], int | None]) -> None:
-    """Run a command's body: store errors become one line and exit status 2 instead of a
-    traceback; otherwise exit with the body's status."""
+    """Run a command's body: store errors, and OS errors on the files it was given, become
+    one line and exit status 2 instead of a traceback; otherwise exit with the body's
+    status."""
     try:
         code = fn()
     except StoreError as e:
         click.echo(f"tierstore: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:  # a file the user named (or its directory) could not be used
+        where = f"{e.filename}: " if e.filename else ""
+        click.echo(f"tierstore: {where}{e.strerror or e}", err=True)
         sys.exit(2)
     sys.exit(code or 0)

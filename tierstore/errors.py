@@ -52,3 +52,13 @@ class StoreFullError(StoreError):
 
 class SnapshotError(StoreError):
     """A snapshot tag that is missing, already taken, or not a valid name."""
+
+
+class CatalogError(NotAStoreError):
+    """The store's catalog is missing, damaged, or belongs to another store. Nothing was
+    changed; ``tierstore fsck --repair`` brings the store back to its latest snapshot."""
+
+
+class ImportFormatError(StoreError, ValueError):
+    """A source to import (or an export just written) that tierstore cannot read faithfully:
+    malformed, inconsistent, or holding what a store cannot."""

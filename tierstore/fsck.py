@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from nvme import holds_data
+
 from .errors import CorruptEntryError, StoreError
+
+LOST_FOUND = "lost+found"  # where a repair puts slab files the restored catalog does not name
 
 if TYPE_CHECKING:
     from .store import FsckReport, Store
@@ -87,8 +92,19 @@ def check_store(store: Store, progress: Callable[[int], None] | None = None) -> 
         verified += rec.nbytes
         if progress:
             progress(verified)
+    for seg, path in getattr(store._medium, "missing", dict)().items():
+        report.problems.append(f"{path}: slab file of segment {seg} is missing; the entries "
+                               "stored there cannot be read")
     orphans = getattr(store._medium, "orphans", None)
-    if orphans:
-        for path in orphans(segments):
-            report.notes.append(f"{path}: slab file no segment names (left by a crash; reused)")
+    for path in orphans(segments) if orphans else []:
+        if holds_data(path):
+            report.problems.append(f"{path}: holds data but no catalog segment names it; the "
+                                   "store never reuses it: move it away once you know whose it is")
+        else:
+            report.notes.append(f"{path}: never written, left by a crash (reused as the "
+                                "store grows)")
+    found = os.path.join(store.path, LOST_FOUND)
+    if os.path.isdir(found) and os.listdir(found):
+        report.notes.append(f"{found}: files set aside by a repair; delete them when they "
+                            "are no longer wanted")
     return report

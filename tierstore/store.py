@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import json
 import math
@@ -39,7 +38,7 @@ from cache import HostCache
 from nvme import ENGINES, HANDOFF_MIN_BYTES, RecycledBuffers, StagingPool, aligned_empty
 
 from .alloc import ExtentAllocator
-from .catalog import FORMAT_VERSION, Catalog, Record, entry_key
+from .catalog import Catalog, Gate, Record, entry_key
 from .errors import (
     CorruptEntryError,
     EntryNotFoundError,
@@ -49,19 +48,32 @@ from .errors import (
     StoreClosedError,
     StoreError,
     StoreFullError,
-    StoreLockedError,
 )
 from .media import ALIGNMENT, Medium, align_up
+from .opening import (
+    CATALOG_DIR,
+    LOCK,
+    MARKER,
+    check_host_cache,
+    check_identity,
+    init_dir,
+    lock,
+    read_marker,
+)
 from .prefetch import DeviceQueues
 from .sizes import parse_size
 from .tensors import as_bytes, dtype_from_name, dtype_name, element_size, from_bytes
 
-MARKER = "TIERSTORE"
 KINDS = ("param", "grad", "exp_avg", "exp_avg_sq", "master")
 _KIND = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_NAME_BYTES = 400  # LMDB keys are at most 511 bytes; snapshot keys add the tag
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# A flush commits dirty entries in batches of about this many bytes, each its own commit:
+# copy-on-write needs room for a batch's new bytes before its commit frees the old ones, so
+# on a nearly full disk a flush still makes progress (and freeing space lets it finish).
+FLUSH_BATCH_BYTES = 256 << 20
+CATALOG_COPY = "catalog-snapshot.mdb"  # the catalog as the latest snapshot left it
 
 Key = tuple[str, str]
 
@@ -135,6 +147,10 @@ class FsckReport:
 def check_name(name: str) -> None:
     if not isinstance(name, str) or not name:
         raise StoreError(f"entry names are non-empty strings, got {name!r}")
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise StoreError(f"entry name {name[:60]!r} is not valid UTF-8") from None
     if "\0" in name or len(name.encode()) > MAX_NAME_BYTES:
         raise StoreError(f"invalid entry name {name[:60]!r}: no NUL, at most {MAX_NAME_BYTES} bytes")
 
@@ -308,17 +324,26 @@ class Store:
         # steady stream of reads does not fault fresh pages in for every entry.
         self._results = RecycledBuffers(max(256 << 20, 4 * io_threads * chunk_bytes))
         self._seg_lock = threading.Lock()
+        # Every operation that changes entries or fills the cache holds this shared;
+        # restore() holds it alone, so no write-back or cache fill straddles a restore.
+        self._ops = Gate()
         self._stats_lock = threading.Lock()
         self._tier = _TierStats()
         self._closed = False
         with catalog.read() as txn:
             segments = catalog.segments(txn)
-            self._alloc.load(catalog.free_extents(txn))
+        try:
+            medium.attach(segments)
+        except ValueError as e:  # the backing tier's layout disagrees with the catalog
+            raise StoreError(f"store {path}: {e}") from None
+        missing = set(getattr(medium, "missing", dict)())
+        with catalog.read() as txn:
+            # Nothing new is written into a segment whose file is gone.
+            self._alloc.load(e for e in catalog.free_extents(txn) if e[0] not in missing)
             # A medium grows by at least this much at a time, so growth is rare (NVMe slabs
             # are sized by the medium itself).
             self._grow_bytes = int(catalog.get_meta(txn, "backing", {}).get("grow_bytes", 0))
             self._version = catalog.get_meta(txn, "version", 0)
-        medium.attach(segments)
         self._next_seg = max((s[0] for s in segments), default=-1) + 1
         self._version_lock = threading.Lock()
         self._locks: dict[Key, list[Any]] = {}
@@ -337,15 +362,27 @@ class Store:
         self.close()
 
     def close(self) -> None:
-        """Write back dirty entries and close the store."""
+        """Write back dirty entries and close the store.
+
+        If the write-back fails (a full disk, say) the store stays open with every
+        unflushed entry still in the host cache: free space and call ``close()`` (or
+        ``flush()``) again.
+        """
         if self._closed:
             return
+        if self._cache is not None:
+            try:
+                self.flush()
+            except StoreError as e:
+                n = self._cache.stats().dirty_entries
+                raise type(e)(f"{e}; the store stays open and {n} unflushed entries stay in "
+                              "its host cache: free space, then close() again") from e
         try:
             # Queued transfers are cancelled and running ones land while the medium and
             # the chunk workers they read through are still open.
             self._queues.close()
             if self._cache is not None:
-                self.flush()
+                self.flush()  # anything a transfer's cache fill made dirty meanwhile
         finally:
             self._closed = True
             self._close_resources()
@@ -363,10 +400,16 @@ class Store:
 
     def flush(self) -> None:
         """Make every earlier ``put`` durable: dirty cache entries are written back
-        copy-on-write and committed in one transaction."""
+        copy-on-write and committed in batches of about ``FLUSH_BATCH_BYTES``, each batch
+        one transaction. If it fails, the batches committed so far are durable and the
+        rest stay dirty in the cache, so a later ``flush()`` retries them."""
         self._check_open()
+        with self._ops.shared():
+            self._flush()
+
+    def _flush(self) -> None:
         if self._cache is not None:
-            self._cache.flush(many=self._write_back)
+            self._cache.flush(many=self._write_back, batch_bytes=FLUSH_BATCH_BYTES)
         self._catalog.env.sync(True)
 
     def tick(self) -> None:
@@ -409,14 +452,17 @@ class Store:
             (name, k, as_bytes(t), _Meta(dtype_name(t.dtype), tuple(t.shape), 0, 0))
             for name, k, t in self._normalize(items, kind)
         ]
-        versions = self._next_versions(len(batch))
-        for (_, _, src, meta), v in zip(batch, versions):
-            meta.nbytes, meta.version = src.nbytes, v
-        if self._cache is None:
-            self._write_through(batch)
-            return versions
-        with self._key_locks([(n, k) for n, k, _, _ in batch]):
-            self._land(batch)
+        cached = self._cache is not None
+        # With the cache, versions are given out under the key locks, so two operations on
+        # one key are ordered the same way by their versions and by the cache.
+        with self._ops.shared(), self._key_locks([(n, k) for n, k, _, _ in batch] if cached else []):
+            versions = self._next_versions(len(batch))
+            for (_, _, src, meta), v in zip(batch, versions):
+                meta.nbytes, meta.version = src.nbytes, v
+            if cached:
+                self._land(batch)
+            else:
+                self._write_through(batch)
         return versions
 
     def _land(self, batch: list[tuple[str, str, np.ndarray, _Meta]]) -> None:
@@ -461,11 +507,21 @@ class Store:
         self._write_back([(key, view, meta)])
 
     def _write_back(self, items: list[tuple[Key, torch.Tensor, _Meta]]) -> None:
-        """The cache's write-back: dirty slots to the backing tier, one commit."""
-        self._write_through([(n, k, view.numpy(), meta) for (n, k), view, meta in items])
+        """The cache's write-back: dirty slots to the backing tier, one commit.
 
-    def _write_through(self, batch: list[tuple[str, str, np.ndarray, _Meta]]) -> None:
-        """Copy-on-write: fresh extents, parallel chunk writes, sync, then one commit."""
+        A slot whose entry was deleted, replaced or restored away while its bytes were
+        being written is not committed: the operation that did so has already returned
+        (or is ordered after this commit by the catalog's lock), and must win.
+        """
+        cache = self._cache
+        assert cache is not None
+        self._write_through([(n, k, view.numpy(), meta) for (n, k), view, meta in items],
+                            current=cache.holds)
+
+    def _write_through(self, batch: list[tuple[str, str, np.ndarray, _Meta]],
+                       current: Callable[[Key, Any], bool] | None = None) -> None:
+        """Copy-on-write: fresh extents, parallel chunk writes, sync, then one commit.
+        ``current(key, meta)``, checked inside the commit, drops records no longer wanted."""
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
         started: list[list[Future[int]]] = []
@@ -477,7 +533,8 @@ class Store:
             for (_, _, rec), futs in zip(records, started):
                 rec.crc = rec.crc or [f.result() for f in futs]
             self._medium.sync({seg for seg, _, length in taken if length})
-            freed = self._catalog.write(lambda txn: self._commit(txn, records))
+            metas = [meta for _, _, _, meta in batch]
+            freed = self._catalog.write(lambda txn: self._commit(txn, records, metas, current))
         except BaseException as e:
             # A write still in flight must land before its extent can be handed out again.
             wait([f for futs in started for f in futs])
@@ -537,7 +594,10 @@ class Store:
                 if got is not None:
                     break
                 seg = self._next_seg
-                new = self._medium.create_segment(seg, max(length, self._grow_bytes))
+                try:
+                    new = self._medium.create_segment(seg, max(length, self._grow_bytes))
+                except FileExistsError as e:
+                    raise StoreError(f"{e.filename}: {e.strerror}") from None
                 self._catalog.write(lambda txn, new=new: self._catalog.add_segment(txn, *new))
                 seg, _, _, size = new
                 self._next_seg = seg + 1
@@ -546,21 +606,26 @@ class Store:
         return got
 
     def _commit(
-        self, txn: Any, records: list[tuple[str, str, Record]]
+        self, txn: Any, records: list[tuple[str, str, Record]], metas: list[Any],
+        current: Callable[[Key, Any], bool] | None,
     ) -> list[tuple[int, int, int]]:
         """Point entries at their new extents; returns extents to hand back to the allocator.
 
         Versions are given out when ``put`` is called, so a record older than the one the
         catalog holds (a slow write-back overtaken by a newer write) is dropped: the newest
-        version wins whatever order commits land in.
+        version wins whatever order commits land in. So is a write-back whose cache entry
+        stopped being current (``current``) while it was written: a delete or restore
+        takes the entry out of the cache before its own commit, so checking here, under
+        the catalog's commit lock, orders the two.
         """
         cat = self._catalog
         top = cat.get_meta(txn, "version", 0)
         live = cat.get_meta(txn, "live_bytes", 0)
         freed = []
-        for name, kind, rec in records:
+        for (name, kind, rec), meta in zip(records, metas):
             old = cat.get_record(txn, name, kind)
-            if old is not None and old.version > rec.version:
+            if (old is not None and old.version > rec.version) or (
+                    current is not None and not current((name, kind), meta)):
                 if rec.seg >= 0:
                     freed.append(rec.extent)  # taken in memory only, never carved
                 continue
@@ -592,7 +657,9 @@ class Store:
             self._catalog.put_meta(txn, "live_bytes", live - old.nbytes)
             return self._catalog.decref(txn, old)
 
-        with self._key_locks([(name, kind)]):
+        with self._ops.shared(), self._key_locks([(name, kind)]):
+            # Out of the cache first: a write-back of the entry still in flight then finds
+            # it gone at its commit, or commits before the delete below (see _commit).
             cached = self._cache is not None and self._cache.invalidate((name, kind))
             freed = self._catalog.write(txn_delete)
         if freed is False and not cached:
@@ -704,8 +771,9 @@ class Store:
         handles: dict[Key, Any] = {}
         tensors: dict[Key, torch.Tensor] = {}
         cached = [(key, nbytes) for key, _, _, nbytes in entries if nbytes]
-        slots = (dict(zip((k for k, _ in cached), self._cache.stage_many(cached)))
-                 if self._cache is not None and cached else {})
+        with self._ops.shared():  # making room may write dirty victims back
+            slots = (dict(zip((k for k, _ in cached), self._cache.stage_many(cached)))
+                     if self._cache is not None and cached else {})
         for key, dtype, shape, _ in entries:
             h = slots.get(key)
             if h is not None:
@@ -719,9 +787,9 @@ class Store:
         """``Staged.commit``: the staged slots become the entries' new versions."""
         self._check_open()
         keys = list(tensors)
-        versions = self._next_versions(len(keys))
         plain = []
-        with self._key_locks(keys if self._cache is not None else []):
+        with self._ops.shared(), self._key_locks(keys if self._cache is not None else []):
+            versions = self._next_versions(len(keys))  # under the locks, as in put_many
             swaps = []
             for (name, k), v in zip(keys, versions):
                 t = tensors[(name, k)]
@@ -800,7 +868,8 @@ class Store:
                         handles.append(h)
                         found[key] = (h.meta, h.view)
             if misses:
-                with self._key_locks(misses if self._cache is not None else []):
+                with self._ops.shared(), \
+                        self._key_locks(misses if self._cache is not None else []):
                     self._load(misses, found, handles)
             with self._stats_lock:
                 self._tier.reads += len(misses)
@@ -894,7 +963,14 @@ class Store:
         def chunk_job(i: int, c: int) -> None:
             rec, buf, start = recs[i], bufs[i], c * recs[i].chunk
             end = min(start + rec.chunk, rec.length)
-            self._medium.read(rec.seg, rec.off + start, memoryview(buf[start:end]))
+            try:
+                self._medium.read(rec.seg, rec.off + start, memoryview(buf[start:end]))
+            except OSError as e:
+                where = self._medium.location(rec.seg, rec.off + start)[0]
+                raise CorruptEntryError(
+                    *keys[i], f"bytes {start}..{end} cannot be read from {where} "
+                    f"({e.strerror or e}); restore the file, or the entry from a snapshot",
+                ) from e
             stop = min(end, rec.nbytes)
             got = crc32c.crc32c(buf[start:stop])
             if got != rec.crc[c]:
@@ -1181,7 +1257,6 @@ class Store:
         """Atomically record the current version of every entry under ``tag``."""
         self._check_open()
         check_tag(tag)
-        self.flush()
         cat = self._catalog
 
         def txn_snap(txn: Any) -> SnapshotInfo:
@@ -1197,7 +1272,11 @@ class Store:
             txn.put(tag.encode(), json.dumps(vars(info)).encode(), db=cat.db["snapshots"])
             return info
 
-        return cat.write(txn_snap)
+        with self._ops.shared():
+            self._flush()
+            # A copy of the catalog as this commit left it: `tierstore fsck --repair` comes
+            # back to it if the live catalog is lost (snapshots keep its extents in place).
+            return cat.write(txn_snap, copy_to=os.path.join(self.path, CATALOG_COPY))
 
     def snapshots(self) -> list[SnapshotInfo]:
         self._check_open()
@@ -1208,9 +1287,14 @@ class Store:
             ]
 
     def restore(self, tag: str) -> SnapshotInfo:
-        """Make the live entries exactly the snapshot's (entries made since are removed)."""
+        """Make the live entries exactly the snapshot's (entries made since are removed).
+
+        Unflushed puts are discarded with the rest of the live state, so nothing is
+        written back first. It runs alone: operations that change entries or fill the
+        cache wait for it, and it waits for those already running.
+        """
         self._check_open()
-        self.flush()
+        check_tag(tag)
         cat = self._catalog
 
         def txn_restore(txn: Any) -> tuple[list[tuple[int, int, int]], SnapshotInfo]:
@@ -1231,11 +1315,12 @@ class Store:
             cat.put_meta(txn, "live_bytes", sum(r.nbytes for _, _, r in saved))
             return freed, SnapshotInfo(**json.loads(raw))
 
-        freed, info = cat.write(txn_restore)
-        self._alloc.release(freed)
-        if self._cache is not None:  # cached copies are of versions the restore replaced
-            for key in list(self._cache):
-                self._cache.invalidate(key)
+        with self._ops.exclusive():
+            freed, info = cat.write(txn_restore)
+            self._alloc.release(freed)
+            if self._cache is not None:  # cached copies are of versions the restore replaced
+                for key in list(self._cache):
+                    self._cache.invalidate(key)
         return info
 
     def drop_snapshot(self, tag: str) -> None:
@@ -1254,7 +1339,10 @@ class Store:
                 txn.delete(tag.encode() + b"\0" + entry_key(name, kind), db=cat.db["snapentries"])
             return freed
 
-        self._alloc.release(cat.write(txn_drop))
+        copy = os.path.join(self.path, CATALOG_COPY)
+        # The copy is refreshed so it never lists a snapshot whose space may be reused.
+        with self._ops.shared():
+            self._alloc.release(cat.write(txn_drop, copy_to=copy if os.path.exists(copy) else None))
 
     # -- verification ---------------------------------------------------------------
     def fsck(self, progress: Callable[[int], None] | None = None) -> FsckReport:
@@ -1277,23 +1365,9 @@ class Store:
 
 
 # -- opening --------------------------------------------------------------------------
-def _lock(path: str) -> int:
-    fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreLockedError(
-            f"store {path} is open in process {holder}; one process owns a store at a time "
-            "(share it through `tierstore serve` instead)"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-def _make_medium(path: str, backing: dict[str, Any], engine: str, io_threads: int) -> Medium:
+def _make_medium(path: str, backing: dict[str, Any], engine: str, io_threads: int,
+                 fresh: bool) -> Medium:
+    """The backing tier; ``fresh`` (no segment committed yet) lets a pmem pool be made."""
     kind = backing.get("kind", "nvme")
     if kind == "nvme":
         from nvme import SlabMedium
@@ -1303,6 +1377,9 @@ def _make_medium(path: str, backing: dict[str, Any], engine: str, io_threads: in
         from pmem import PoolMedium
 
         exists = os.path.exists(backing["pool"])
+        if not exists and not fresh:
+            raise StoreError(f"pmem pool {backing['pool']} of store {path} is missing; the "
+                             "store's data is there: restore the file (or mount its device)")
         return PoolMedium(backing["pool"], create=not exists, size=backing.get("pool_bytes"),
                           threads=io_threads)
     raise NotAStoreError(f"store {path} names an unknown backing tier {kind!r}")
@@ -1351,6 +1428,8 @@ def open_store(
         raise StoreError(f"unknown I/O engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if io_threads < 1:
         raise StoreError("io_threads must be >= 1")
+    cache_bytes = parse_size(host_cache or 0)
+    check_host_cache(cache_bytes)  # before anything is made or opened
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotAStoreError(f"{path} is a file, not a store directory")
     if not os.path.exists(marker):
@@ -1358,66 +1437,33 @@ def open_store(
             what = "does not exist" if not os.path.exists(path) else "is not a tierstore store"
             raise NotAStoreError(f"{path} {what} (create it with `tierstore init {path}`)")
         leftovers = set(os.listdir(path)) if os.path.isdir(path) else set()
-        if leftovers - {"catalog", "LOCK", "slabs", MARKER + ".tmp"}:
+        if leftovers - {CATALOG_DIR, LOCK, "slabs", MARKER + ".tmp"}:
             raise NotAStoreError(f"{path} is a non-empty directory that is not a store")
-        _init_dir(path, backing or "nvme", slab_size, pmem_path, pmem_size, map_size)
-    try:
-        with open(marker) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise NotAStoreError(f"{path}: unreadable store marker: {e}") from e
-    if meta.get("format") != FORMAT_VERSION:
-        raise NotAStoreError(f"{path}: store format {meta.get('format')!r} is not supported")
+        init_dir(path, backing or "nvme", slab_size, pmem_path, pmem_size, map_size)
+    meta = read_marker(path)
     if backing is not None and backing != meta["backing"]["kind"]:
         raise StoreError(f"store {path} is backed by {meta['backing']['kind']}, not {backing}")
-    lock_fd = _lock(path)
+    lock_fd = lock(path)
+    catalog = medium = None
     try:
-        catalog = Catalog(os.path.join(path, "catalog"), map_size=parse_size(map_size))
-        medium = _make_medium(path, meta["backing"], engine, io_threads)
+        catalog = Catalog(os.path.join(path, CATALOG_DIR), map_size=parse_size(map_size))
+        check_identity(path, meta, catalog)
+        with catalog.read() as txn:
+            fresh = not catalog.segments(txn)
+        medium = _make_medium(path, meta["backing"], engine, io_threads, fresh)
         return Store(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd,
-                     io_threads=io_threads, host_cache=parse_size(host_cache or 0),
+                     io_threads=io_threads, host_cache=cache_bytes,
                      policy=policy, policy_args=policy_args, device_budget=device_budget,
                      cache_arena=cache_arena)
-    except BaseException:
+    except BaseException as e:
+        if medium is not None:
+            medium.close()
+        if catalog is not None:
+            catalog.close()
         os.close(lock_fd)
+        if isinstance(e, PermissionError):
+            raise StoreError(f"{e.filename or path}: permission denied; open the store as the "
+                             "user who owns it, or make its files writable") from None
         raise
 
 
-def _init_dir(
-    path: str, backing: str, slab_size: int | str, pmem_path: Any, pmem_size: Any, map_size: Any
-) -> None:
-    if backing == "nvme":
-        conf: dict[str, Any] = {"kind": "nvme", "slab_bytes": align_up(parse_size(slab_size))}
-        if conf["slab_bytes"] < ALIGNMENT:
-            raise StoreError("slab_size must be at least 4 KiB")
-    elif backing == "pmem":
-        if pmem_path is None or pmem_size is None:
-            raise StoreError("a pmem store needs pmem_path= (the pool file) and pmem_size=")
-        pool_bytes = align_up(parse_size(pmem_size))
-        conf = {"kind": "pmem", "pool": os.path.abspath(os.fspath(pmem_path)),
-                "pool_bytes": pool_bytes, "grow_bytes": max(1 << 20, pool_bytes // 4)}
-        if os.path.exists(conf["pool"]):
-            raise StoreError(f"{conf['pool']} exists; a new pmem store needs a new pool file")
-    else:
-        raise StoreError(f"unknown backing {backing!r}; choose nvme or pmem")
-    os.makedirs(path, exist_ok=True)
-    catalog = Catalog(os.path.join(path, "catalog"), map_size=parse_size(map_size))
-    try:
-        def init(txn: Any) -> None:
-            catalog.put_meta(txn, "format", FORMAT_VERSION)
-            catalog.put_meta(txn, "backing", conf)
-        catalog.write(init)
-    finally:
-        catalog.close()
-    # The marker is written last: a directory without it is an unfinished init, not a store.
-    tmp = os.path.join(path, MARKER + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"format": FORMAT_VERSION, "backing": conf, "created": time.time()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MARKER))
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -1,0 +1,178 @@
+"""What opening a store proves before it touches anything: the marker is whole, the catalog
+is this store's own, the caller may write there and nobody else has the store open.
+
+A store directory holds ``TIERSTORE`` (the marker: format, backing, store id), ``catalog/``
+(LMDB) and the backing tier's files. The marker and the catalog record the same identity, so
+a catalog that was lost, emptied or swapped for another store's is refused with a clear
+error instead of being taken for an empty store, which would hand the old data's space to
+new writes. A store made before identities were recorded gets one on its first open, once
+its catalog is shown to match the marker.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+from .catalog import FORMAT_VERSION, REPAIR_HINT, Catalog
+from .errors import CatalogError, NotAStoreError, StoreError, StoreLockedError
+from .media import ALIGNMENT, align_up
+from .sizes import format_size, parse_size
+
+MARKER = "TIERSTORE"
+CATALOG_DIR = "catalog"
+LOCK = "LOCK"
+
+
+def read_marker(path: str) -> dict[str, Any]:
+    """The marker's contents, checked field by field."""
+    marker = os.path.join(path, MARKER)
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise NotAStoreError(f"{marker}: unreadable store marker: {e}") from e
+    backing = meta.get("backing") if isinstance(meta, dict) else None
+    need = {"nvme": ("slab_bytes",), "pmem": ("pool", "pool_bytes")}
+    if not isinstance(backing, dict) or backing.get("kind") not in need:
+        raise NotAStoreError(f"{marker}: the store marker is damaged (no valid 'backing'); "
+                             "restore it from a backup of the store directory")
+    for field in need[backing["kind"]]:
+        if field not in backing:
+            raise NotAStoreError(f"{marker}: the store marker is damaged (backing has no "
+                                 f"{field!r}); restore it from a backup of the store directory")
+    if meta.get("format") != FORMAT_VERSION:
+        raise NotAStoreError(f"{path}: store format {meta.get('format')!r} is not supported")
+    return meta
+
+
+def write_marker(path: str, meta: dict[str, Any]) -> None:
+    """Replace the marker atomically and durably."""
+    tmp = os.path.join(path, MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MARKER))
+    fsync_dir(path)
+
+
+def fsync_dir(path: str) -> None:
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def check_identity(path: str, marker: dict[str, Any], catalog: Catalog) -> None:
+    """Refuse a catalog that is not the one the marker describes (see the module doc)."""
+    with catalog.read() as txn:
+        fmt = catalog.get_meta(txn, "format")
+        backing = catalog.get_meta(txn, "backing")
+        sid = catalog.get_meta(txn, "store_id")
+    where = os.path.join(path, CATALOG_DIR)
+    if fmt is None and backing is None:
+        raise CatalogError(f"catalog {where} is empty, so it is not this store's catalog "
+                           f"(lost or replaced); {REPAIR_HINT}")
+    if fmt != marker["format"] or backing != marker["backing"]:
+        raise CatalogError(f"catalog {where} belongs to another store (its backing is "
+                           f"{backing}, the marker's {marker['backing']}); {REPAIR_HINT}")
+    mine = marker.get("store_id")
+    if mine is None and sid is None:  # made before stores had ids: give it one now
+        sid = uuid.uuid4().hex
+        catalog.write(lambda txn: catalog.put_meta(txn, "store_id", sid))
+        write_marker(path, {**marker, "store_id": sid})
+    elif mine != sid:
+        raise CatalogError(f"catalog {where} belongs to store {sid}, the marker names store "
+                           f"{mine}; {REPAIR_HINT}")
+
+
+def lock(path: str) -> int:
+    """Take the store's lock file; one process owns a store at a time."""
+    where = os.path.join(path, LOCK)
+    try:
+        fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except PermissionError:
+        raise StoreError(f"{where}: permission denied; open the store as the user who owns "
+                         "it, or make the store directory writable") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreLockedError(
+            f"store {path} is open in process {holder}; one process owns a store at a time "
+            "(share it through `tierstore serve` instead)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def init_dir(
+    path: str, backing: str, slab_size: int | str, pmem_path: Any, pmem_size: Any, map_size: Any
+) -> None:
+    """Make a new store: the catalog with its identity first, the marker last (a directory
+    without the marker is an unfinished init, not a store)."""
+    if backing == "nvme":
+        conf: dict[str, Any] = {"kind": "nvme", "slab_bytes": align_up(parse_size(slab_size))}
+        if conf["slab_bytes"] < ALIGNMENT:
+            raise StoreError("slab_size must be at least 4 KiB")
+    elif backing == "pmem":
+        if pmem_path is None or pmem_size is None:
+            raise StoreError("a pmem store needs pmem_path= (the pool file) and pmem_size=")
+        pool_bytes = align_up(parse_size(pmem_size))
+        conf = {"kind": "pmem", "pool": os.path.abspath(os.fspath(pmem_path)),
+                "pool_bytes": pool_bytes, "grow_bytes": max(1 << 20, pool_bytes // 4)}
+        if os.path.exists(conf["pool"]):
+            raise StoreError(f"{conf['pool']} exists; a new pmem store needs a new pool file")
+    else:
+        raise StoreError(f"unknown backing {backing!r}; choose nvme or pmem")
+    sid = uuid.uuid4().hex
+    os.makedirs(path, exist_ok=True)
+    catalog = Catalog(os.path.join(path, CATALOG_DIR), map_size=parse_size(map_size), create=True)
+    try:
+        def init(txn: Any) -> None:
+            # A catalog left by an init that died before its marker is empty: start it
+            # again. One that holds data lost its marker: never overwrite it.
+            if catalog.segments(txn) or txn.stat(catalog.db["entries"])["entries"]:
+                raise NotAStoreError(
+                    f"{path} has a catalog holding data but no {MARKER} marker; restore "
+                    "the marker from a backup of the store directory")
+            catalog.put_meta(txn, "format", FORMAT_VERSION)
+            catalog.put_meta(txn, "backing", conf)
+            catalog.put_meta(txn, "store_id", sid)
+        catalog.write(init)
+    finally:
+        catalog.close()
+    write_marker(path, {"format": FORMAT_VERSION, "backing": conf, "store_id": sid,
+                        "created": time.time()})
+
+
+def memory_limit() -> int:
+    """Bytes this process may have resident: the machine's memory, or its cgroup's limit
+    where that is lower."""
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(f) as fh:
+                raw = fh.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            limit = min(limit, int(raw))
+    return limit
+
+
+def check_host_cache(nbytes: int) -> None:
+    """Refuse a host cache the machine cannot hold: it would be swapped or OOM-killed."""
+    limit = memory_limit()
+    if nbytes > limit:
+        raise StoreError(f"a host cache of {format_size(nbytes)} does not fit this machine's "
+                         f"{format_size(limit)} of memory; choose a smaller host cache "
+                         "(--host-cache / host_cache=)")
