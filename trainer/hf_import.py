@@ -21,6 +21,13 @@ the experts (``experts.gate_up_proj`` ``[E, 2*ffn, hidden]`` or ``[E, hidden, 2*
 ``experts.down_proj`` ``[E, hidden, ffn]`` or ``[E, ffn, hidden]``; what ``transformers``
 5 holds in memory and writes with ``save_original_format=False``). A fused tensor is read one
 expert slice at a time, so the import never holds more than one expert's tensors.
+
+Nothing is allocated on the strength of ``config.json`` alone: every number the import uses
+is checked to be a whole number in a sane range, then against the safetensors headers (the
+layers, experts and shapes the checkpoint actually holds), before a model object is built or
+a store opened. Experts and dense tensors are read in shard order with at most two shard
+files open, so an import's memory is bounded by one expert and the shards it is reading,
+not by the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 import math
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -36,6 +44,7 @@ from typing import Any
 import torch
 
 import tierstore
+from tierstore.interchange import safetensors_dtypes
 
 from .decoder import (
     DENSE_PREFIX,
@@ -47,6 +56,7 @@ from .decoder import (
     MoEDecoder,
     build_from_hf,
     expert_names,
+    family_of,
     json_entry,
 )
 
@@ -66,10 +76,8 @@ _FUSED = re.compile(rf"^{_MOE_BLOCK}\.experts\.(gate_up_proj|down_proj)$")
 
 
 IMPORT_ENTRY = ("import.json", "meta")  # the source of an import under way
-# safetensors' dtype codes, for telling whether a stored tensor already is the checkpoint's
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+# safetensors' dtype codes torch reads, as torch dtypes
+_ST_DTYPES = safetensors_dtypes()
 
 
 class HFImportError(tierstore.StoreError):
@@ -88,77 +96,258 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise _fail(f"{model_dir}: not a Hugging Face model directory (no config.json)")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
-        raise _fail(f"{path}: unreadable config: {e}") from e
+        raise _fail(f"{path}: unreadable config: {e}; use the model's original config.json") \
+            from e
     if not isinstance(cfg, dict):
-        raise _fail(f"{path}: config is not a JSON object")
+        raise _fail(f"{path}: config is not a JSON object; use the model's original "
+                    "config.json")
     return cfg
 
 
-def _weight_files(model_dir: str) -> dict[str, str]:
-    """Tensor name -> file path, from the index of a sharded checkpoint or every
-    ``*.safetensors`` file of the directory."""
-    from safetensors import safe_open
+# Sane ranges of the config numbers an import sizes or loops by. Far beyond any released
+# model; they stop a garbled config before its numbers are used at all, and the checkpoint's
+# own tensors then pin them exactly (_check_against_weights).
+MAX_LAYERS = 4096
+MAX_EXPERTS = 1 << 16
+MAX_WIDTH = 1 << 22  # hidden, FFN and head sizes
+MAX_VOCAB = 1 << 26
+MAX_HEADS = 1 << 14
+MAX_POSITION = 1 << 40
+_REQUIRED = object()
 
+
+class _ConfigCheck:
+    """Checks of ``config.json`` values, each error naming the file and the key."""
+
+    def __init__(self, hf: dict[str, Any], path: str, family: str) -> None:
+        self.hf, self.path, self.family = hf, path, family
+
+    def bad(self, key: str, what: str) -> HFImportError:
+        return _fail(f"{self.path}: {key} is {self.hf.get(key)!r}, {what}; fix config.json "
+                     "(or use the model's original one)")
+
+    def whole(self, key: str, lo: int, hi: int, default: Any = _REQUIRED) -> Any:
+        """The value of ``key``: an int in ``lo..hi``; ``default`` where it is missing or
+        null (a required key has none)."""
+        v = self.hf.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise _fail(f"{os.path.dirname(self.path) or '.'}: config.json lacks {key!r}, "
+                            f"which a {self.family} model needs; use the model's original "
+                            "config.json")
+            return default
+        if type(v) is not int or not lo <= v <= hi:
+            raise self.bad(key, f"not a whole number from {lo} to {hi}")
+        return v
+
+    def first_int(self, keys: tuple[str, ...], lo: int, hi: int) -> tuple[str, int]:
+        """(key, value) of the first of ``keys`` set to a non-zero value (as the config
+        reader takes them), which must be an int in ``lo..hi``."""
+        for key in keys:
+            if self.hf.get(key):
+                return key, self.whole(key, lo, hi)
+        return keys[0], self.whole(keys[0], lo, hi)  # lacking, or 0: its error
+
+    def number(self, key: str, positive: bool = True) -> None:
+        v = self.hf.get(key)
+        if v is None:
+            return
+        if type(v) not in (int, float) or not math.isfinite(v) or (positive and v <= 0):
+            raise self.bad(key, "not a finite number" + (" above 0" if positive else ""))
+
+    def ids(self, key: str) -> None:
+        v = self.hf.get(key)
+        vs = v if isinstance(v, list) else [v]
+        if v is not None and (len(vs) > MAX_VOCAB
+                              or not all(type(x) is int and 0 <= x < MAX_VOCAB for x in vs)):
+            raise self.bad(key, "not a token id or a list of token ids")
+
+
+def _check_config(hf: dict[str, Any], path: str, family: str) -> dict[str, int]:
+    """Check every config value the import uses; returns the sizes it is built from (keyed
+    by their config.json names) for the check against the weights."""
+    c = _ConfigCheck(hf, path, family)
+    sizes = {
+        "hidden_size": c.whole("hidden_size", 1, MAX_WIDTH),
+        "num_hidden_layers": c.whole("num_hidden_layers", 1, MAX_LAYERS),
+        "vocab_size": c.whole("vocab_size", 1, MAX_VOCAB),
+        "num_attention_heads": c.whole("num_attention_heads", 1, MAX_HEADS),
+    }
+    c.whole("num_key_value_heads", 1, MAX_HEADS, None)
+    c.whole("head_dim", 1, MAX_WIDTH, None)
+    c.whole("max_position_embeddings", 1, MAX_POSITION, None)
+    c.whole("sliding_window", 0, MAX_POSITION, None)
+    c.whole("intermediate_size", 1, MAX_WIDTH, None)
+    if family == "mixtral":
+        experts_key, n_experts = "num_local_experts", c.whole("num_local_experts", 1, MAX_EXPERTS)
+        c.whole("intermediate_size", 1, MAX_WIDTH)
+    else:
+        experts_key, n_experts = c.first_int(("num_experts", "num_local_experts"), 1,
+                                             MAX_EXPERTS)
+        c.first_int(("moe_intermediate_size", "intermediate_size"), 1, MAX_WIDTH)
+        c.whole("decoder_sparse_step", 0, MAX_LAYERS, None)
+        c.whole("shared_expert_intermediate_size", 0, MAX_WIDTH, None)
+        only = hf.get("mlp_only_layers")
+        if only is not None and (not isinstance(only, list) or len(only) > MAX_LAYERS or not all(
+                type(i) is int and 0 <= i < MAX_LAYERS for i in only)):
+            raise c.bad("mlp_only_layers", "not a list of layer numbers")
+        types = hf.get("layer_types")
+        if types is not None and (not isinstance(types, list) or not all(
+                isinstance(t, str) for t in types)
+                or len(types) != sizes["num_hidden_layers"]):
+            raise c.bad("layer_types", "not a list of one layer type per layer")
+    sizes[experts_key] = n_experts
+    c.whole("num_experts_per_tok", 1, n_experts)
+    for key in ("rms_norm_eps", "rope_theta", "clip_qkv"):
+        c.number(key)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = hf.get(key)
+        if rope is not None and not isinstance(rope, dict):
+            raise c.bad(key, "not an object")
+        if isinstance(rope, dict):
+            sub = _ConfigCheck(rope, f"{path} ({key})", family)
+            sub.number("rope_theta")
+            sub.number("factor")
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        c.ids(key)
+    arch = hf.get("architectures")
+    if arch is not None and (not isinstance(arch, list)
+                             or not all(isinstance(a, str) for a in arch)):
+        raise c.bad("architectures", "not a list of names")
+    return sizes
+
+
+class _Head:
+    """One checkpoint tensor as its safetensors header describes it."""
+
+    __slots__ = ("dtype", "path", "shape")
+
+    def __init__(self, path: str, dtype: str, shape: list[int]) -> None:
+        self.path, self.dtype, self.shape = path, dtype, shape
+
+
+def _headers(path: str, names: list[str] | None = None) -> dict[str, _Head]:
+    """The headers of one safetensors file (of ``names`` only, if given: each must be
+    there); reads no tensor data."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as st:
+            keys = list(st.keys())
+            if names is not None:
+                lacking = sorted(set(names) - set(keys))
+                if lacking:
+                    raise _fail(f"{path}: lacks tensor {lacking[0]!r}, which {INDEX_FILE} puts "
+                                "there; fix the index or re-download the shard")
+                keys = names
+            out = {}
+            for k in keys:
+                sl = st.get_slice(k)
+                out[k] = _Head(path, sl.get_dtype(), list(sl.get_shape()))
+            return out
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise _fail(f"{path}: unreadable safetensors file: {e}; re-download or re-save it") \
+            from e
+
+
+def _weight_files(model_dir: str) -> dict[str, _Head]:
+    """Tensor name -> its header, from the index of a sharded checkpoint or every
+    ``*.safetensors`` file of the directory."""
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index):
         try:
-            with open(index) as f:
+            with open(index, encoding="utf-8") as f:
                 wmap = json.load(f)["weight_map"]
+            if not isinstance(wmap, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+                raise TypeError("weight_map is not a map of tensor names to file names")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise _fail(f"{index}: unreadable index: {e}") from e
-        missing = sorted({f for f in wmap.values()
-                          if not os.path.isfile(os.path.join(model_dir, f))})
+            raise _fail(f"{index}: unreadable index: {e}; re-download it, or delete it to "
+                        "import every *.safetensors file of the directory") from e
+        by_file: dict[str, list[str]] = {}
+        for k, v in wmap.items():
+            if os.path.isabs(v) or os.path.normpath(v).startswith(".."):
+                raise _fail(f"{index}: shard {v!r} of {k!r} lies outside the model directory; "
+                            "fix the index")
+            by_file.setdefault(v, []).append(k)
+        missing = sorted(f for f in by_file if not os.path.isfile(os.path.join(model_dir, f)))
         if missing:
             raise _fail(f"{model_dir}: shards named in {INDEX_FILE} are missing: "
-                        f"{', '.join(missing[:3])}")
-        return {k: os.path.join(model_dir, v) for k, v in wmap.items()}
+                        f"{', '.join(missing[:3])}; download them into the directory")
+        out: dict[str, _Head] = {}
+        for f in sorted(by_file):
+            out.update(_headers(os.path.join(model_dir, f), by_file[f]))
+        return out
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise _fail(f"{model_dir}: no *.safetensors weights (only safetensors checkpoints "
                     "are imported)")
-    out: dict[str, str] = {}
+    out = {}
     for f in files:
-        path = os.path.join(model_dir, f)
-        try:
-            with safe_open(path, framework="pt") as st:
-                out.update(dict.fromkeys(st.keys(), path))
-        except Exception as e:  # safetensors raises its own error types
-            raise _fail(f"{path}: unreadable safetensors file: {e}") from e
+        heads = _headers(os.path.join(model_dir, f))
+        twice = sorted(set(heads) & set(out))
+        if twice:
+            raise _fail(f"{model_dir}: tensor {twice[0]!r} is in both {f} and "
+                        f"{os.path.basename(out[twice[0]].path)}; remove the stale file")
+        out.update(heads)
     return out
 
 
 class _Reader:
-    """Open safetensors files on demand, each once."""
+    """Tensors out of the checkpoint's files, at most ``max_open`` files open at a time
+    (the least recently used one is closed first, unmapping it)."""
 
-    def __init__(self, files: dict[str, str]) -> None:
-        self.files = files
-        self._open: dict[str, Any] = {}
+    def __init__(self, heads: dict[str, _Head], max_open: int = 2) -> None:
+        self.heads, self.max_open = heads, max_open
+        self._open: OrderedDict[str, Any] = OrderedDict()
 
     def _handle(self, name: str) -> Any:
         from safetensors import safe_open
 
-        path = self.files[name]
-        if path not in self._open:
-            try:
-                self._open[path] = safe_open(path, framework="pt")
-            except Exception as e:
-                raise _fail(f"{path}: unreadable safetensors file: {e}") from e
+        path = self.heads[name].path
+        if path in self._open:
+            self._open.move_to_end(path)
+            return self._open[path]
+        while len(self._open) >= self.max_open:
+            self._open.popitem(last=False)[1].__exit__(None, None, None)
+        try:
+            self._open[path] = safe_open(path, framework="pt").__enter__()
+        except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+            raise _fail(f"{path}: unreadable safetensors file: {e}") from e
         return self._open[path]
 
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1].__exit__(None, None, None)
+
+    def _read(self, name: str, at: int | None = None) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        f = self._handle(name)
+        try:
+            return f.get_tensor(name) if at is None else f.get_slice(name)[at]
+        except (SafetensorError, OSError, ValueError, TypeError, RuntimeError) as e:
+            raise _fail(f"{self.heads[name].path}: tensor {name!r} is unreadable: {e}; "
+                        "re-download or re-save the file") from e
+
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        return self._read(name)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(name).get_slice(name).get_shape())
+        return list(self.heads[name].shape)
 
     def dtype(self, name: str) -> torch.dtype | None:
-        return _ST_DTYPES.get(self._handle(name).get_slice(name).get_dtype())
+        return _ST_DTYPES.get(self.heads[name].dtype)
 
     def expert_slice(self, name: str, e: int) -> torch.Tensor:
-        return self._handle(name).get_slice(name)[e]
+        return self._read(name, e)
+
+    def rank(self, name: str) -> str:
+        """Sort key: the file ``name`` is in (reading in this order reads shard by shard)."""
+        return self.heads[name].path
 
 
 def _plan(cfg: DecoderConfig, names: list[str]) -> tuple[dict[str, str], dict[tuple[int, int],
@@ -253,14 +442,68 @@ def _fused_expert(reader: _Reader, cfg: DecoderConfig, layer: int, names: dict[s
 def _generation_eos(model_dir: str) -> tuple[int, ...]:
     """End-of-sequence ids of ``generation_config.json`` (what ``generate`` stops at)."""
     path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
     try:
-        with open(path) as f:
-            v = json.load(f).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return ()
-    if v is None:
-        return ()
-    return tuple(int(x) for x in (v if isinstance(v, list) else [v]))
+        with open(path, encoding="utf-8") as f:
+            gen = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _fail(f"{path}: unreadable ({e}); fix or remove it") from e
+    v = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    vs = v if isinstance(v, list) else [v]
+    if v is not None and not all(type(x) is int and 0 <= x < MAX_VOCAB for x in vs):
+        raise _fail(f"{path}: eos_token_id is {v!r}, not a token id or a list of them; "
+                    "fix or remove it")
+    return () if v is None else tuple(vs)
+
+
+def _check_against_weights(hf_path: str, sizes: dict[str, int],
+                           heads: dict[str, _Head]) -> None:
+    """The config's layer, expert, vocabulary and hidden sizes are those of the tensors the
+    checkpoint holds (read from the headers: nothing is allocated yet)."""
+    fix = "fix config.json or use the weights it belongs to"
+    for name, h in heads.items():
+        if h.dtype not in _ST_DTYPES:
+            raise _fail(f"{h.path}: tensor {name!r} has dtype {h.dtype}, which the import "
+                        "cannot read; convert the checkpoint to bfloat16, float16 or float32")
+    layers: set[int] = set()
+    experts: dict[int, int] = {}  # layer -> highest expert id + 1
+    fused_experts: dict[str, int] = {}
+    for name, h in heads.items():
+        if (m := _LAYER.match(name)) is None:
+            continue
+        layer = int(m.group(1))
+        layers.add(layer)
+        if pe := _PER_EXPERT.match(m.group(2)):
+            experts[layer] = max(experts.get(layer, 0), int(pe.group(1)) + 1)
+        elif _FUSED.match(m.group(2)):
+            if len(h.shape) != 3:
+                raise _fail(f"{h.path}: fused expert tensor {name!r} has shape {h.shape}, not "
+                            "[experts, rows, columns]; use complete weights")
+            fused_experts[name] = h.shape[0]
+    n = sizes["num_hidden_layers"]
+    if len(layers) != n or (layers and (min(layers), max(layers)) != (0, n - 1)):
+        held = (f"layers {min(layers)}..{max(layers)} ({len(layers)} of them)" if layers
+                else "no layers")
+        raise _fail(f"{hf_path}: num_hidden_layers is {n} but the checkpoint holds {held}; "
+                    f"{fix}")
+    embed = next((n for n in ("model.embed_tokens.weight", "embed_tokens.weight")
+                  if n in heads), None)
+    if embed is None:
+        raise _fail(f"{hf_path}: the checkpoint lacks the token embedding "
+                    "(model.embed_tokens.weight); use complete weights")
+    want = [sizes["vocab_size"], sizes["hidden_size"]]
+    if heads[embed].shape != want:
+        raise _fail(f"{hf_path}: vocab_size x hidden_size is {want} but {embed} has shape "
+                    f"{heads[embed].shape}; {fix}")
+    key = next(k for k in sizes if k in ("num_experts", "num_local_experts"))
+    held = set(experts.values()) | set(fused_experts.values())
+    if not held:
+        raise _fail(f"{hf_path}: the checkpoint holds no expert tensors; import-hf takes "
+                    "Mixture-of-Experts models")
+    if held != {sizes[key]}:
+        raise _fail(f"{hf_path}: {key} is {sizes[key]} but the checkpoint's layers hold "
+                    f"{', '.join(map(str, sorted(held)))} experts; {fix}")
 
 
 def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
@@ -269,23 +512,35 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
     """Import the model in ``model_dir`` into the store at ``store_path`` (created if
     missing) and return its ``model.json`` content. ``progress``: ``True`` for a tqdm bar
     over the bytes imported, or a callable that receives byte counts. ``resume``: continue
-    an interrupted import of the same checkpoint (see the module docstring)."""
+    an interrupted import of the same checkpoint (see the module docstring).
+
+    Everything is checked (config values, the config against the weights' headers, every
+    tensor's shape) before the store is opened; a checkpoint that fails a check leaves no
+    store behind."""
     model_dir = os.fspath(model_dir)
     hf = read_hf_config(model_dir)
+    hf_path = os.path.join(model_dir, "config.json")
+    try:
+        family = family_of(hf)
+    except ValueError as e:
+        raise _fail(f"{model_dir}: {e}") from e
+    sizes = _check_config(hf, hf_path, family)
+    heads = _weight_files(model_dir)
+    _check_against_weights(hf_path, sizes, heads)
     try:
         cfg = build_from_hf(hf)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         msg = str(e) if isinstance(e, ValueError) else f"config.json lacks or garbles {e}"
-        raise _fail(f"{model_dir}: {msg}") from e
+        raise _fail(f"{model_dir}: {msg}; fix config.json") from e
     eos = _generation_eos(model_dir)
     if eos:
         cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys((*cfg.eos_token_ids, *eos))))
-    files = _weight_files(model_dir)
-    dense, per_expert, fused = _plan(cfg, sorted(files))
-    reader = _Reader(files)
-    _check_complete(cfg, dense, per_expert, fused)
+    dense, per_expert, fused = _plan(cfg, sorted(heads))
+    _check_complete(cfg, dense, per_expert, fused, heads, hf_path)
+    reader = _Reader(heads)
+    files = sorted({h.path for h in heads.values()})
 
-    total = sum(os.path.getsize(p) for p in set(files.values()))
+    total = sum(os.path.getsize(p) for p in files)
     bar: Any = None
     if progress is True:
         from tqdm import tqdm
@@ -300,8 +555,7 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
             return None
 
     source = {"hf_config": hf,
-              "files": sorted((os.path.basename(p), os.path.getsize(p))
-                              for p in set(files.values()))}
+              "files": sorted((os.path.basename(p), os.path.getsize(p)) for p in files)}
     # No host cache: an import reads nothing back, and each expert should be durable once
     # its put_many returns, so that an interrupted import can be resumed from there.
     with tierstore.open(store_path, create=True, host_cache=0) as store:
@@ -310,19 +564,24 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
         try:
             stored_dtype = _put_experts(store, reader, cfg, per_expert, fused, advance, keep)
             cfg = replace(cfg, dtype=stored_dtype)
-            for name, hf_name in dense.items():
+            for name, hf_name in sorted(dense.items(), key=lambda d: (reader.rank(d[1]), d[0])):
                 shape, src = reader.shape(hf_name), reader.dtype(hf_name)
                 if src is None or not keep(DENSE_PREFIX + name, shape, src):
                     t = reader.get(hf_name)
                     store.put(DENSE_PREFIX + name, t.contiguous())
                     src = t.dtype
                 advance(math.prod(shape) * src.itemsize)
+            reader.close()
             toks = []
             for fname in TOKENIZER_FILES:
                 path = os.path.join(model_dir, fname)
                 if os.path.isfile(path):
-                    with open(path, "rb") as f:
-                        raw = f.read()
+                    try:
+                        with open(path, "rb") as f:
+                            raw = f.read()
+                    except OSError as e:
+                        raise _fail(f"{path}: unreadable ({e}); fix its permissions or "
+                                    "remove it") from e
                     store.put(TOKENIZER_PREFIX + fname,
                               torch.frombuffer(bytearray(raw), dtype=torch.uint8)
                               if raw else torch.zeros(0, dtype=torch.uint8), kind=TOKENIZER_KIND)
@@ -333,6 +592,7 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
             store.delete(IMPORT_ENTRY[0], IMPORT_ENTRY[1], missing_ok=True)
             store.flush()
         finally:
+            reader.close()
             if bar is not None:
                 bar.close()
     return info
@@ -373,23 +633,44 @@ class _Keep:
 
 def _check_complete(cfg: DecoderConfig, dense: dict[str, str],
                     per_expert: dict[tuple[int, int], dict[str, str]],
-                    fused: dict[int, dict[str, str]]) -> None:
+                    fused: dict[int, dict[str, str]], heads: dict[str, _Head],
+                    hf_path: str) -> None:
+    """Every tensor the config implies is in the checkpoint with the shape it implies
+    (from the headers, and a model on the meta device: nothing is allocated)."""
+    fix = "fix config.json or use the weights it belongs to"
     with torch.device("meta"):
-        expected = set(MoEDecoder(cfg).state_dict())
-    missing = sorted(expected - set(dense))
+        expected = {k: list(v.shape) for k, v in MoEDecoder(cfg).state_dict().items()}
+    missing = sorted(set(expected) - set(dense))
     if missing:
         raise _fail(f"checkpoint lacks dense tensors for the {cfg.family} config: "
                     f"{', '.join(missing[:5])}")
+    for name, hf_name in sorted(dense.items()):
+        if name in expected and heads[hf_name].shape != expected[name]:
+            raise _fail(f"{hf_path}: implies shape {expected[name]} for {hf_name}, the "
+                        f"checkpoint has {heads[hf_name].shape}; {fix}")
+    h, f, n_e = cfg.hidden_size, cfg.moe_ffn, cfg.n_experts
+    want = {"w1": [f, h], "w2": [h, f], "w3": [f, h]}
     for layer in cfg.moe_layers:
         if layer in fused:
             if set(fused[layer]) != {"gate_up_proj", "down_proj"}:
                 raise _fail(f"layer {layer}: fused experts need gate_up_proj and down_proj")
+            for part, layouts in (("gate_up_proj", ([2 * f, h], [h, 2 * f])),
+                                  ("down_proj", ([h, f], [f, h]))):
+                shape = heads[fused[layer][part]].shape
+                if len(shape) != 3 or shape[0] != n_e or shape[1:] not in layouts:
+                    raise _fail(f"{hf_path}: implies {fused[layer][part]} of shape "
+                                f"[{n_e}, {' or '.join(map(str, layouts))}], the checkpoint "
+                                f"has {shape}; {fix}")
             continue
-        for e in range(cfg.n_experts):
+        for e in range(n_e):
             got = per_expert.get((layer, e), {})
             if set(got) != {"w1", "w2", "w3"}:
                 raise _fail(f"layer {layer} expert {e}: checkpoint lacks its "
                             f"{', '.join(sorted({'w1', 'w2', 'w3'} - set(got)))} weights")
+            for w, hf_name in got.items():
+                if heads[hf_name].shape != want[w]:
+                    raise _fail(f"{hf_path}: implies shape {want[w]} for {hf_name}, the "
+                                f"checkpoint has {heads[hf_name].shape}; {fix}")
     stray = sorted({layer for layer, _ in per_expert} | set(fused))
     extra = [layer for layer in stray if not cfg.is_moe(layer)]
     if extra:
@@ -405,25 +686,30 @@ def _put_experts(store: tierstore.Store, reader: _Reader, cfg: DecoderConfig,
     dtype = "float32"
     want = [[cfg.moe_ffn, cfg.hidden_size], [cfg.hidden_size, cfg.moe_ffn],
             [cfg.moe_ffn, cfg.hidden_size]]
-    for layer in cfg.moe_layers:
-        for e in range(cfg.n_experts):
-            src = reader.dtype(fused[layer]["gate_up_proj"] if layer in fused
-                               else per_expert[(layer, e)]["w1"])
-            names = expert_names(layer, e)
-            if all(keep(n, w, src) for n, w in zip(names, want)):
-                assert src is not None
-                dtype = str(src).removeprefix("torch.")
-                advance(sum(math.prod(w) for w in want) * src.itemsize)
-                continue
-            if layer in fused:
-                w1, w2, w3 = _fused_expert(reader, cfg, layer, fused[layer], e)
-            else:
-                hf_names = per_expert[(layer, e)]
-                w1, w2, w3 = (reader.get(hf_names[w]) for w in ("w1", "w2", "w3"))
-            shapes = [list(w.shape) for w in (w1, w2, w3)]
-            if shapes != want:
-                raise _fail(f"layer {layer} expert {e}: shapes {shapes}, config says {want}")
-            store.put_many(list(zip(names, (w1, w2, w3))))
-            dtype = str(w1.dtype).removeprefix("torch.")
-            advance(sum(w.numel() * w.element_size() for w in (w1, w2, w3)))
+
+    def first(layer: int, e: int) -> str:
+        return fused[layer]["gate_up_proj"] if layer in fused else per_expert[(layer, e)]["w1"]
+
+    # In the order of the files, so that each is read through before the next is opened.
+    work = sorted(((layer, e) for layer in cfg.moe_layers for e in range(cfg.n_experts)),
+                  key=lambda le: (reader.rank(first(*le)), le))
+    for layer, e in work:
+        src = reader.dtype(first(layer, e))
+        names = expert_names(layer, e)
+        if all(keep(n, w, src) for n, w in zip(names, want)):
+            assert src is not None
+            dtype = str(src).removeprefix("torch.")
+            advance(sum(math.prod(w) for w in want) * src.itemsize)
+            continue
+        if layer in fused:
+            w1, w2, w3 = _fused_expert(reader, cfg, layer, fused[layer], e)
+        else:
+            hf_names = per_expert[(layer, e)]
+            w1, w2, w3 = (reader.get(hf_names[w]) for w in ("w1", "w2", "w3"))
+        shapes = [list(w.shape) for w in (w1, w2, w3)]
+        if shapes != want:
+            raise _fail(f"layer {layer} expert {e}: shapes {shapes}, config says {want}")
+        store.put_many(list(zip(names, (w1, w2, w3))))
+        dtype = str(w1.dtype).removeprefix("torch.")
+        advance(sum(w.numel() * w.element_size() for w in (w1, w2, w3)))
     return dtype
