@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .pinned import HostArena, arena_tensor
 from .policies import Policy, make_policy
 from .slab import PAGE, BuddyAllocator, Claim
 
@@ -163,8 +164,10 @@ class HostCache:
 
     ``policy`` is a name from ``cache.POLICIES`` (built with ``policy_args``) or a ``Policy``
     instance. ``writeback`` persists dirty victims; without it dirty entries are never
-    evicted (only ``flush`` with an explicit callback writes them). ``pin_memory`` defaults
-    to ``torch.cuda.is_available()``. The arena is ``capacity_bytes`` rounded down to 4 KiB;
+    evicted (only ``flush`` with an explicit callback writes them). ``pin_memory``: True
+    page-locks the arena now, False never, None (the default) once a CUDA consumer exists
+    (:func:`cache.pinned.cuda_consumer`). The arena is ``capacity_bytes`` rounded down to 4 KiB
+    and exactly that much is allocated and pinned;
     ``arena``, if given, is the memory to use instead of a fresh allocation (a page-aligned
     flat uint8 tensor, e.g. over a shared-memory mapping; it is not pinned).
     """
@@ -182,21 +185,15 @@ class HostCache:
     ) -> None:
         self._alloc = BuddyAllocator(capacity_bytes)
         self.capacity_bytes = self._alloc.pages * PAGE
+        self._host: HostArena | None = None
         if arena is not None:
             # Memory the caller owns (a shared-memory mapping that other processes read).
             self._arena = _check_arena(arena, self.capacity_bytes)
-            self.pinned = False
         else:
-            if pin_memory is None:
-                pin_memory = torch.cuda.is_available()
-            self.pinned = bool(pin_memory)
-            # Slots are PAGE-aligned within the arena; the arena itself must be too, for
-            # O_DIRECT and GDS reads straight into a slot (torch's CPU allocator only aligns
-            # to 64 bytes).
-            raw = torch.empty(self.capacity_bytes + PAGE, dtype=torch.uint8,
-                              pin_memory=self.pinned)
-            skip = -raw.data_ptr() % PAGE
-            self._arena = raw[skip : skip + self.capacity_bytes]
+            # Exactly capacity_bytes, page-aligned (O_DIRECT and GDS read straight into a
+            # slot), page-locked by cudaHostRegister only once a CUDA consumer exists: see
+            # cache.pinned for why not torch's pinned allocator.
+            self._arena, self._host = arena_tensor(self.capacity_bytes, pin_memory)
         if isinstance(policy, Policy):
             if policy_args:
                 raise ValueError("policy_args apply only when the policy is given by name")
@@ -218,11 +215,18 @@ class HostCache:
         self._bytes_resident = 0
         # Kept up to date as entries change, so stats() costs O(1) under the lock.
         self._n_dirty = self._n_evicting = 0
+        self._captures = 0  # write-backs that hold entries and have not finished
         self._on_retire: Callable[[Any], None] | None = None
 
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is page-locked for CUDA (so far: lazily pinned arenas become
+        pinned when a CUDA consumer appears)."""
+        return self._host is not None and self._host.pinned
 
     @property
     def arena(self) -> torch.Tensor:
@@ -406,6 +410,7 @@ class HostCache:
         if any(v.dirty for v in victims):
             if self._writeback_many is not None:
                 pending.ahead = self._clean_ahead(victims)
+            self._captures += 1  # until _write_back_victims ends
             return pending
         return self._complete(pending)
 
@@ -488,11 +493,42 @@ class HostCache:
                 for entry, _ in pending.ahead:
                     self._unpin(entry)
                 self._abort(pending)
+                self._captures -= 1
             raise
         if pending.ahead:
             self._cleaned(pending.ahead)
         with self._cond:
+            self._captures -= 1
             return self._complete(pending)
+
+    def _write_back_pendings(self, outcomes: list[Any]) -> list[Handle | None]:
+        """Finish each outcome of ``_begin_insert``; if one write-back fails, the pendings
+        after it are aborted too (never left evicting) before the error is raised."""
+        out: list[Handle | None] = []
+        for i, outcome in enumerate(outcomes):
+            if isinstance(outcome, _Pending):
+                try:
+                    outcome = self._write_back_victims(outcome)
+                except BaseException:
+                    with self._cond:
+                        for rest in outcomes[i + 1:]:
+                            if isinstance(rest, _Pending):
+                                for entry, _ in rest.ahead:
+                                    self._unpin(entry)
+                                self._abort(rest)
+                                self._captures -= 1
+                    for handle in out + outcomes[i + 1:]:
+                        if isinstance(handle, Handle):
+                            self.discard_staged(handle)
+                    raise
+            out.append(outcome)
+        return out
+
+    def writebacks_in_flight(self) -> bool:
+        """Whether any write-back has taken entries and not yet finished (a flush, or an
+        eviction's): while none has, no entry's old bytes can still reach the backing tier."""
+        with self._cond:
+            return self._captures > 0
 
     def _complete(self, pending: _Pending) -> Handle:
         entry, claim = pending.entry, pending.claim
@@ -558,15 +594,10 @@ class HostCache:
     def stage_many(self, items: list[tuple[Key, int]]) -> list[Handle | None]:
         """:meth:`stage` of several ``(key, nbytes)`` at once: one acquisition of the lock
         for all of them, unless making room means writing dirty victims back."""
-        out: list[Handle | None] = []
         with self._cond:
             outcomes = [self._begin_insert(key, int(nbytes), None, staged=True)
                         for key, nbytes in items]
-        for outcome in outcomes:
-            if isinstance(outcome, _Pending):
-                outcome = self._write_back_victims(outcome)
-            out.append(outcome)
-        return out
+        return self._write_back_pendings(outcomes)
 
     def commit_staged(self, handle: Handle, meta: Any = None) -> None:
         """Make a staged slot ``key``'s current, dirty version (``meta`` its metadata).
@@ -760,22 +791,25 @@ class HostCache:
         store can make each batch durable with one commit; otherwise ``writeback`` gets
         them one at a time. A batch that fails leaves it and the later ones dirty. Entries
         are pinned during their write-back and cleaned only if not re-dirtied meanwhile.
-        Write-backs of evictions already in flight are waited for, so when this returns,
-        everything dirty at the call has been written back. Entries still being loaded by
-        their inserter (unpublished) are skipped.
+        So that when this returns everything dirty at the call has been written back, the
+        entries dirty at the call that are busy are waited for first: an eviction's
+        write-back in flight (it commits, or fails and leaves the entry dirty for this
+        flush) and an in-place rewrite (its newer bytes are written instead). Entries still
+        being loaded by their inserter (unpublished) are clean and skipped.
         """
         writeback = writeback or self._writeback
         if writeback is None and many is None:
             raise ValueError("flush needs a writeback callable")
         with self._cond:
+            watched = [e for e in self._entries.values() if e.dirty]
+            while any(e.state != _READY and self._entries.get(e.key) is e for e in watched):
+                self._cond.wait()
             targets = []
-            evicting = []
-            for entry in self._entries.values():
-                if entry.state == _EVICTING:
-                    evicting.append(entry)
-                elif entry.dirty and entry.state == _READY:
+            for entry in watched:
+                if entry.dirty and entry.state == _READY and self._entries.get(entry.key) is entry:
                     entry.pins += 1
                     targets.append((entry, entry.gen))
+            self._captures += 1
         done = 0
         try:
             if many is not None:
@@ -792,9 +826,7 @@ class HostCache:
             with self._cond:
                 for entry, _ in targets[done:]:
                     self._unpin(entry)
-        with self._cond:
-            while any(self._entries.get(e.key) is e for e in evicting):
-                self._cond.wait()
+                self._captures -= 1
         return done
 
     def _cleaned(self, written: list[tuple[_Entry, int]]) -> None:
@@ -804,13 +836,6 @@ class HostCache:
                     self._set_dirty(entry, False)
                 self._unpin(entry)
                 self._writebacks += 1
-
-    def holds(self, key: Key, meta: Any) -> bool:
-        """Whether ``meta`` still describes ``key``'s current version here: False once the
-        entry was invalidated or replaced, so a late write-back of it can be dropped."""
-        with self._cond:
-            entry = self._entries.get(key)
-            return entry is not None and entry.meta is meta and not entry.gone
 
     def peek(self, key: Key) -> tuple[Any, bool] | None:
         """(meta, dirty) of a resident entry without counting an access; None if absent.

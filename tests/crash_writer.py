@@ -7,6 +7,14 @@
     and then taking/dropping a snapshot). After each ``flush()`` returns it prints
     ``ack NAME KIND VERSION`` for what that round wrote, and ``evictions N`` (the cache's). The parent kills it with SIGKILL.
 
+``python crash_writer.py race STORE SEED``
+    Waits for a line on stdin, opens the store (cache mode by seed, as ``crash``), then
+    runs two threads until killed: one puts and deletes ``RACE_ENTRIES`` (and now and then
+    puts a batch), the other flushes in a loop (a snapshot now and then: it flushes too).
+    Before each operation it prints ``put IDX SEQ`` or ``del IDX SEQ``; once a flush that
+    started after the operation returned has returned, ``ack SEQ``. SEQ numbers every
+    operation, increasing, from ``race_base(SEED)`` on; a put's contents encode it.
+
 ``python crash_writer.py fill STORE LIMIT CACHE``
     Sets RLIMIT_FSIZE to LIMIT bytes, opens the store with (CACHE ``cache``) or without
     (``nocache``) the host cache, writes until the store is full and reports what happened
@@ -21,6 +29,7 @@ import json
 import random
 import resource
 import sys
+import threading
 
 import torch
 
@@ -41,11 +50,14 @@ STRIDE = 1_000_003
 _ARANGE: dict[int, torch.Tensor] = {}
 
 
-def encode(idx: int, version: int) -> torch.Tensor:
-    n = ENTRIES[idx][2] // 8
+def _arange(n: int) -> torch.Tensor:
     if n not in _ARANGE:  # cached: the writer should spend its time in the store, not here
         _ARANGE[n] = torch.arange(n, dtype=torch.int64)
-    return _ARANGE[n] + (version * STRIDE + idx * 7)
+    return _ARANGE[n]
+
+
+def encode(idx: int, version: int) -> torch.Tensor:
+    return _arange(ENTRIES[idx][2] // 8) + (version * STRIDE + idx * 7)
 
 
 def decode(idx: int, t: torch.Tensor) -> int:
@@ -99,6 +111,116 @@ def crash(path: str, seed: int) -> None:
             for tag in tags:
                 st.drop_snapshot(tag)
             st.snapshot(f"r{rounds}")
+
+
+# -- deletes and puts racing flushes -----------------------------------------------------------
+# (name, kind, bytes): small, so a round is quick and many operations race each flush; the
+# small cache mode cannot hold them all, so evictions write back too.
+RACE_ENTRIES = [
+    ("race.0", "param", 8),
+    ("race.0", "exp_avg", 4096),
+    ("race.1", "param", 12_296),
+    ("race.2", "param", 65_536),
+    ("race.3", "param", 131_080),
+    ("race.4", "exp_avg", 200_000),
+]
+RACE_SPAN = 10_000_000  # sequence numbers per child: more than one child ever issues
+
+
+def race_base(seed: int) -> int:
+    """The first sequence number of child ``seed``: later children number above earlier
+    ones, so sequence numbers order operations across crashes too."""
+    return (seed + 1) * RACE_SPAN
+
+
+def race_encode(idx: int, seq: int) -> torch.Tensor:
+    return _arange(RACE_ENTRIES[idx][2] // 8) + (seq * STRIDE + idx * 7)
+
+
+def race_decode(idx: int, t: torch.Tensor) -> int:
+    """The sequence number a stored race entry encodes; AssertionError if none, whole."""
+    n = RACE_ENTRIES[idx][2] // 8
+    assert t.dtype == torch.int64 and tuple(t.shape) == (n,), (t.dtype, t.shape)
+    base = int(t[0]) - idx * 7
+    assert base % STRIDE == 0, f"race entry {idx}: first element {int(t[0])} encodes no put"
+    seq = base // STRIDE
+    assert torch.equal(t, race_encode(idx, seq)), f"race entry {idx}: mixed or damaged"
+    return seq
+
+
+def race(path: str, seed: int) -> None:
+    import tierstore
+
+    rng = random.Random(seed)  # the writer thread's alone
+    sys.stdin.readline()  # the parent says go
+    # Cache modes by seed, as in crash(); the small one cannot hold every entry, so puts
+    # evict (and write back) dirty entries while the flusher runs.
+    cache = ({}, {"host_cache": 0}, {"host_cache": "256KiB"})[seed % 3]
+    st = tierstore.open(path, chunk_size="64KiB", **cache)
+    out = threading.Lock()  # one line at a time from either thread
+    pending: list[int] = []  # returned operations no flush has covered yet
+    seqs = iter(range(race_base(seed), race_base(seed + 1)))
+    failed = threading.Event()
+
+    def say(text: str) -> None:
+        with out:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def writer() -> None:
+        try:
+            while not failed.is_set():
+                r = rng.random()
+                if r < 0.15:  # a batch: several puts in one call
+                    idxs = rng.sample(range(len(RACE_ENTRIES)), rng.randint(2, 3))
+                    batch = [(i, next(seqs)) for i in idxs]
+                    say("".join(f"put {i} {q}\n" for i, q in batch))
+                    st.put_many([(RACE_ENTRIES[i][0], RACE_ENTRIES[i][1], race_encode(i, q))
+                                 for i, q in batch])
+                    done = [q for _, q in batch]
+                else:
+                    i, q = rng.randrange(len(RACE_ENTRIES)), next(seqs)
+                    name, kind, _ = RACE_ENTRIES[i]
+                    if r < 0.55:
+                        say(f"del {i} {q}\n")
+                        st.delete(name, kind, missing_ok=True)
+                    else:
+                        say(f"put {i} {q}\n")
+                        st.put(name, race_encode(i, q), kind=kind)
+                    done = [q]
+                with out:
+                    pending.extend(done)
+        except BaseException:
+            failed.set()
+            raise
+
+    def flusher() -> None:
+        rounds = 0
+        try:
+            while not failed.is_set():
+                rounds += 1
+                with out:
+                    covered = pending[:]
+                    pending.clear()
+                if rounds % 7 == 0:
+                    for s in st.snapshots():
+                        st.drop_snapshot(s.tag)
+                    st.snapshot(f"r{rounds}")
+                else:
+                    st.flush()
+                cached = st.stats()["cache"]
+                say("".join(f"ack {q}\n" for q in covered)
+                    + (f"evictions {cached['evictions']}\n" if cached else ""))
+        except BaseException:
+            failed.set()
+            raise
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=flusher)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    raise SystemExit("a race thread failed")  # its traceback is on stderr
 
 
 # -- full disk ---------------------------------------------------------------------------------
@@ -173,6 +295,8 @@ def fill(path: str, limit: int, cache: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "crash":
         crash(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "race":
+        race(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "fill":
         fill(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:

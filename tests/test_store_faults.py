@@ -192,3 +192,9 @@ def test_a_full_disk_loses_no_unflushed_put(make_store) -> None:
     for i in range(120):
         assert torch.equal(st.get(f"e.{i}"), torch.full((16384,), float(i)))
     assert st.fsck().ok
+
+
+def test_serve_refuses_a_host_cache_larger_than_the_machine(tmp_path: Path) -> None:
+    one_line_error(cli("serve", "--store", str(tmp_path / "st"), "--socket",
+                       str(tmp_path / "sock"), "--host-cache", "1TiB"), "host cache")
+    assert not (tmp_path / "st").exists()

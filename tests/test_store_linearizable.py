@@ -184,3 +184,122 @@ def test_put_after_delete_of_the_same_key_survives_the_write_back(cached, make_s
     st = make_store(path, reopen=True)
     assert torch.equal(st.get("k"), value(7.0))
     assert st.fsck().ok
+
+
+# -- flush() returning means every put that returned before it began is durable --------------
+def committed_version(st: tierstore.Store, name: str) -> int | None:
+    """The version a crash now would show (what the catalog has committed)."""
+    with st._catalog.read() as txn:
+        rec = st._catalog.get_record(txn, name, "param")
+    return None if rec is None else rec.version
+
+
+def test_flush_commits_a_put_that_a_newer_one_replaces_meanwhile(cached) -> None:
+    st = cached
+    st.put("k", value(1.0))
+    st.flush()
+    v2 = st.put("k", value(2.0))
+    with held_sync(st) as (entered, release):
+        t, out = in_thread(st.flush)
+        assert entered.wait(WAIT)
+        st.put("k", value(3.0))  # a new slot: the flush is writing the old one
+        release.set()
+        finish(t, out)
+    assert committed_version(st, "k") >= v2
+    assert torch.equal(st.get("k"), value(3.0))
+
+
+def test_flush_waits_for_an_in_place_rewrite_of_a_dirty_entry(cached, monkeypatch) -> None:
+    import cache.hostcache as hostcache
+
+    st = cached
+    st.put("k", value(1.0))
+    st.flush()
+    v2 = st.put("k", value(2.0))  # dirty, unpinned: the next put rewrites its slot in place
+    inner = hostcache._fill
+    filling, go = threading.Event(), threading.Event()
+
+    def fill(view: Any, data: Any) -> None:
+        if threading.current_thread().name == "rewriter":
+            filling.set()
+            assert go.wait(WAIT)
+        inner(view, data)
+
+    monkeypatch.setattr(hostcache, "_fill", fill)
+    p = threading.Thread(target=lambda: st.put("k", value(3.0)), name="rewriter")
+    p.start()
+    assert filling.wait(WAIT)
+    t, out = in_thread(st.flush)  # the entry is mid-rewrite: the flush waits for it
+    go.set()
+    finish(t, out)
+    p.join(WAIT)
+    assert committed_version(st, "k") > v2
+    assert torch.equal(st.get("k"), value(3.0))
+
+
+def test_a_delete_not_yet_committed_does_not_undo_a_flush(cached) -> None:
+    st = cached
+    st.put("k", value(1.0))
+    st.flush()
+    v2 = st.put("k", value(2.0))
+    inner_write = st._catalog.write
+    at_commit, go = threading.Event(), threading.Event()
+
+    def write(fn: Any, **kw: Any) -> Any:
+        if threading.current_thread().name == "deleter" and not at_commit.is_set():
+            at_commit.set()  # out of the cache, not yet committed
+            assert go.wait(WAIT)
+        return inner_write(fn, **kw)
+
+    st._catalog.write = write  # type: ignore[method-assign]
+    try:
+        with held_sync(st) as (entered, release):
+            t, out = in_thread(st.flush)
+            assert entered.wait(WAIT)
+            d = threading.Thread(target=lambda: st.delete("k"), name="deleter")
+            d.start()
+            assert at_commit.wait(WAIT)
+            release.set()
+            finish(t, out)
+        assert committed_version(st, "k") == v2  # a crash now shows the flushed put
+        go.set()
+        d.join(WAIT)
+    finally:
+        go.set()
+        st._catalog.write = inner_write  # type: ignore[method-assign]
+    assert committed_version(st, "k") is None and "k" not in st
+
+
+def test_flush_after_a_failed_eviction_writes_the_entry(make_store) -> None:
+    st = make_store(host_cache="128KiB")
+    st.put("a", torch.zeros(24 * 1024))  # 96 KiB, dirty: the cache is full
+    inner = st._medium.sync
+    entered, go = threading.Event(), threading.Event()
+
+    def sync(segs: Any) -> None:
+        if threading.current_thread().name == "evictor":
+            entered.set()
+            assert go.wait(WAIT)
+            raise OSError(28, "No space left on device")
+        inner(segs)
+
+    st._medium.sync = sync  # type: ignore[method-assign]
+    failed: list[BaseException] = []
+
+    def evict() -> None:
+        try:
+            st.put("b", torch.ones(24 * 1024))  # evicts a, whose write-back fails
+        except tierstore.StoreFullError as e:
+            failed.append(e)
+
+    x = threading.Thread(target=evict, name="evictor")
+    x.start()
+    assert entered.wait(WAIT)
+    t, out = in_thread(st.flush)  # waits for the eviction, then writes a itself
+    go.set()
+    x.join(WAIT)
+    finish(t, out)
+    st._medium.sync = inner  # type: ignore[method-assign]
+    assert failed, "the eviction's write-back did not fail"
+    assert committed_version(st, "a") is not None
+    assert torch.equal(st.get("a"), torch.zeros(24 * 1024))

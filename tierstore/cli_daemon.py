@@ -23,23 +23,32 @@ from .sizes import format_size
               help="Serve Prometheus /metrics and /healthz on 127.0.0.1:PORT (0: any free port).")
 @click.option("--group", help="Let this group's members connect: socket mode 0660, this group.")
 @click.option("--max-request", type=SIZE, default="4GiB", show_default=True,
-              help="Largest put (bytes per request) the daemon accepts.")
+              help="Largest put (payload bytes per request, so per connection) the daemon "
+                   "accepts; a larger one is refused before any of it is read.")
+@click.option("--max-inflight", type=SIZE,
+              help="Most bytes of requests the daemon holds in memory for all connections "
+                   "together; a request that would go over waits (30 s at most), then is "
+                   "refused. At least --max-request.  [default: 8GiB, or --max-request if "
+                   "larger]")
 @click.option("--policy", default="lfu-decay", show_default=True, help="Cache eviction policy.")
 @click.option("--create", is_flag=True, help="Create the store if it does not exist.")
 def serve(store: str, socket_path: str, host_cache: int, metrics_port: int | None,
-          group: str | None, max_request: int, policy: str, create: bool) -> None:
+          group: str | None, max_request: int, max_inflight: int | None, policy: str,
+          create: bool) -> None:
     """Own STORE and serve it to the processes on this machine (`tierstore.connect(SOCKET)`):
     one host cache for all of them, so each expert is read from the backing tier once.
 
     A put is acknowledged once committed. SIGTERM (or Ctrl-C) writes back dirty entries and
-    exits 0. A second daemon on the same store exits with status 2.
+    exits 0. A second daemon on the same store, or one that cannot start (a missing socket
+    directory, a metrics port in use), exits with status 2.
     """
     from .daemon.server import Server
 
     def go() -> int:
         server = Server(store, socket_path, host_cache=host_cache, metrics_port=metrics_port,
-                        group=group, max_request_bytes=max_request, create=create,
-                        policy=policy, log=lambda m: click.echo(m, err=True))
+                        group=group, max_request_bytes=max_request,
+                        max_inflight_bytes=max_inflight, create=create, policy=policy,
+                        log=lambda m: click.echo(m, err=True))
         click.echo(f"tierstore serve: {server.describe()}", err=True)
         code = server.serve_forever()
         click.echo("tierstore serve: flushed and stopped", err=True)
@@ -73,7 +82,9 @@ def status(socket_path: str, as_json: bool) -> None:
         tiers = ", ".join(f"{t} {format_size(b)}" for t, b in s["tier_bytes"].items())
         click.echo(f"bytes     {tiers}")
         q = s["queues"]
-        click.echo(f"queues    {q['requests_in_flight']} requests in flight; prefetch "
+        held = (f" holding {format_size(q['request_bytes_held'])}"
+                if "request_bytes_held" in q else "")
+        click.echo(f"queues    {q['requests_in_flight']} requests in flight{held}; prefetch "
                    f"{q['prefetch_queued']} queued, {q['prefetch_in_flight']} in flight, "
                    f"{q['prefetch_resident']} resident; stall {s['stall_s']:.3f} s")
         if s.get("metrics_port"):

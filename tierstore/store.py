@@ -327,6 +327,8 @@ class Store:
         # Every operation that changes entries or fills the cache holds this shared;
         # restore() holds it alone, so no write-back or cache fill straddles a restore.
         self._ops = Gate()
+        # key -> version of its delete, written under the catalog's commit lock (delete())
+        self._tombstones: dict[Key, int] = {}
         self._stats_lock = threading.Lock()
         self._tier = _TierStats()
         self._closed = False
@@ -507,21 +509,11 @@ class Store:
         self._write_back([(key, view, meta)])
 
     def _write_back(self, items: list[tuple[Key, torch.Tensor, _Meta]]) -> None:
-        """The cache's write-back: dirty slots to the backing tier, one commit.
+        """The cache's write-back: dirty slots to the backing tier, one commit."""
+        self._write_through([(n, k, view.numpy(), meta) for (n, k), view, meta in items])
 
-        A slot whose entry was deleted, replaced or restored away while its bytes were
-        being written is not committed: the operation that did so has already returned
-        (or is ordered after this commit by the catalog's lock), and must win.
-        """
-        cache = self._cache
-        assert cache is not None
-        self._write_through([(n, k, view.numpy(), meta) for (n, k), view, meta in items],
-                            current=cache.holds)
-
-    def _write_through(self, batch: list[tuple[str, str, np.ndarray, _Meta]],
-                       current: Callable[[Key, Any], bool] | None = None) -> None:
-        """Copy-on-write: fresh extents, parallel chunk writes, sync, then one commit.
-        ``current(key, meta)``, checked inside the commit, drops records no longer wanted."""
+    def _write_through(self, batch: list[tuple[str, str, np.ndarray, _Meta]]) -> None:
+        """Copy-on-write: fresh extents, parallel chunk writes, sync, then one commit."""
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
         started: list[list[Future[int]]] = []
@@ -533,8 +525,7 @@ class Store:
             for (_, _, rec), futs in zip(records, started):
                 rec.crc = rec.crc or [f.result() for f in futs]
             self._medium.sync({seg for seg, _, length in taken if length})
-            metas = [meta for _, _, _, meta in batch]
-            freed = self._catalog.write(lambda txn: self._commit(txn, records, metas, current))
+            freed = self._catalog.write(lambda txn: self._commit(txn, records))
         except BaseException as e:
             # A write still in flight must land before its extent can be handed out again.
             wait([f for futs in started for f in futs])
@@ -606,26 +597,25 @@ class Store:
         return got
 
     def _commit(
-        self, txn: Any, records: list[tuple[str, str, Record]], metas: list[Any],
-        current: Callable[[Key, Any], bool] | None,
+        self, txn: Any, records: list[tuple[str, str, Record]]
     ) -> list[tuple[int, int, int]]:
         """Point entries at their new extents; returns extents to hand back to the allocator.
 
         Versions are given out when ``put`` is called, so a record older than the one the
         catalog holds (a slow write-back overtaken by a newer write) is dropped: the newest
-        version wins whatever order commits land in. So is a write-back whose cache entry
-        stopped being current (``current``) while it was written: a delete or restore
-        takes the entry out of the cache before its own commit, so checking here, under
-        the catalog's commit lock, orders the two.
+        version wins whatever order commits land in. So is one older than a delete of its
+        key (a write-back that took the entry before the delete and commits after it: see
+        ``delete``).
         """
         cat = self._catalog
         top = cat.get_meta(txn, "version", 0)
         live = cat.get_meta(txn, "live_bytes", 0)
         freed = []
-        for (name, kind, rec), meta in zip(records, metas):
+        for name, kind, rec in records:
             old = cat.get_record(txn, name, kind)
+            dead = self._tombstones.get((name, kind))
             if (old is not None and old.version > rec.version) or (
-                    current is not None and not current((name, kind), meta)):
+                    dead is not None and dead > rec.version):
                 if rec.seg >= 0:
                     freed.append(rec.extent)  # taken in memory only, never carved
                 continue
@@ -648,7 +638,18 @@ class Store:
         check_name(name)
         check_kind(kind)
 
+        cache = self._cache
+        dead = 0
+
         def txn_delete(txn: Any) -> tuple[int, int, int] | None | bool:
+            if cache is not None:
+                # A write-back that took the entry before it left the cache may commit
+                # after this one: the tombstone, set in this commit (so a crash never shows
+                # the delete's effect before it is durable), makes that commit drop it.
+                # Tombstones matter only while such a write-back can exist.
+                if not cache.writebacks_in_flight():
+                    self._tombstones.clear()
+                self._tombstones[(name, kind)] = dead
             old = self._catalog.get_record(txn, name, kind)
             if old is None:
                 return False
@@ -658,9 +659,11 @@ class Store:
             return self._catalog.decref(txn, old)
 
         with self._ops.shared(), self._key_locks([(name, kind)]):
-            # Out of the cache first: a write-back of the entry still in flight then finds
-            # it gone at its commit, or commits before the delete below (see _commit).
-            cached = self._cache is not None and self._cache.invalidate((name, kind))
+            cached = False
+            if cache is not None:
+                # Above every earlier put of the key (the key lock orders them).
+                (dead,) = self._next_versions(1)
+                cached = cache.invalidate((name, kind))
             freed = self._catalog.write(txn_delete)
         if freed is False and not cached:
             if missing_ok:
@@ -1315,7 +1318,8 @@ class Store:
             cat.put_meta(txn, "live_bytes", sum(r.nbytes for _, _, r in saved))
             return freed, SnapshotInfo(**json.loads(raw))
 
-        with self._ops.exclusive():
+        with self._ops.exclusive():  # so no write-back is in flight
+            self._tombstones.clear()
             freed, info = cat.write(txn_restore)
             self._alloc.release(freed)
             if self._cache is not None:  # cached copies are of versions the restore replaced

@@ -13,6 +13,12 @@ payload (tensor bytes)::
     16     8     payload length in bytes (<= the daemon's max_request_bytes)
     24     ...   fields: UTF-8 JSON object; then the payload
 
+Before its hello a connection may send only small frames: fields of at most
+MAX_ANON_FIELDS bytes (more are skipped unread) and a payload of at most MAX_ANON_PAYLOAD
+(more is fatal, and none of it is read; less is skipped unread). Only a put carries a
+payload; the daemon reads it in pieces of at most PAYLOAD_CHUNK bytes, so
+the memory it holds is what has arrived, not what was declared.
+
 All integers are big-endian. A frame whose header is wrong (magic, version, lengths over
 the limits) gets an ERROR answer and the connection is closed, since the rest of the stream
 cannot be trusted to be framed; a frame that is well framed but whose fields are invalid
@@ -50,6 +56,10 @@ MAX_KEYS = 4096  # names per request (put_many, get_many, prefetch reports)
 MAX_DIMS = 16
 MAX_NAME_BYTES = 400  # as the store: LMDB keys are at most 511 bytes
 NO_REPLY = 1
+READER_BYTES = 1 << 16  # a connection's read buffer; larger fields grow it for a while
+MAX_ANON_FIELDS = READER_BYTES  # before the hello, fields never grow a connection's buffer
+MAX_ANON_PAYLOAD = READER_BYTES  # ... and a payload there is skipped through that buffer
+PAYLOAD_CHUNK = 1 << 20  # payloads are read (and their memory taken) this much at a time
 
 
 class Op(enum.IntEnum):
@@ -115,7 +125,7 @@ def parse_header(raw: bytes | bytearray | memoryview, max_payload: int) -> tuple
                             fatal=True)
     if npayload > max_payload:
         raise ProtocolError(f"request payload of {npayload} bytes exceeds the daemon's limit "
-                            f"of {max_payload}", fatal=True)
+                            f"of {max_payload} bytes per request (--max-request)", fatal=True)
     return op, flags, rid, nfields, npayload
 
 
@@ -137,8 +147,9 @@ class Reader:
     """Buffered frame reading: a header, its fields and often the next frame arrive in one
     ``recv``, so a small request costs one system call instead of three."""
 
-    def __init__(self, sock: socket.socket, size: int = 1 << 16) -> None:
+    def __init__(self, sock: socket.socket, size: int = READER_BYTES) -> None:
         self.sock = sock
+        self.size = size
         self.buf = bytearray(size)
         self.view = memoryview(self.buf)
         self.start = self.end = 0
@@ -169,38 +180,64 @@ class Reader:
         return True
 
     def read(self, n: int) -> bytes | None:
-        """The next ``n`` bytes (a copy, at most ~64 KiB); None on EOF at a frame boundary."""
+        """The next ``n`` bytes (a copy); None on EOF at a frame boundary."""
         if not self._fill(n):
             return None
         out = bytes(self.view[self.start : self.start + n])
         self.start += n
+        self._shrink()
         return out
 
-    def read_into(self, n: int) -> bytearray:
-        """The next ``n`` bytes into a new buffer of their own (a payload)."""
-        out = bytearray(n)
-        mv = memoryview(out)
+    def _shrink(self) -> None:
+        """Back to the usual size once a large fields block is consumed, so that an idle
+        connection does not keep the memory its largest request needed."""
+        if len(self.buf) > self.size and self.start == self.end:
+            self.view.release()
+            self.buf = bytearray(self.size)
+            self.view = memoryview(self.buf)
+            self.start = self.end = 0
+
+    def read_exact_into(self, dst: memoryview) -> None:
+        """Fill ``dst`` with the next bytes of the stream: buffered ones first, then
+        straight from the socket."""
+        n = len(dst)
         have = min(n, self.end - self.start)
-        mv[:have] = self.view[self.start : self.start + have]
+        dst[:have] = self.view[self.start : self.start + have]
         self.start += have
         got = have
         while got < n:
-            k = self.sock.recv_into(mv[got:], n - got)
+            k = self.sock.recv_into(dst[got:])
             if k == 0:
                 raise ProtocolError("truncated frame", fatal=True)
             got += k
+
+    def skip(self, n: int) -> None:
+        """Discard the next ``n`` bytes, through the read buffer (no memory of their own)."""
+        have = min(n, self.end - self.start)
+        self.start += have
+        n -= have
+        while n:
+            self.start = self.end = 0
+            k = self.sock.recv_into(self.view, min(n, len(self.buf)))
+            if k == 0:
+                raise ProtocolError("truncated frame", fatal=True)
+            n -= k
+        self._shrink()
+
+    def read_into(self, n: int) -> bytearray:
+        """The next ``n`` bytes into a new buffer of their own (an answer's payload)."""
+        out = bytearray(n)
+        with memoryview(out) as mv:
+            self.read_exact_into(mv)
         return out
 
-    def frame(self, max_payload: int, payload_ops: tuple[int, ...] | None = None,
-              ) -> tuple[int, int, int, bytes, bytearray | None] | None:
-        """(op, flags, request id, fields bytes, payload or None); None on a clean EOF.
-        With ``payload_ops``, a payload on any other op is a fatal error (before it is read)."""
+    def frame(self, max_payload: int) -> tuple[int, int, int, bytes, bytearray | None] | None:
+        """(op, flags, request id, fields bytes, payload or None); None on a clean EOF. For
+        reading answers from a daemon: the daemon reads requests piece by piece instead."""
         head = self.read(HEADER_BYTES)
         if head is None:
             return None
         op, flags, rid, nfields, npayload = parse_header(head, max_payload)
-        if npayload and payload_ops is not None and op not in payload_ops:
-            raise ProtocolError(f"op {op} carries no payload", fatal=True)
         try:
             raw = self.read(nfields) if nfields else b"{}"
             if raw is None:
@@ -267,7 +304,11 @@ _REQUIRED = object()
 
 
 def check_str(v: Any, what: str, max_bytes: int) -> str:
-    if not isinstance(v, str) or len(v.encode("utf-8", "surrogatepass")) > max_bytes:
+    try:  # JSON can carry lone surrogates, which no later encode() would survive
+        n = len(v.encode()) if isinstance(v, str) else -1
+    except UnicodeEncodeError:
+        raise ProtocolError(f"field {what!r} must be valid UTF-8") from None
+    if not 0 <= n <= max_bytes:
         raise ProtocolError(f"field {what!r} must be a string of at most {max_bytes} bytes")
     if "\0" in v:
         raise ProtocolError(f"field {what!r} contains NUL")
@@ -282,10 +323,6 @@ def check_key(item: Any) -> tuple[str, str]:
     name = check_str(name, "name", MAX_NAME_BYTES)
     if not name:
         raise ProtocolError("an entry name is a non-empty string")
-    try:
-        name.encode()
-    except UnicodeEncodeError:
-        raise ProtocolError("an entry name must be valid UTF-8") from None
     kind = check_str(kind, "kind", 32)
     return name, kind
 

@@ -14,6 +14,22 @@
 - Acknowledgement means durable: a put through the daemon lands in the cache and is then
   flushed (written back copy-on-write and committed in LMDB) before the answer goes out,
   so a SIGKILL of the daemon loses no acknowledged write. Concurrent puts share flushes.
+- Memory for requests is bounded, whatever clients declare:
+
+  - before its hello a connection is served only a hello or a status request, with at
+    most 64 KiB of fields. Other frames are answered "say hello first", and their payloads
+    and larger fields skipped unread, through the read buffer; a payload over 64 KiB is
+    fatal there, and none of it is read;
+  - a put's payload is read in pieces of 1 MiB into one buffer that grows only as bytes
+    arrive: a client that declares 3 GiB and sends nothing costs nothing;
+  - per connection (one request at a time): a payload over ``max_request_bytes``
+    (``--max-request``, default 4 GiB) is refused before any of it is read, and the
+    connection closed, since the stream can no longer be trusted to be framed;
+  - for the whole daemon: the payload bytes held by all connections together, and fields
+    blocks over 64 KiB, are at most ``max_inflight_bytes`` (``--max-inflight``, default
+    8 GiB, never less than ``max_request_bytes``). A request that would go over waits for
+    others to finish, up to ``budget_wait_s`` (30 s), and is then refused; what it had
+    read is dropped, the rest of it is read and discarded, and the connection serves on.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import contextlib
 import functools
 import grp
 import itertools
+import math
 import mmap
 import os
 import selectors
@@ -40,7 +57,8 @@ import torch
 
 from cache.slab import PAGE
 
-from ..errors import StoreError
+from ..errors import StoreError, UnsupportedTensorError
+from ..opening import check_host_cache
 from ..sizes import format_size, parse_size
 from ..store import Store, check_kind, check_name, check_tag, open_store
 from ..tensors import DTYPES, dtype_name, element_size, from_bytes
@@ -48,10 +66,110 @@ from . import protocol as P
 from .metrics import Histogram, MetricsServer, exposition
 
 DEFAULT_MAX_REQUEST = 4 << 30
+DEFAULT_MAX_INFLIGHT = 8 << 30
+BUDGET_WAIT_S = 30.0  # how long a request waits for others' payloads to be done with
 INDEX_ROW_BYTES = 16  # (seq, offset), int64 each
 MAX_INDEX_ROWS = 1 << 18  # 4 MiB of index; entries beyond it are served over the socket
 MAX_CONNECTIONS = 1024  # a connection costs a thread; more are refused
 MAX_CLIENT_ID = 64
+
+
+class ByteBudget:
+    """Bytes of requests held in memory by all connections together: at most ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cv = threading.Condition()
+
+    def take(self, n: int, timeout: float) -> bool:
+        """Hold ``n`` more bytes, waiting up to ``timeout`` seconds for others to give
+        theirs back; False if they did not."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.used + n <= self.limit, timeout):
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        if n:
+            with self._cv:
+                self.used -= n
+                self._cv.notify_all()
+
+
+class _Request:
+    """One request as it arrives: header, fields, payload. Each is read only when asked for,
+    in bounded pieces, and the bytes it holds count against the daemon's budget until
+    ``release``."""
+
+    def __init__(self, reader: P.Reader, budget: ByteBudget, wait_s: float) -> None:
+        self.reader, self.budget, self.wait_s = reader, budget, wait_s
+        self.fields_left = self.payload_left = self.payload_bytes = self.held = 0
+
+    def header(self, max_payload: int) -> tuple[int, int, int, int, int] | None:
+        """(op, flags, request id, fields length, payload length); None on a clean EOF."""
+        head = self.reader.read(P.HEADER_BYTES)
+        if head is None:
+            return None
+        out = P.parse_header(head, max_payload)
+        self.fields_left = out[3]
+        self.payload_left = self.payload_bytes = out[4]
+        return out
+
+    def _hold(self, n: int) -> None:
+        if not self.budget.take(n, self.wait_s):
+            raise StoreError(f"the daemon is busy: requests in flight hold "
+                             f"{self.budget.used} of its {self.budget.limit} bytes "
+                             f"(--max-inflight); try again")
+        self.held += n
+
+    def _let_go(self, n: int) -> None:
+        self.budget.give(n)
+        self.held -= n
+
+    def fields(self) -> dict[str, Any]:
+        n = self.fields_left
+        # Large fields grow the connection's read buffer until they are decoded; held only
+        # that long, so that they never stand between a put and its own payload.
+        big = n if n > P.READER_BYTES else 0
+        if big:
+            self._hold(big)
+        try:
+            raw = self.reader.read(n) if n else b"{}"
+            if raw is None:
+                raise P.ProtocolError("truncated frame", fatal=True)
+            self.fields_left = 0
+            return P.decode_fields(raw)
+        finally:
+            self._let_go(big)
+
+    def payload(self) -> bytearray:
+        """The payload, read piece by piece into one buffer that grows as bytes arrive (on
+        Linux, growing a large buffer remaps its pages rather than copying them)."""
+        buf = bytearray()
+        while self.payload_left:
+            k = min(P.PAYLOAD_CHUNK, self.payload_left)
+            self._hold(k)
+            at = len(buf)
+            buf += _ZEROS[:k]
+            with memoryview(buf)[at:] as dst:
+                self.reader.read_exact_into(dst)
+            self.payload_left -= k
+        return buf
+
+    def skip_rest(self) -> bool:
+        """Read and drop what a refused request left unread, so that the next frame starts
+        where it should; False if the connection ended first."""
+        try:
+            self.reader.skip(self.fields_left + self.payload_left)
+        except (OSError, P.ProtocolError):
+            return False
+        self.fields_left = self.payload_left = 0
+        return True
+
+    def release(self) -> None:
+        self._let_go(self.held)
 
 
 class _Conn:
@@ -90,25 +208,38 @@ class Server:
         metrics_port: int | None = None,
         group: str | None = None,
         max_request_bytes: int | str = DEFAULT_MAX_REQUEST,
+        max_inflight_bytes: int | str | None = None,
+        budget_wait_s: float = BUDGET_WAIT_S,
         create: bool = False,
         policy: str = "lfu-decay",
         log: Callable[[str], Any] | None = None,
     ) -> None:
         self.socket_path = os.path.abspath(socket_path)
+        _check_socket_path(self.socket_path)  # before the store: nothing to undo
         self.max_request = parse_size(max_request_bytes)
+        self.max_inflight = _inflight_limit(self.max_request, max_inflight_bytes)
+        self._budget = ByteBudget(self.max_inflight)
+        self._budget_wait = budget_wait_s
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         cap = parse_size(host_cache) // PAGE * PAGE
         if cap < PAGE:
             raise StoreError("the daemon needs a host cache (--host-cache of at least 4KiB): "
                              "clients read entries out of it")
+        check_host_cache(cap)  # before the shared memory is made
         self._gid = _group_id(group) if group is not None else None
         # The arena first: the store's cache is carved out of it. The index of published
         # slots follows it in the same segment (see _publish).
         self.index_rows = max(1, min(cap // PAGE, MAX_INDEX_ROWS))
         index_bytes = -(-self.index_rows * INDEX_ROW_BYTES // PAGE) * PAGE
         self._memfd = os.memfd_create("tierstore-cache", os.MFD_CLOEXEC)
-        os.ftruncate(self._memfd, cap + index_bytes)
-        self._map = mmap.mmap(self._memfd, cap + index_bytes)
+        try:
+            os.ftruncate(self._memfd, cap + index_bytes)
+            self._map = mmap.mmap(self._memfd, cap + index_bytes)
+        except OSError as e:
+            os.close(self._memfd)
+            raise StoreError(f"cannot map a host cache of {format_size(cap)} in shared "
+                             f"memory: {e.strerror or e}; choose a smaller --host-cache"
+                             ) from None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             arena = torch.frombuffer(self._map, dtype=torch.uint8, count=cap)
@@ -149,17 +280,27 @@ class Server:
         try:
             self._listener = self._bind()
             if metrics_port is not None:
-                self.metrics = MetricsServer(metrics_port, self.metrics_text,
-                                             lambda: not self._stop.is_set())
+                self.metrics = self._serve_metrics(metrics_port)
         except BaseException:
             self._teardown()
             raise
 
+    def _serve_metrics(self, port: int) -> MetricsServer:
+        try:
+            return MetricsServer(port, self.metrics_text, lambda: not self._stop.is_set())
+        except OSError as e:
+            raise StoreError(f"cannot serve metrics on 127.0.0.1:{port}: "
+                             f"{e.strerror or e}") from None
+
     # -- socket ---------------------------------------------------------------------
     def _bind(self) -> socket.socket:
         path = self.socket_path
-        if len(os.fsencode(path)) >= 108:
-            raise StoreError(f"socket path {path} is too long for a Unix socket (max 107 bytes)")
+        try:
+            return self._bind_at(path)
+        except OSError as e:
+            raise StoreError(f"cannot listen on {path}: {e.strerror or e}") from None
+
+    def _bind_at(self, path: str) -> socket.socket:
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise StoreError(f"{path} exists and is not a socket; choose another --socket")
@@ -173,17 +314,21 @@ class Server:
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # never visible with wider permissions, not even briefly
         try:
-            sock.bind(path)
-        finally:
-            os.umask(old)
-        if self._gid is not None:
-            os.chown(path, -1, self._gid)
-            os.chmod(path, 0o660)
-        else:
-            os.chmod(path, 0o600)
-        sock.listen(128)
+            old = os.umask(0o177)  # never visible with wider permissions, not even briefly
+            try:
+                sock.bind(path)
+            finally:
+                os.umask(old)
+            if self._gid is not None:
+                os.chown(path, -1, self._gid)
+                os.chmod(path, 0o660)
+            else:
+                os.chmod(path, 0o600)
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            raise
         return sock
 
     # -- main loop ------------------------------------------------------------------
@@ -256,34 +401,15 @@ class Server:
         reader = P.Reader(conn.sock)
         try:
             while not self._stop.is_set():
-                rid = flags = 0
-                op = -1
+                req = _Request(reader, self._budget, self._budget_wait)
                 try:
-                    frame = reader.frame(self.max_request, (P.Op.PUT,))
-                    if frame is None:
-                        return
-                    op, flags, rid, raw, payload = frame
-                    answer = self._dispatch(conn, op, P.decode_fields(raw), payload)
-                    if answer is not None and not flags & P.NO_REPLY:
-                        fields_out, parts, fds = answer
-                        self._send(conn, rid, fields_out, parts, fds)
-                except P.ProtocolError as e:
-                    if e.fatal or not flags & P.NO_REPLY:
-                        self._send_error(conn, getattr(e, "rid", rid), e)
-                    if e.fatal:
-                        return
-                    continue
-                except StoreError as e:
-                    if not flags & P.NO_REPLY:
-                        self._send_error(conn, rid, e)
-                    continue
-                except OSError:
+                    go_on = self._serve_one(conn, req)
+                finally:
+                    req.release()
+                # After a refused request, outside its handler's frames: what it read is
+                # freed before waiting on the bytes it left unread.
+                if not go_on or not req.skip_rest():
                     return
-                except Exception as e:  # a request must never take the daemon down
-                    self._log(f"tierstore serve: internal error serving op {op}: {e!r}")
-                    if not flags & P.NO_REPLY:
-                        self._send_error(conn, rid, StoreError(f"internal error: {e!r}"[:300]))
-                    continue
         except OSError:
             return
         finally:
@@ -294,6 +420,37 @@ class Server:
             finally:
                 with contextlib.suppress(OSError):
                     conn.sock.close()
+
+    def _serve_one(self, conn: _Conn, req: _Request) -> bool:
+        """Read one request, act on it and answer; False once the connection is done."""
+        rid = flags = 0
+        op = -1
+        try:
+            head = req.header(self.max_request)
+            if head is None:
+                return False
+            op, flags, rid, nfields, npayload = head
+            _admit(conn, op, nfields, npayload)
+            answer = self._dispatch(conn, op, req.fields(), req)
+            if answer is not None and not flags & P.NO_REPLY:
+                fields_out, parts, fds = answer
+                self._send(conn, rid, fields_out, parts, fds)
+            return True
+        except P.ProtocolError as e:
+            if e.fatal or not flags & P.NO_REPLY:
+                self._send_error(conn, rid, e)
+            return not e.fatal
+        except StoreError as e:
+            if not flags & P.NO_REPLY:
+                self._send_error(conn, rid, e)
+            return True
+        except OSError:
+            return False
+        except Exception as e:  # a request must never take the daemon down
+            self._log(f"tierstore serve: internal error serving op {op}: {e!r}")
+            if not flags & P.NO_REPLY:
+                self._send_error(conn, rid, StoreError(f"internal error: {e!r}"[:300]))
+            return True
 
     def _send(self, conn: _Conn, rid: int, fields: dict[str, Any],
               parts: list[Any] | None = None, fds: list[int] | None = None) -> None:
@@ -318,7 +475,7 @@ class Server:
 
     # -- requests ---------------------------------------------------------------------
     def _dispatch(self, conn: _Conn, op: int, fields: dict[str, Any],
-                  payload: bytearray | None) -> tuple[dict[str, Any], list[Any], list[int]] | None:
+                  req: _Request) -> tuple[dict[str, Any], list[Any], list[int]] | None:
         handler = _HANDLERS.get(op)
         if handler is None:
             raise P.ProtocolError(f"unknown request op {op}")
@@ -334,7 +491,7 @@ class Server:
                 self._in_flight += 1
         t0 = time.perf_counter()
         try:
-            out = handler(self, conn, P.Fields(fields), payload)
+            out = handler(self, conn, P.Fields(fields), req)
         finally:
             if counted:
                 with self._in_flight_lock:
@@ -361,44 +518,48 @@ class Server:
         st = self.store
         return ({"pid": os.getpid(), "store": st.path, "backing": st.backing,
                  "describe": st.describe(), "arena_bytes": self.arena_bytes,
-                 "max_request_bytes": self.max_request, "connection": conn.cid,
+                 "max_request_bytes": self.max_request,
+                 "max_inflight_bytes": self.max_inflight, "connection": conn.cid,
                  "arena": bool(fds), "index_offset": self.arena_bytes,
                  "index_rows": self.index_rows}, [], fds)
 
-    def _put(self, conn: _Conn, f: P.Fields, payload: bytearray | None) -> Any:
-        items = f.list("items")
-        buf = memoryview(payload if payload is not None else bytearray(0))
+    def _put(self, conn: _Conn, f: P.Fields, req: _Request) -> Any:
+        items = [self._put_item(item) for item in f.list("items")]
+        total = sum(item[4] for item in items)
+        if total != req.payload_bytes:
+            raise StoreError(f"put payload of {req.payload_bytes} bytes does not match its "
+                             f"items, which say {total}")
+        # Only now, with the items valid, is the payload read (see the module docstring).
+        buf = memoryview(req.payload())
         batch, at = [], 0
-        for item in items:
-            if not isinstance(item, dict):
-                raise P.ProtocolError("put items are objects")
-            g = P.Fields(item)
-            name, kind = P.check_key([g.str("name", None, P.MAX_NAME_BYTES), g.str("kind")])
-            check_name(name)
-            check_kind(kind)
-            dtype = g.str("dtype", None, 32)
-            if dtype not in DTYPES:
-                raise StoreError(f"unknown dtype {dtype!r}")
-            shape = P.check_shape(g.list("shape", P.MAX_DIMS))
-            nbytes = g.int("nbytes", None, 0, self.max_request)
-            td = DTYPES[dtype]
-            try:
-                itemsize = element_size(td)
-            except RuntimeError:  # placeholder dtypes without storage
-                raise StoreError(f"dtype {dtype} cannot be stored") from None
-            if itemsize * int(np.prod(shape, dtype=np.int64)) != nbytes:
-                raise StoreError(f"{name!r}: {nbytes} bytes is not a {dtype} tensor of shape "
-                                 f"{list(shape)}")
-            if at + nbytes > len(buf):
-                raise StoreError("put payload is shorter than its items say")
-            batch.append((name, kind, _tensor(buf, at, nbytes, td, shape)))
+        for name, kind, dtype, shape, nbytes in items:
+            batch.append((name, kind, _tensor(buf, at, nbytes, dtype, shape)))
             at += nbytes
-        if at != len(buf):
-            raise StoreError("put payload is longer than its items say")
         versions = self.store.put_many(batch)
         # Acknowledged means committed: see the module docstring.
         self.store.flush()
         return {"versions": versions}
+
+    def _put_item(self, item: Any) -> tuple[str, str, torch.dtype, tuple[int, ...], int]:
+        """One put item, checked: (name, kind, dtype, shape, nbytes)."""
+        if not isinstance(item, dict):
+            raise P.ProtocolError("put items are objects")
+        g = P.Fields(item)
+        name, kind = P.check_key([g.str("name", None, P.MAX_NAME_BYTES), g.str("kind")])
+        check_name(name)
+        check_kind(kind)
+        dtype = _storable_dtype(name, g.str("dtype", None, 32))
+        shape = P.check_shape(g.list("shape", P.MAX_DIMS))
+        nbytes = g.int("nbytes", None, 0, self.max_request)
+        itemsize = element_size(dtype)
+        # Exact integers: a product that wraps around could match nbytes by accident.
+        if itemsize * math.prod(max(d, 1) for d in shape) > _MAX_TENSOR_BYTES:
+            raise UnsupportedTensorError(f"{name!r}: shape {list(shape)} is too large for a "
+                                         f"tensor")
+        if itemsize * math.prod(shape) != nbytes:
+            raise StoreError(f"{name!r}: {nbytes} bytes is not a {dtype_name(dtype)} tensor "
+                             f"of shape {list(shape)}")
+        return name, kind, dtype, shape, nbytes
 
     def _get(self, conn: _Conn, f: P.Fields, _p: Any) -> Any:
         keys = f.keys()
@@ -621,6 +782,8 @@ class Server:
                 st.backing: stats["bytes_stored"] if stats else 0,
             },
             "queues": {"requests_in_flight": self._in_flight,
+                       "request_bytes_held": self._budget.used,
+                       "request_bytes_limit": self._budget.limit,
                        **{f"prefetch_{k}": int(v) for k, v in depth.items()}},
             "stall_s": stall,
         }
@@ -631,13 +794,63 @@ class Server:
     def describe(self) -> str:
         port = f", metrics on http://127.0.0.1:{self.metrics.port}/metrics" if self.metrics else ""
         return (f"serving {self.store.path} ({self.store.describe()}) on {self.socket_path}, "
-                f"host cache {format_size(self.arena_bytes)} in shared memory{port}")
+                f"host cache {format_size(self.arena_bytes)} in shared memory, requests up "
+                f"to {format_size(self.max_request)} each and {format_size(self.max_inflight)} "
+                f"in all{port}")
 
 
 PROTOCOL_ANY = -1
+_ZEROS = memoryview(bytes(P.PAYLOAD_CHUNK))  # what a payload buffer grows by, then overwrites
+_MAX_TENSOR_BYTES = (1 << 63) - 1  # torch computes sizes and strides in int64
 _OP_NAMES = {op.value: op.name.lower() for op in P.Op}
 _REPORTED = ("queued", "in_flight", "resident", "in_use_bytes", "budget_bytes", "stall_s",
              "transfers", "bytes_moved", "requests", "acquires")
+
+
+def _check_socket_path(path: str) -> None:
+    if len(os.fsencode(path)) >= 108:
+        raise StoreError(f"socket path {path} is too long for a Unix socket (max 107 bytes)")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise StoreError(f"cannot listen on {path}: directory {parent} does not exist")
+
+
+def _inflight_limit(max_request: int, max_inflight: int | str | None) -> int:
+    if max_inflight is None:
+        return max(DEFAULT_MAX_INFLIGHT, max_request)
+    limit = parse_size(max_inflight)
+    if limit < max_request:
+        raise StoreError(f"--max-inflight ({format_size(limit)}) must be at least "
+                         f"--max-request ({format_size(max_request)}): a request that large "
+                         f"could never be served")
+    return limit
+
+
+def _admit(conn: _Conn, op: int, nfields: int, npayload: int) -> None:
+    """Refuse, before reading any of it, what a frame's header may not declare on this
+    connection. The refusals that are not fatal have their frame skipped unread, through
+    the connection's read buffer: nothing is allocated for them."""
+    if npayload and op != P.Op.PUT:
+        raise P.ProtocolError(f"op {op} carries no payload", fatal=True)
+    if conn.role != "anonymous":
+        return
+    if npayload > P.MAX_ANON_PAYLOAD:  # not worth reading only to drop it
+        raise P.ProtocolError(f"say hello first: a payload of {npayload} bytes before the "
+                              f"hello, at most {P.MAX_ANON_PAYLOAD}", fatal=True)
+    if nfields > P.MAX_ANON_FIELDS:
+        raise P.ProtocolError(f"say hello first: fields of {nfields} bytes before the "
+                              f"hello, at most {P.MAX_ANON_FIELDS}")
+
+
+def _storable_dtype(name: str, dtype: str) -> torch.dtype:
+    td = DTYPES.get(dtype)
+    if td is None:
+        raise UnsupportedTensorError(f"{name!r}: unknown dtype {dtype!r}")
+    try:
+        element_size(td)
+    except RuntimeError:  # placeholder dtypes without storage
+        raise UnsupportedTensorError(f"{name!r}: dtype {dtype} cannot be stored") from None
+    return td
 
 
 def _one_key(f: P.Fields) -> tuple[str, str]:
