@@ -36,10 +36,18 @@ from typing import Any
 import torch
 
 import tierstore
+from tierstore.devices import normalize_device
 
 from .tiers import drop_page_cache
 
 MiB = 1 << 20
+
+
+def stats_key(device: str | torch.device,
+              current_index: Callable[[str], int] | None = None) -> str:
+    """The key of ``device``'s queue in ``stats()["prefetch"]``: the store names queues by
+    their indexed device (``cuda:0``), never by a bare ``cuda``."""
+    return str(normalize_device(device, current_index))
 
 
 def _sync(device: torch.device) -> None:
@@ -100,7 +108,7 @@ def _run_mode(
     step_start = time.perf_counter()
     for i, (step, layer) in enumerate(run):
         if layer == 0 and step == 1:  # the warm-up step is over
-            before = {"pf": st.stats()["prefetch"].get(str(device), {}),
+            before = {"pf": st.stats()["prefetch"].get(stats_key(device), {}),
                       "read": _backing_read(st)}
             step_start = time.perf_counter()
         if mode == "prefetch":
@@ -130,7 +138,7 @@ def _run_mode(
                 step_s.append(now - step_start)
                 step_start = now
     wait(tail)
-    pf = st.stats()["prefetch"].get(str(device), {})
+    pf = st.stats()["prefetch"].get(stats_key(device), {})
     stall = pf.get("stall_s", 0.0) - before["pf"].get("stall_s", 0.0)
     total = sum(step_s)
     row: dict[str, Any] = {
@@ -200,7 +208,7 @@ def run_prefetch(
     if expert_bytes <= 0 or expert_bytes % (4 * hidden):
         raise tierstore.StoreError(f"expert_bytes must be a positive multiple of 4 * hidden "
                                    f"({4 * hidden}), got {expert_bytes}")
-    dev = torch.device(device or "cpu")
+    dev = normalize_device(device or "cpu")
     rows = expert_bytes // (4 * hidden)
     layer_bytes = experts * expert_bytes
     budget = device_budget if device_budget is not None else 3 * layer_bytes

@@ -38,13 +38,14 @@ def test_acquired_device_tensors_equal_get(make_store, host_cache) -> None:
 
 def test_pinned_async_copies_on_the_side_stream_land_the_right_bytes(make_store) -> None:
     st = make_store(host_cache="256MiB", slab_size="512MiB", device_budget={"cuda": "32MiB"})
-    assert st._cache is not None and st._cache.pinned  # the arena is pinned with CUDA present
+    queue = st._queues.get("cuda")
+    # The queue is a CUDA consumer: the cache's arena is page-locked from now on.
+    assert st._cache is not None and st._cache.pinned and st._cache.arena.is_pinned()
     n = 8
     data = {f"big.{i}": torch.randn(8 * MiB // 4) + i for i in range(n)}  # 8 MiB each
     for name, t in data.items():
         st.put(name, t)
     sums = {name: t.double().sum().item() for name, t in data.items()}
-    queue = st._queues.get("cuda")
     consumer = torch.cuda.Stream()
     assert queue._stream is not None and queue._stream != torch.cuda.current_stream()
     peak = []

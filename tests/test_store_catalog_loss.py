@@ -23,10 +23,12 @@ CLI = [sys.executable, "-m", "tierstore.cli"]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The installed CLI in a process of its own (so a signal would show as one)."""
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
 
 
 def one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Assert the CLI failed as a user's mistake should: exit 2, one `tierstore:` line."""
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("tierstore: "), r.stderr

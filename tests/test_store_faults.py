@@ -16,25 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from test_store_catalog_loss import cli, one_line_error  # noqa: E402 (the CLI's error shape)
 
 import tierstore
 from tierstore.cli import main
 from tierstore.opening import memory_limit
-
-CLI = [sys.executable, "-m", "tierstore.cli"]
-
-
-def cli(*args: str, **kw) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, **kw)
-
-
-def one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> str:
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("tierstore: "), r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def t(x: float, n: int = 50_000) -> torch.Tensor:

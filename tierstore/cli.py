@@ -543,8 +543,9 @@ def bench() -> None:
 @click.option("--tiers", "tiers", default="nvme,pmem,host,gpu", show_default=True,
               help="Comma-separated tiers: nvme, pmem, host (cache hits), gpu (if CUDA).")
 @click.option("--engines", default="posix-direct,posix-buffered", show_default=True,
-              help="NVMe I/O engines (add kvikio where CUDA and kvikio are present: GDS, or "
-                   "its compat mode with KVIKIO_COMPAT_MODE=ON).")
+              help="NVMe I/O engines. Add kvikio where CUDA and kvikio are present (reads "
+                   "into host memory with its threads and direct I/O set from the store's; "
+                   "the store's `auto` never picks it, as it is unmeasured).")
 @click.option("--pmem-dir", type=click.Path(file_okay=False),
               help="Directory for the PMem pool (a DAX mount such as /mnt/pmem0 in production; "
                    "default: the scratch directory).")

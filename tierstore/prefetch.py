@@ -6,8 +6,11 @@ numbers such as ``(step, layer)``). Requests for one entry share one transfer an
 
 1. backing tier → host bytes, on the queue's small I/O thread pool (the store's
    ``_host_bytes``: a pinned host-cache slot or a freshly read, checksum-verified buffer);
-2. host → device. On CUDA, a ``non_blocking`` copy on the queue's copy thread and a
-   dedicated stream, followed by an event; the host bytes are released once it has landed.
+2. host → device. On CUDA (any asynchronous device: a :class:`~tierstore.devices.DeviceCopier`
+   does the device's part), a ``non_blocking`` copy issued by the queue's copy thread on a
+   dedicated stream, followed by an event. The copy thread keeps up to
+   :data:`COPIES_IN_FLIGHT` copies in flight; each one's host bytes are released, and its
+   future resolved, once its event has completed.
    On the CPU "device" a real copy into a freshly allocated tensor, unless the queue lends
    views (``zero_copy``, switched on by :meth:`PrefetchQueue.set_zero_copy`, which the
    inference sources do): the device memory *is* host memory, so stage 2 is then a pin, not
@@ -30,12 +33,26 @@ zero-copy path an I/O thread starts the heads of one urgency and priority togeth
 share of what is queued) and loads them in one call, so their reads run in parallel and
 the per-entry cost of a whole layer's request is paid once.
 
+Lifetimes on an asynchronous device. :meth:`PrefetchQueue.acquire` makes the caller's current
+stream wait for the copy's event (the host never waits) and records that stream as a user
+of the bytes. A future resolves only once its copy has completed, so its tensor may be used
+on any stream. :meth:`PrefetchQueue.drop` (release or cancel) records an event on the
+caller's current stream, after the work queued there so far, and records that stream as a
+user too; the entry keeps its credits, and the queue its reference, until that event has
+completed. So credits never come back while a consumer's kernels may still read the bytes,
+and the device memory the queue is responsible for never exceeds the budget: a transfer that
+needs the credits waits (on an I/O thread, never in ``acquire``) for the consumer to pass
+its release point. The rule for callers: release (or cancel) on the stream that used the
+tensor; a tensor also used on other streams needs ``record_stream`` for each of them, or
+those streams synchronised before the release.
+
 ``stats()`` counts ``bytes_moved`` (every landed transfer, copied or pinned), ``bytes_read``
 (the part read from the backing tier) and ``bytes_copied`` (0 on the zero-copy path).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -53,6 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .devices import DeviceCopier, normalize_device
 from .errors import StoreClosedError, StoreError
 from .sizes import format_size, parse_size
 from .tensors import dtype_from_name, from_bytes
@@ -75,7 +93,12 @@ DEFAULT_CPU_BUDGET = 1 << 30
 MAX_BATCH = 32
 MAX_BATCH_BYTES = 64 << 20
 MAX_SIZES_KEPT = 1 << 20  # entry sizes a queue remembers (about 100 MiB at most)
-DEFAULT_CUDA_FRACTION = 0.5  # of the device's memory, when no budget is configured
+# Of the device's memory, when no budget is configured. A ceiling rather than a guess of
+# what a model needs: callers that know their working set (the store trainer does) pass it.
+DEFAULT_CUDA_FRACTION = 0.5
+# Device copies the copy thread keeps in flight; each holds its host bytes (a pinned cache
+# slot) until it lands.
+COPIES_IN_FLIGHT = 8
 
 _QUEUED, _LOADING, _COPYING, _RESIDENT, _DONE = "queued", "loading", "copying", "resident", "done"
 
@@ -153,7 +176,8 @@ class _Entry:
     dropped: bool = False  # released or cancelled while in flight: discard once landed
     zero_copy: bool = False  # stage 2 is a pin (set when it starts)
     tensor: torch.Tensor | None = None
-    event: Any = None  # torch.cuda.Event recorded after the copy (CUDA only)
+    event: Any = None  # recorded after the copy (asynchronous devices only)
+    mark: Any = None  # recorded on the releasing caller's stream: credits wait for it
     error: BaseException | None = None
 
     @property
@@ -186,7 +210,9 @@ class PrefetchQueue:
     ``on_start(key, in_use_bytes)``, when set, is called (under the queue's lock) each time
     a transfer takes its credits: it lets tests watch the start order and the budget.
     ``zero_copy`` (CPU only; see :meth:`set_zero_copy`) makes stage 2 a pin instead of a
-    copy.
+    copy. ``copier`` does an asynchronous device's part of stage 2 (default: a
+    :class:`~tierstore.devices.CudaCopier` on CUDA, none on the CPU, whose copies are
+    synchronous); tests pass a fake one to check the lifetime rules without a GPU.
     """
 
     def __init__(
@@ -198,6 +224,7 @@ class PrefetchQueue:
         *,
         io_threads: int = IO_THREADS,
         zero_copy: bool = False,
+        copier: DeviceCopier | None = None,
     ) -> None:
         self.device = device
         self.budget = budget
@@ -214,10 +241,19 @@ class PrefetchQueue:
         self._in_use = 0
         self._closing = False
         self._stats = _Stats()
-        self._cuda = device.type == "cuda"
+        if copier is None and device.type == "cuda":
+            from .devices import CudaCopier
+
+            copier = CudaCopier(device)
+        self._copier = copier
         self.zero_copy = False
         self.set_zero_copy(zero_copy)
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._stream = getattr(copier, "stream", None)
+        # Copies issued but not yet known to have landed (copy thread only), and released
+        # entries whose consumers may still be using them (lock held), oldest first.
+        self._inflight: collections.deque[tuple[_Entry, torch.Tensor, Any, list[Any]]] = (
+            collections.deque())
+        self._draining: collections.deque[_Entry] = collections.deque()
         # Copy jobs, and (zero-copy) lists of handles whose views have died: SimpleQueue.put
         # is reentrant, safe from a __del__ that runs wherever a tensor's last reference goes.
         self._copies: queue.SimpleQueue[tuple[_Entry, Any, Any, list[Any]] | list[Any] | None] = (
@@ -227,8 +263,9 @@ class PrefetchQueue:
         name = f"tierstore-prefetch-{device}"
         self._io = [threading.Thread(target=self._io_loop, name=f"{name}-io{i}", daemon=True)
                     for i in range(io_threads)]
-        self._copier = threading.Thread(target=self._copy_loop, name=f"{name}-copy", daemon=True)
-        for t in (*self._io, self._copier):
+        self._copy_thread = threading.Thread(target=self._copy_loop, name=f"{name}-copy",
+                                             daemon=True)
+        for t in (*self._io, self._copy_thread):
             t.start()
 
     def set_zero_copy(self, on: bool = True) -> bool:
@@ -238,7 +275,7 @@ class PrefetchQueue:
         views on must never write into what :meth:`acquire` returns (it is the host cache's
         copy of the entry); transfers already started keep the mode they started with."""
         with self._cv:
-            self.zero_copy = bool(on) and self.device.type == "cpu"
+            self.zero_copy = bool(on) and self._copier is None and self.device.type == "cpu"
             return self.zero_copy
 
     # -- requests -------------------------------------------------------------------
@@ -374,12 +411,8 @@ class PrefetchQueue:
         if entry.error is not None:
             raise entry.error
         tensor = entry.tensor
-        if entry.event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(entry.event)
-            # The bytes were allocated on the copy stream: keep the allocator from handing
-            # them out again while work queued on this stream may still read them.
-            tensor.record_stream(current)
+        if entry.event is not None and self._copier is not None:
+            self._copier.wait(entry.event, tensor)
         return tensor
 
     def _account_acquire(self, entry: _Entry, stall: float) -> None:
@@ -403,6 +436,10 @@ class PrefetchQueue:
                 if entry is None:
                     continue
                 n += 1
+                if entry.tensor is not None and self._copier is not None:
+                    # Handed out (acquired, or its future resolved): the caller's stream may
+                    # still have work reading it queued (see the module docstring).
+                    entry.mark = self._copier.mark(entry.tensor)
                 if entry.state == _RESIDENT:
                     self._retire(entry)
                     self._stats.releases += release
@@ -440,10 +477,38 @@ class PrefetchQueue:
                 self._cv.notify_all()
 
     def _retire(self, entry: _Entry) -> None:
-        """Give an entry's credits back (lock held)."""
+        """Give an entry's credits back (lock held), or, if a consumer's release point has
+        not been passed yet, once it has (:meth:`_reap`)."""
+        entry.state = _DONE
+        if entry.mark is not None and not entry.mark.query():
+            if entry.credited:
+                self._draining.append(entry)
+            return
         self._in_use -= entry.credited
         entry.credited = 0
-        entry.state = _DONE
+        if entry.tensor is not None and self._copier is not None:
+            self._copier.retire(entry.tensor)
+
+    def _reap(self, wait: bool = False) -> bool:
+        """Give back the credits of drained entries whose consumers are done (lock held);
+        with ``wait``, first wait (lock released meanwhile) for the oldest one's consumer.
+        Returns whether any came back."""
+        if wait and self._draining:
+            mark = self._draining[0].mark
+            self._cv.release()
+            try:
+                mark.synchronize()
+            finally:
+                self._cv.acquire()
+        back = False
+        while self._draining and self._draining[0].mark.query():
+            entry = self._draining.popleft()
+            entry.mark = None
+            self._retire(entry)
+            back = True
+        if back:
+            self._cv.notify_all()
+        return back
 
     # -- stage 1: backing tier -> host bytes ---------------------------------------------
     def _head(self) -> _Entry | None:
@@ -471,6 +536,11 @@ class PrefetchQueue:
                     head = self._head()
                     if head is not None and head.nbytes <= self.budget - self._in_use:
                         break
+                    if head is not None and self._draining:
+                        # Credits held only until a consumer's stream passes its release
+                        # point: wait for that, not for a notification that may never come.
+                        self._reap(wait=True)
+                        continue
                     self._cv.wait()
                 share = -(-len(self._heap) // self._idle_io) if self.zero_copy else 1
                 limit, rank = min(share, MAX_BATCH), (head.urgent, head.priority)
@@ -629,8 +699,17 @@ class PrefetchQueue:
 
     def _stage2(self) -> bool:
         """One job of the copy thread (a call of its own: see :meth:`_io_loop`)."""
-        job = self._copies.get()
+        if self._inflight:
+            try:
+                job = self._copies.get_nowait()
+            except queue.Empty:
+                self._land_copy(wait=True)  # nothing new to issue: wait for the oldest
+                return True
+        else:
+            job = self._copies.get()
         if job is None:
+            while self._inflight:
+                self._land_copy(wait=True)
             return False
         if isinstance(job, list):  # handles of zero-copy views that have died
             # Views die in bursts (a layer's at once): release all that are waiting.
@@ -644,9 +723,14 @@ class PrefetchQueue:
                 if not isinstance(job, list):
                     break
             if job is None:
+                while self._inflight:
+                    self._land_copy(wait=True)
                 return False
         entry, meta, raw, handles = job
         del job
+        if self._copier is not None:
+            self._issue(entry, meta, raw, handles)
+            return True
         tensor = None
         try:
             if not entry.dropped:
@@ -661,32 +745,61 @@ class PrefetchQueue:
         return True
 
     def _copy(self, entry: _Entry, meta: Any, raw: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """The device copy of the host bytes, landed when this returns."""
+        """The CPU "device"'s copy of the host bytes, landed when this returns."""
         # Raw bytes, never typed values: bool and sub-byte dtypes have no copy kernels that
         # keep every bit pattern.
         src = (torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw)[: meta.nbytes]
         dtype, shape = dtype_from_name(meta.dtype), tuple(meta.shape)
-        if self._cuda:
-            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                dst = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
-                dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        else:
-            dst = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
-            # numpy's copy stays on this thread; torch's would start a second OpenMP pool
-            # that competes with the caller's compute threads for the cores.
-            np.copyto(dst.numpy(), src.numpy())
-        tensor = (from_bytes(dst, dtype, shape) if meta.nbytes
-                  else torch.empty(shape, dtype=dtype, device=self.device))
-        if self._cuda:
-            with self._cv:
-                # Usable from now on: acquire() orders the caller's stream after the event,
-                # so callers need not wait for the host to see the copy finish.
-                entry.tensor, entry.event = tensor, event
-                self._cv.notify_all()
-            event.synchronize()  # before the pinned host bytes are released
-        return tensor
+        dst = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
+        # numpy's copy stays on this thread; torch's would start a second OpenMP pool
+        # that competes with the caller's compute threads for the cores.
+        np.copyto(dst.numpy(), src.numpy())
+        return (from_bytes(dst, dtype, shape) if meta.nbytes
+                else torch.empty(shape, dtype=dtype, device=self.device))
+
+    def _issue(self, entry: _Entry, meta: Any, raw: np.ndarray | torch.Tensor,
+               handles: list[Any]) -> None:
+        """Start an asynchronous device copy (raw bytes, as :meth:`_copy`); it lands in
+        :meth:`_land_copy`, which releases the host bytes and resolves the future."""
+        if entry.dropped:
+            for h in handles:
+                h.release()
+            self._landed(entry, None)
+            return
+        assert self._copier is not None
+        try:
+            src = (torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw)[: meta.nbytes]
+            dtype, shape = dtype_from_name(meta.dtype), tuple(meta.shape)
+            dst = self._copier.empty(meta.nbytes)
+            event = self._copier.copy(dst, src)
+            tensor = (from_bytes(dst, dtype, shape) if meta.nbytes
+                      else torch.empty(shape, dtype=dtype, device=self.device))
+        except Exception as e:
+            for h in handles:
+                h.release()
+            self._fail(entry, e)
+            return
+        with self._cv:
+            # Usable from now on: acquire() orders the caller's stream after the event, so
+            # callers need not wait for the host to see the copy finish.
+            entry.tensor, entry.event = tensor, event
+            self._cv.notify_all()
+        self._inflight.append((entry, tensor, event, handles))
+        while self._inflight and (len(self._inflight) > COPIES_IN_FLIGHT
+                                  or self._inflight[0][2].query()):
+            self._land_copy(wait=True)
+
+    def _land_copy(self, wait: bool) -> None:
+        """The oldest copy in flight has landed (waiting for it with ``wait``): its host
+        bytes go back and its entry becomes resident."""
+        entry, tensor, event, handles = self._inflight.popleft()
+        try:
+            if wait:
+                event.synchronize()
+        finally:
+            for h in handles:
+                h.release()
+        self._landed(entry, tensor)
 
     def _landed(self, entry: _Entry, tensor: torch.Tensor | None) -> None:
         self._landed_many([(entry, tensor)])
@@ -740,11 +853,13 @@ class PrefetchQueue:
         for t in self._io:
             t.join()
         self._copies.put(None)
-        self._copier.join()
+        self._copy_thread.join()
         with self._cv:
             for entry in self._entries.values():
                 self._retire(entry)
             self._entries.clear()
+            while self._draining:  # consumers finish what they queued before closing
+                self._reap(wait=True)
             self._cv.notify_all()
         # Views that die from now on release their own pins; those queued meanwhile go now.
         self._unpin_direct = True
@@ -761,13 +876,17 @@ class PrefetchQueue:
         """The queue's figures. ``bytes_moved``: bytes of every transfer that landed on the
         device (copied, or on the zero-copy path pinned in place); ``bytes_read``: the part
         of them read from the backing tier rather than found in the host cache;
-        ``bytes_copied``: the part copied into device memory (0 on the zero-copy path)."""
+        ``bytes_copied``: the part copied into device memory (0 on the zero-copy path);
+        ``draining``: released entries still holding credits until their consumers' streams
+        pass the release point (asynchronous devices only)."""
         with self._cv:
+            self._reap()
             s = self._stats
             states = [e.state for e in self._entries.values()]
             return {
                 "budget_bytes": self.budget,
                 "in_use_bytes": self._in_use,
+                "draining": len(self._draining),
                 "peak_in_use_bytes": s.peak_in_use_bytes,
                 "queued": states.count(_QUEUED),
                 "in_flight": states.count(_LOADING) + states.count(_COPYING),
@@ -822,12 +941,10 @@ class DeviceQueues:
     @staticmethod
     def device(device: str | torch.device | None) -> torch.device:
         dev = torch.device(device if device is not None else "cpu")
-        if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise StoreError(f"cannot prefetch to {dev}: CUDA is not available")
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-        return dev
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise StoreError(f"cannot prefetch to {dev}: CUDA is not available")
+        # Queues are keyed by device: "cuda" and "cuda:0" must find the same one.
+        return normalize_device(dev)
 
     def _budget(self, dev: torch.device) -> int:
         for name in (str(dev), dev.type):

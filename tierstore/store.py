@@ -35,10 +35,12 @@ import numpy as np
 import torch
 
 from cache import HostCache
+from cache.pinned import cuda_consumer
 from nvme import ENGINES, HANDOFF_MIN_BYTES, RecycledBuffers, StagingPool, aligned_empty
 
 from .alloc import ExtentAllocator
 from .catalog import Catalog, Gate, Record, entry_key
+from .devices import bytes_to_device
 from .errors import (
     CorruptEntryError,
     EntryNotFoundError,
@@ -390,6 +392,7 @@ class Store:
             self._close_resources()
 
     def _close_resources(self) -> None:
+        self._cache = None  # its arena (and any pin on it) goes with the store, not later
         self._workers.shutdown(wait=True)
         self._results.close()
         self._medium.close()
@@ -934,7 +937,14 @@ class Store:
         """The caller's own tensor: a copy out of a cache slot, or the freshly read buffer."""
         if out is not None:
             self._check_out(key, meta, out)
-        elif isinstance(raw, torch.Tensor) and (device is None or torch.device(device).type == "cpu"):
+        target = out.device if out is not None else torch.device(device or "cpu")
+        if target.type != "cpu":
+            if target.type == "cuda":
+                cuda_consumer()  # the first device read pins the cache arena
+            # Raw bytes, as on the CPU (see there); synchronous, so the slot may go after.
+            return bytes_to_device(raw, meta.nbytes, dtype_from_name(meta.dtype),
+                                   tuple(meta.shape), target, out=out)
+        if out is None and isinstance(raw, torch.Tensor):
             # A cache slot: copy the raw bytes out (typed copies have no kernel for some
             # dtypes and would canonicalise others, e.g. bool bytes other than 0/1). Into
             # reused memory: faulting fresh pages in costs more than the copy. A plain memcpy
@@ -952,8 +962,6 @@ class Store:
         t = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
         if out is not None:
             return out.copy_(t)
-        if device is not None and torch.device(device).type != "cpu":
-            return t.to(device)
         return t
 
     def _fetch(
@@ -1412,7 +1420,7 @@ def open_store(
     ``backing`` is ``"nvme"`` (slab files under the store directory, the default) or
     ``"pmem"`` (a libpmem pool at ``pmem_path`` of ``pmem_size``); it is recorded at
     creation, so reopening needs only the path. ``engine`` picks the NVMe I/O engine
-    (``auto``: kvikio with CUDA, else POSIX O_DIRECT). ``host_cache`` is the host-memory
+    (``auto``: POSIX O_DIRECT; kvikio only when named, as it is unmeasured). ``host_cache`` is the host-memory
     cache's capacity (0 or None: no cache, every ``put`` is committed before it returns);
     ``policy`` names its eviction policy (``lfu-decay``, ``lru``, ``lfu``, ``arc``,
     ``semoe``) and ``policy_args`` its parameters. ``device_budget`` is the byte budget of

@@ -29,6 +29,7 @@ from torch import Tensor
 import tierstore
 
 from .decoder import MoEDecoder, OnDemandSource, ResidentSource, stop_tokens
+from .ring import DeviceClock
 
 MODES = ("ring", "expert", "resident", "on-demand")
 
@@ -224,14 +225,16 @@ def generate(model: MoEDecoder, source: Any, prompts: Sequence[Sequence[int]],
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
     n = 0
+    clock = DeviceClock(torch.device(dev))  # device time: CUDA kernels are only queued
     start = time.perf_counter()
+    first = clock.mark()
     prefill_s = 0.0
     with responsive_interpreter():
         if max_new_tokens:
             cache = model.new_cache(b, t + max_new_tokens)
             wrapped.last = max_new_tokens == 1
             logits = model(ids, wrapped, cache, mask)[:, -1]
-            prefill_s = time.perf_counter() - start
+            prefill_s = clock.seconds(first, clock.mark())
             while True:
                 tok = next_tokens(logits, greedy=greedy, temperature=temperature, top_p=top_p,
                                   generator=generator)

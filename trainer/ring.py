@@ -38,6 +38,32 @@ import tierstore
 
 from .decoder import expert_names
 
+
+class DeviceClock:
+    """Time points on the device's work, not the host's: kernels on CUDA are queued, so the
+    host's clock at the end of a pass says when the pass was *queued*, which would make
+    ``t_compute`` (and so the ring size K) and the stall figures meaningless. On CUDA a point
+    is an event recorded on the current stream and a span is read once its end has
+    completed; on the CPU the work runs as the host issues it and ``perf_counter`` is right.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds from ``start`` to ``end`` (waits for ``end`` on CUDA)."""
+        if not self.cuda:
+            return float(end - start)
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
+
 ExpertWeights = tuple[Tensor, Tensor, Tensor]
 INLINE_BORROW_S = 1e-3  # a layer's borrow faster than this read nothing: see RingSource
 STREAM_PARTS = 4  # a layer read from the backing tier is borrowed in this many parts
@@ -179,6 +205,11 @@ class RingSource:
         self._held: dict[int, dict[int, ExpertWeights]] = {}  # layer -> acquired experts
         self._pass_start = 0.0
         self._pass_stall = 0.0
+        self._clock = DeviceClock(torch.device(device))
+        self._pass_mark: Any = None
+        # (start, end) points around each acquire of the pass; on CUDA they are read at the
+        # end of the pass, when the stream has run past them.
+        self._stall_marks: list[tuple[Any, Any]] = []
         self._moved_start = self._read_start = 0
         self._calibrating: tuple[float, list[Future[Tensor]], list[float]] | None = None
         self._final = self._final_next = False  # see final_pass
@@ -309,7 +340,9 @@ class RingSource:
                                       self.budget, len(self.layers))
         self.slot_history.append(self.slots)
         self._pass_start = time.perf_counter()
+        self._pass_mark = self._clock.mark()
         self._pass_stall = 0.0
+        self._stall_marks.clear()
         self._final, self._final_next = self._final_next, False
         self._pass_end = (self._pos // len(self.layers) + 1) * len(self.layers)
         self._top_up()
@@ -325,7 +358,9 @@ class RingSource:
         futures = self._requested[self._pos]
         held = self._held.setdefault(layer, {})
         out: dict[int, ExpertWeights] = {}
-        t0 = time.perf_counter()
+        # On CUDA acquire() makes the stream wait, not the host: the stall is the stream's
+        # time between these two points (see DeviceClock).
+        t0 = self._clock.mark()
         for e in ids:
             weights = held.get(e)
             if weights is None:
@@ -344,9 +379,13 @@ class RingSource:
                 self.hits += 1
             self.accesses += 1
             out[e] = weights
-        stall = time.perf_counter() - t0
-        self.stall_s += stall
-        self._pass_stall += stall
+        t1 = self._clock.mark()
+        if self._clock.cuda:
+            self._stall_marks.append((t0, t1))
+        else:
+            stall = self._clock.seconds(t0, t1)
+            self.stall_s += stall
+            self._pass_stall += stall
         return out
 
     def _borrow(self, names: list[str]) -> Any:
@@ -430,7 +469,15 @@ class RingSource:
         self._top_up()
 
     def end_pass(self) -> None:
-        elapsed = time.perf_counter() - self._pass_start
+        if self._clock.cuda and self._pass_mark is not None:
+            end = self._clock.mark()
+            elapsed = self._clock.seconds(self._pass_mark, end)
+            stall = sum(self._clock.seconds(a, b) for a, b in self._stall_marks)
+            self._stall_marks.clear()
+            self.stall_s += stall
+            self._pass_stall += stall
+        else:
+            elapsed = time.perf_counter() - self._pass_start
         self.busy_s += elapsed
         self.passes += 1
         self.t_compute = max(elapsed - self._pass_stall, 0.0) / len(self.layers)

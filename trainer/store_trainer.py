@@ -78,7 +78,10 @@ import torch
 from torch import Tensor
 
 import tierstore
+from cache.pinned import cuda_consumer
 from tierstore import StoreError
+from tierstore.devices import normalize_device
+from tierstore.prefetch import DEFAULT_CUDA_FRACTION
 
 from .data import BatchSampler, Corpus
 from .model import (
@@ -209,25 +212,53 @@ class BufferPool:
     allocator hand memory back to the system and fault it in again (hundreds of microseconds
     per 128 KiB entry on a virtual machine), which costs more than the copy out of the host
     cache itself. Buffers go back once the values they held have been written to the store.
+
+    Devices in keys are normalised (:func:`tierstore.devices.normalize_device`): a caller's
+    ``"cuda"`` and a tensor's ``cuda:0`` are one key, or no buffer would ever be reused and
+    every step would allocate afresh. On CUDA a buffer given back carries an event recorded
+    on the giver's current stream, and whoever takes it makes its own current stream wait on
+    that event: the reader thread's stream must not overwrite moments the update's kernels
+    on the main stream are still reading.
     """
 
     def __init__(self) -> None:
-        self._free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
+        self._free: dict[tuple[tuple[int, ...], torch.dtype, torch.device],
+                         list[tuple[Tensor, Any]]] = {}
         self._lock = threading.Lock()
 
-    def take(self, shape: Sequence[int], device: torch.device,
+    @staticmethod
+    def key(shape: Sequence[int], dtype: torch.dtype,
+            device: str | torch.device) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+        return tuple(shape), dtype, normalize_device(device)
+
+    def take(self, shape: Sequence[int], device: str | torch.device,
              dtype: torch.dtype = torch.float32) -> Tensor:
-        key = (tuple(shape), dtype, device)
+        key = self.key(shape, dtype, device)
         with self._lock:
             free = self._free.get(key)
-            if free:
-                return free.pop()
-        return torch.empty(key[0], dtype=dtype, device=device)
+            got = free.pop() if free else None
+        if got is None:
+            return torch.empty(key[0], dtype=dtype, device=key[2])
+        t, ready = got
+        if ready is not None:
+            torch.cuda.current_stream(t.device).wait_event(ready)
+        return t
 
     def give(self, tensors: Iterable[Tensor]) -> None:
+        items = []
+        for t in tensors:
+            ready = None
+            if t.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(t.device))
+            items.append((t, ready))
         with self._lock:
-            for t in tensors:
-                self._free.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+            for t, ready in items:
+                self._free.setdefault(self.key(t.shape, t.dtype, t.device), []).append((t, ready))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._free.values())
 
 
 class ExpertStates:
@@ -261,7 +292,14 @@ class ExpertStates:
             read_ahead = device.type != "cpu"
         self._reader = (ThreadPoolExecutor(1, thread_name_prefix="trainer-moments")
                         if read_ahead else None)
-        self._moments: dict[int, Future[tuple[dict[Any, Tensor], Any]]] = {}
+        # On CUDA the reader copies on a stream of its own: on the main stream its copies
+        # would queue behind the backward pass they are meant to overlap. Events order the
+        # update after the copies, and the copies after the last use of a reused buffer.
+        self._read_stream = (torch.cuda.Stream(device)
+                             if read_ahead and device.type == "cuda" else None)
+        if device.type == "cuda":
+            cuda_consumer()  # the host cache's slots are copied from: page-lock them
+        self._moments: dict[int, Future[tuple[dict[Any, Tensor], Any, Any]]] = {}
         # Queue mode: experts holding (or about to hold) device budget -> acquired yet?
         self._held: dict[tuple[int, int], bool] = {}
         # Bytes of expert weights the device may hold: the queue's budget, or in direct mode
@@ -300,9 +338,7 @@ class ExpertStates:
         """The device queue's byte budget, as the store reports it (made on first use)."""
         self.store.prefetch([], device=self.device)
         queues = self.store.stats().get("prefetch") or {}
-        dev = self.device
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        dev = normalize_device(self.device)
         stats = queues.get(str(dev))
         if stats is None:
             raise TrainerError(f"the store reports no prefetch queue for {dev}")
@@ -490,17 +526,29 @@ class ExpertStates:
                 keys += [(n, k) for n in self._names(layer, e) for k in MOMENTS]
         return keys
 
-    def _read_moments(self, keys: list[tuple[str, str]]) -> tuple[dict[Any, Tensor], Any]:
-        """A layer's moments and step counts, and what to give back once they are used: a
-        borrow (zero-copy) or pooled buffers (the step counts entry is small: read plainly)."""
+    def _read_moments(self, keys: list[tuple[str, str]], stream: Any = None
+                      ) -> tuple[dict[Any, Tensor], Any, Any]:
+        """A layer's moments and step counts, what to give back once they are used (a
+        borrow (zero-copy) or pooled buffers; the step counts entry is small: read plainly),
+        and, read on ``stream`` (CUDA), the event after which they are there."""
         if self.zero_copy:
             lent = self.store.borrow_many(keys)
-            return lent.tensors, lent
+            return lent.tensors, lent, None
+        if stream is None:
+            return self._get_moments(keys), None, None
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            states = self._get_moments(keys)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return states, None, ready
+
+    def _get_moments(self, keys: list[tuple[str, str]]) -> dict[Any, Tensor]:
         out = {k: self.pool.take(self.shapes[k[0].rsplit(".", 1)[1]], self.device)
                for k in keys if k[1] in MOMENTS}
-        return self.store.get_many(keys, device=self.device, out=out), None
+        return self.store.get_many(keys, device=self.device, out=out)
 
-    def _done_with_moments(self, states: dict[Any, Tensor], lent: Any) -> None:
+    def _done_with_moments(self, states: dict[Any, Tensor], lent: Any, ready: Any = None
+                           ) -> None:
         if lent is not None:
             lent.release()
         else:
@@ -511,19 +559,27 @@ class ExpertStates:
         step's bookkeeping is the main thread's)."""
         assert self._reader is not None
         self._moments[layer] = self._reader.submit(self._read_moments,
-                                                   self._moment_keys(layer))
+                                                   self._moment_keys(layer), self._read_stream)
 
     def _moments_of(self, layer: int) -> tuple[dict[Any, Any], Any]:
         """``layer``'s moments: from the read started earlier, or read now. Either way the
-        time spent waiting counts as stall."""
+        time spent waiting counts as stall (host time: on CUDA the update's stream waits on
+        the reader's event instead, and that wait is not in it)."""
         t0 = time.perf_counter()
         pending = self._moments.pop(layer, None)
         if pending is not None:
-            states = pending.result()
+            states, lent, ready = pending.result()
         else:
-            states = self._read_moments(self._moment_keys(layer))
+            states, lent, ready = self._read_moments(self._moment_keys(layer))
+        if ready is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(ready)
+            for key, t in states.items():
+                if key[1] not in MOMENTS:
+                    # Allocated on the reader's stream, used and dropped on this one.
+                    t.record_stream(current)
         self.fetch_s += time.perf_counter() - t0
-        return states
+        return states, lent
 
     def update(self, lr: float, tc: TrainConfig) -> int:
         """Lazy AdamW for every expert that got gradients this step, written back to the
@@ -873,7 +929,8 @@ def train_store(
     cfg = resolve_model_config(model, tc)
     if steps < 0 or checkpoint_every < 0:
         raise ValueError("steps and checkpoint_every must be >= 0")
-    dev = torch.device(device)
+    # Indexed ("cuda:0"), as tensors report it: devices are compared and used as keys.
+    dev = normalize_device(device)
     mode = resolve_fetch_mode(fetch, dev)
     _seed_everything(seed)
     sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
@@ -888,9 +945,12 @@ def train_store(
     if store is None:
         if store_path is None:
             raise ValueError("train_store needs store_path or an open store")
+        budget: Any = device_budget
+        if budget is None and dev.type == "cuda":
+            budget = {str(dev): cuda_budget(cfg, tc, dev)}
         store = tierstore.open(store_path, create=True, backing=backing, slab_size=slab_size,
                                pmem_path=pmem_path, pmem_size=pmem_size,
-                               host_cache=host_cache, device_budget=device_budget)
+                               host_cache=host_cache, device_budget=budget)
     experts: ExpertStates | None = None
     try:
         tokens = tc.grad_accum * tc.batch_size * tc.seq_len
@@ -913,6 +973,20 @@ def train_store(
         finally:
             if owned:
                 store.close()
+
+
+def cuda_budget(cfg: MoEConfig, tc: TrainConfig, device: torch.device) -> int:
+    """The prefetch budget the trainer asks for on a CUDA device when none is given: the
+    expert weights one step can touch (what :class:`ExpertStates` checks against), capped
+    at the store's default share of the device's memory. The store's own default (half the
+    GPU) ignores the model and would keep that much device memory within the queue's reach
+    however little the model needs."""
+    tokens = tc.grad_accum * tc.batch_size * tc.seq_len
+    per_layer = min(cfg.n_experts, tokens * cfg.top_k)
+    expert_bytes = sum(4 * a * b for a, b in cfg.expert_shapes().values())
+    need = len(cfg.moe_layers) * per_layer * expert_bytes
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(expert_bytes, min(need, int(total * DEFAULT_CUDA_FRACTION)))
 
 
 class _Run:

@@ -35,6 +35,7 @@ import torch
 from nvme import RecycledBuffers
 
 from .. import errors
+from ..devices import bytes_to_device
 from ..errors import StoreClosedError, StoreError
 from ..prefetch import DeviceQueues
 from ..store import (
@@ -688,8 +689,14 @@ def _deliver(key: Key, meta: _Meta, raw: Any, out: torch.Tensor | None, device: 
         if out.device.type == "cpu" and out.is_contiguous() and meta.nbytes:
             np.copyto(out.reshape(-1).view(torch.uint8).numpy(), src[: meta.nbytes])
             return out
+        if out.device.type != "cpu":
+            return bytes_to_device(src, meta.nbytes, dtype, tuple(meta.shape), out.device,
+                                   out=out)
         return out.copy_(from_bytes(torch.from_numpy(src[: meta.nbytes].copy()), dtype,
                                     meta.shape))
+    if device is not None and torch.device(device).type != "cpu":
+        # Raw bytes straight from the daemon's slot (typed copies lack kernels for some).
+        return bytes_to_device(src, meta.nbytes, dtype, tuple(meta.shape), device)
     if not meta.nbytes:
         return torch.empty(meta.shape, dtype=dtype, device=device)
     dst = take(meta.nbytes)
@@ -697,10 +704,7 @@ def _deliver(key: Key, meta: _Meta, raw: Any, out: torch.Tensor | None, device: 
     # client processes each spinning a pool on the same cores slow each other down.
     # (Splitting large copies over threads was measured too: no faster on 2 cores.)
     np.copyto(dst[: meta.nbytes], src[: meta.nbytes])
-    t = from_bytes(dst, dtype, meta.shape)
-    if device is not None and torch.device(device).type != "cpu":
-        return t.to(device)
-    return t
+    return from_bytes(dst, dtype, meta.shape)
 
 
 def connect(socket_path: str | os.PathLike[str], *,

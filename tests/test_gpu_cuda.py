@@ -1,0 +1,143 @@
+"""The CUDA paths on a real GPU: device memory over training steps, buffer reuse under busy
+consumer streams, how much host memory is pinned, and bf16 through every CUDA path.
+Skipped without CUDA (see conftest). The CPU-side rules behind them are in
+test_gpu_paths.py."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tierstore
+from cache import pinned as pinned_mod
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+MiB = 1 << 20
+# Long enough that a kernel queued behind it is still pending when the host moves on.
+SLEEP_CYCLES = 500_000_000
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _open(tmp_path: Path, **kw: Any) -> tierstore.Store:
+    opts: dict[str, Any] = {"create": True, "slab_size": "256MiB", "host_cache": "64MiB"}
+    opts.update(kw)
+    return tierstore.open(tmp_path / "st", **opts)
+
+
+def test_trainer_device_memory_is_flat_over_20_steps(tmp_path: Path) -> None:
+    from trainer.data import load_corpus
+    from trainer.resident import TrainConfig
+    from trainer.store_trainer import train_store
+
+    tc = TrainConfig(batch_size=4, seq_len=32, grad_accum=2, eval_every=0, lr=3e-3,
+                     warmup_steps=2, decay_steps=20)
+    corpus = load_corpus(max_bytes=1024 * 1024)
+    for fetch in ("direct", "queue"):
+        used: list[int] = []
+        train_store("tiny", 20, seed=0, train=tc, corpus=corpus,
+                    store_path=tmp_path / fetch, host_cache="8MiB", slab_size="64MiB",
+                    device="cuda", fetch=fetch,
+                    on_step=lambda m, used=used: used.append(torch.cuda.memory_allocated()))
+        assert len(used) == 20
+        # After warm-up (optimizer state, pools), a step allocates what it frees.
+        assert max(used[5:]) <= used[4] + MiB, (fetch, used)
+        assert used[-1] <= used[5] + MiB, (fetch, used)
+
+
+def test_reuse_after_release_waits_for_a_busy_consumer(tmp_path: Path) -> None:
+    n = 4 * MiB // 4
+    with _open(tmp_path, device_budget={"cuda": 4 * MiB}) as st:  # one entry at a time
+        st.put("a", torch.full((n,), 1.0))
+        st.put("b", torch.full((n,), 2.0))
+        consumer = torch.cuda.Stream()
+        with torch.cuda.stream(consumer):
+            a = st.acquire("a", device="cuda")
+            torch.cuda._sleep(SLEEP_CYCLES)  # the consumer is busy ...
+            total = a.sum()  # ... so this reads `a` long after the host moves on
+            st.release("a", device="cuda")
+        del a
+        b = st.prefetch("b", device="cuda")[0].result(timeout=120)  # wants a's budget
+        consumer.synchronize()
+        assert total.item() == pytest.approx(float(n))  # a's bytes were not overwritten
+        assert b.sum().item() == pytest.approx(2.0 * n)
+        st.release("b", device="cuda")
+        torch.cuda.synchronize()
+        s = st.stats()["prefetch"][f"cuda:{torch.cuda.current_device()}"]
+        assert s["in_use_bytes"] == 0 and s["peak_in_use_bytes"] <= 4 * MiB
+
+
+def test_a_futures_tensor_used_on_another_stream(tmp_path: Path) -> None:
+    n = 2 * MiB // 4
+    with _open(tmp_path, device_budget={"cuda": 2 * MiB}) as st:
+        st.put("a", torch.full((n,), 3.0))
+        st.put("b", torch.full((n,), 5.0))
+        t = st.prefetch("a", device="cuda")[0].result(timeout=120)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            total = t.sum()
+            st.release("a", device="cuda")  # on the stream that used it
+        del t
+        gc.collect()
+        b = st.acquire("b", device="cuda")
+        side.synchronize()
+        assert total.item() == pytest.approx(3.0 * n)
+        assert b.sum().item() == pytest.approx(5.0 * n)
+        st.release("b", device="cuda")
+
+
+def _host_allocator_bytes() -> int:
+    stats = torch.cuda.host_memory_stats()
+    return max((int(v) for k, v in stats.items()
+                if k.endswith("bytes.current") and isinstance(v, int)), default=0)
+
+
+def test_the_cache_pins_exactly_its_capacity_and_only_for_a_cuda_consumer(
+        tmp_path: Path) -> None:
+    before_torch = _host_allocator_bytes()
+    before = pinned_mod.pinned_bytes()
+    with _open(tmp_path, host_cache="64MiB") as st:
+        assert st._cache is not None
+        st.put("x", torch.ones(1024))
+        st.flush()
+        st.prefetch("x", device="cuda")[0].result(timeout=60)  # a CUDA consumer
+        assert st._cache.pinned and st._cache.arena.is_pinned()
+        assert pinned_mod.pinned_bytes() - before == 64 * MiB
+        # Not through torch's caching host allocator (which would round 64 MiB + a page up
+        # to 128 MiB and keep it after close).
+        assert _host_allocator_bytes() - before_torch < 64 * MiB
+        st.release("x", device="cuda")
+    del st
+    gc.collect()
+    assert pinned_mod.pinned_bytes() == before
+
+
+def test_bf16_through_every_cuda_path(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(5)
+    # Every bit pattern class: NaN payloads and subnormals must survive as bytes.
+    bits = torch.randint(-(1 << 15), 1 << 15, (3, 4099), dtype=torch.int16, generator=gen)
+    want = bits.view(torch.bfloat16)
+    for host_cache in ("64MiB", 0):
+        with _open(tmp_path / str(host_cache), host_cache=host_cache) as st:
+            st.put("w", want)
+            st.flush()
+            got = st.get("w", device="cuda")
+            assert got.is_cuda and got.dtype == torch.bfloat16
+            assert torch.equal(raw(got), raw(want))
+            out = torch.empty_like(want, device="cuda")
+            st.get_many(["w"], device="cuda", out={"w": out})
+            assert torch.equal(raw(out), raw(want))
+            fut = st.prefetch("w", device="cuda")[0]
+            acquired = st.acquire("w", device="cuda")
+            assert torch.equal(raw(acquired), raw(want))
+            assert torch.equal(raw(fut.result(timeout=60)), raw(want))
+            st.release("w", device="cuda")
