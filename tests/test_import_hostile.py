@@ -583,3 +583,15 @@ def test_import_hf_still_imports_sharded(hf_dirs: dict[str, Path], tmp_path: Pat
     assert "imported mixtral" in cli_ok("import-hf", str(model), "--store", str(tmp_path / "st"))
     with tierstore.open(tmp_path / "st") as st:
         assert len(st.names("layers.")) == 3 * 6 * 3
+
+
+def test_a_missing_zarr_chunk_is_an_error_not_zeros(tmp_path: Path) -> None:
+    z = tierstore_zarr(tmp_path)  # expert 0 is all zeros: its chunk is written all the same
+    chunk_files = sorted(p for p in z.rglob("*") if p.is_file() and "/c/" in str(p))
+    assert len(chunk_files) == 3 + 1 + 1, "every chunk, zeros too, is written"
+    assert {n: float(t.sum()) for n, _, t in interchange.read_zarr(str(z))}[
+        "layers.0.experts.0.w1"] == 0.0
+    chunk_files[0].unlink()
+    line = cli_error("import", str(z), "--store", str(tmp_path / "back"))
+    assert "missing" in line and "re-export" in line
+    assert not (tmp_path / "back").exists()

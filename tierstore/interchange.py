@@ -493,6 +493,10 @@ def _zarr_items(src: str, path: str, arr: Any) -> list[_Item]:
         raise ImportFormatError(f"{where} has dtype {dt}, its tierstore attributes say "
                                 f"{stored}" + (" as raw bits" if raw else "") + f"; {fix}")
     bits = stored if raw else None
+    if attrs.get("chunks") == "all" and arr.nchunks_initialized != arr.nchunks:
+        raise ImportFormatError(
+            f"{where}: {arr.nchunks - arr.nchunks_initialized} of its {arr.nchunks} chunks "
+            "are missing (the export was damaged); re-export it")
     if "pattern" in attrs:
         pattern, experts = attrs["pattern"], attrs.get("experts")
         if not _pattern_ok(pattern):
@@ -698,12 +702,14 @@ def export_zarr(store: Store, out: str, progress: Progress | None = None) -> int
             chunks = tuple(max(1, s) for s in (((1,) if family else ()) + arr_np.shape))
             group_path, _, arr_name = path.rpartition("/")
             group = root.require_group(group_path)
+            # Every chunk is written, zeros too, so a chunk file that goes missing is an
+            # error on import rather than a tensor of zeros.
             arr = group.create_array(
                 arr_name, shape=shape, chunks=chunks, dtype=arr_np.dtype, compressors=None,
-                fill_value=0,
+                fill_value=0, config={"write_empty_chunks": True},
             )
             attrs: dict[str, Any] = {"dtype": stored or dtype_name(first.dtype),
-                                     "raw_bits": stored is not None}
+                                     "raw_bits": stored is not None, "chunks": "all"}
             if family:
                 attrs.update(pattern=members[0][3], experts=[m[2] for m in members])
             else:
