@@ -9,8 +9,10 @@
 from . import lab, probes
 from .daemon import RemoteStore, connect
 from .errors import (
+    CatalogError,
     CorruptEntryError,
     EntryNotFoundError,
+    ImportFormatError,
     NotAStoreError,
     ShapeMismatchError,
     SnapshotError,
@@ -29,10 +31,12 @@ __version__ = "0.1.0"
 __all__ = [
     "KINDS",
     "Borrowed",
+    "CatalogError",
     "CorruptEntryError",
     "EntryInfo",
     "EntryNotFoundError",
     "FsckReport",
+    "ImportFormatError",
     "NotAStoreError",
     "RemoteStore",
     "ShapeMismatchError",
