@@ -10,7 +10,7 @@ from .engines import (
     cuda_and_kvikio,
     make_engine,
 )
-from .slabs import SlabMedium, holds_data
+from .slabs import SlabMedium, fsync_dir, holds_data, orphan_slabs
 
 __all__ = [
     "ALIGNMENT",
@@ -24,7 +24,9 @@ __all__ = [
     "StagingPool",
     "aligned_empty",
     "cuda_and_kvikio",
+    "fsync_dir",
     "is_aligned",
     "holds_data",
     "make_engine",
+    "orphan_slabs",
 ]

@@ -20,12 +20,22 @@ from .engines import FileHandle, PosixEngine, make_engine
 SLAB_DIR = "slabs"
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (a created, renamed or removed file) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def orphan_slabs(root: str, known: Iterable[int]) -> list[str]:
+    """Files under ``root``'s slab directory that none of the ``known`` segments names."""
+    names = {f"slab-{s:06d}.dat" for s in known}
+    d = os.path.join(root, SLAB_DIR)
+    if not os.path.isdir(d):
+        return []
+    return sorted(os.path.join(d, f) for f in os.listdir(d) if f not in names)
 
 
 def holds_data(path: str, piece: int = 8 << 20) -> bool:
@@ -119,7 +129,7 @@ class SlabMedium:
         try:
             os.posix_fallocate(fh.fd, 0, size)
             os.fsync(fh.fd)
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         except OSError:
             self.engine.close_file(fh)
             with contextlib.suppress(OSError):
@@ -154,9 +164,7 @@ class SlabMedium:
 
     def orphans(self, known: Iterable[int]) -> list[str]:
         """Files under the slab directory that no catalog segment names."""
-        names = {f"slab-{s:06d}.dat" for s in known}
-        d = os.path.join(self.root, SLAB_DIR)
-        return sorted(os.path.join(d, f) for f in os.listdir(d) if f not in names)
+        return orphan_slabs(self.root, known)
 
     def close(self) -> None:
         with self._lock:

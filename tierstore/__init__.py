@@ -22,6 +22,7 @@ from .errors import (
     StoreLockedError,
     UnsupportedTensorError,
 )
+from .repair import RepairReport, repair_store
 from .sizes import format_size, parse_size
 from .store import KINDS, Borrowed, EntryInfo, FsckReport, SnapshotInfo, Staged, Store
 from .store import open_store as open
@@ -39,6 +40,7 @@ __all__ = [
     "ImportFormatError",
     "NotAStoreError",
     "RemoteStore",
+    "RepairReport",
     "ShapeMismatchError",
     "SnapshotError",
     "SnapshotInfo",
@@ -56,4 +58,5 @@ __all__ = [
     "open",
     "parse_size",
     "probes",
+    "repair_store",
 ]

@@ -34,6 +34,8 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from nvme import fsync_dir
+
 from .errors import CatalogError, StoreError, StoreFullError
 
 FORMAT_VERSION = 1
@@ -272,11 +274,7 @@ class Catalog:
         finally:
             os.close(fd)
         os.replace(tmp, dest)
-        dfd = os.open(os.path.dirname(os.path.abspath(dest)), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(os.path.dirname(os.path.abspath(dest)))
 
     def _grow(self) -> None:
         with self._gate.exclusive():

@@ -18,6 +18,8 @@ import time
 import uuid
 from typing import Any
 
+from nvme import fsync_dir
+
 from .catalog import FORMAT_VERSION, REPAIR_HINT, Catalog
 from .errors import CatalogError, NotAStoreError, StoreError, StoreLockedError
 from .media import ALIGNMENT, align_up
@@ -59,14 +61,6 @@ def write_marker(path: str, meta: dict[str, Any]) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, MARKER))
     fsync_dir(path)
-
-
-def fsync_dir(path: str) -> None:
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def check_identity(path: str, marker: dict[str, Any], catalog: Catalog) -> None:

@@ -23,10 +23,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nvme import fsync_dir, orphan_slabs
+
 from .catalog import Catalog
 from .errors import CatalogError, StoreError
 from .fsck import LOST_FOUND
-from .opening import CATALOG_DIR, check_identity, fsync_dir, lock, read_marker
+from .opening import CATALOG_DIR, check_identity, lock, read_marker
 from .store import CATALOG_COPY, FsckReport, open_store
 
 
@@ -93,20 +95,14 @@ def repair_store(path: str | os.PathLike[str],
 
 def _set_aside_orphans(path: str, known: set[int]) -> list[str]:
     """Slab files no segment of the restored catalog names, moved into lost+found."""
-    slabs = os.path.join(path, "slabs")
-    if not os.path.isdir(slabs):
-        return []
-    names = {f"slab-{s:06d}.dat" for s in known}
+    orphans = orphan_slabs(path, known)
+    found = os.path.join(path, LOST_FOUND)
     moved = []
-    for name in sorted(os.listdir(slabs)):
-        if name in names:
-            continue
-        found = os.path.join(path, LOST_FOUND)
+    for src in orphans:
         os.makedirs(found, exist_ok=True)
-        dest = os.path.join(found, name)
-        os.rename(os.path.join(slabs, name), dest)
-        moved.append(dest)
+        moved.append(os.path.join(found, os.path.basename(src)))
+        os.rename(src, moved[-1])
     if moved:
-        fsync_dir(slabs)
-        fsync_dir(os.path.join(path, LOST_FOUND))
+        fsync_dir(os.path.dirname(orphans[0]))
+        fsync_dir(found)
     return moved

@@ -150,10 +150,10 @@ def check_name(name: str) -> None:
     if not isinstance(name, str) or not name:
         raise StoreError(f"entry names are non-empty strings, got {name!r}")
     try:
-        name.encode()
+        size = len(name.encode())
     except UnicodeEncodeError:
         raise StoreError(f"entry name {name[:60]!r} is not valid UTF-8") from None
-    if "\0" in name or len(name.encode()) > MAX_NAME_BYTES:
+    if "\0" in name or size > MAX_NAME_BYTES:
         raise StoreError(f"invalid entry name {name[:60]!r}: no NUL, at most {MAX_NAME_BYTES} bytes")
 
 
@@ -383,10 +383,8 @@ class Store:
                               "its host cache: free space, then close() again") from e
         try:
             # Queued transfers are cancelled and running ones land while the medium and
-            # the chunk workers they read through are still open.
+            # the chunk workers they read through are still open (they only read).
             self._queues.close()
-            if self._cache is not None:
-                self.flush()  # anything a transfer's cache fill made dirty meanwhile
         finally:
             self._closed = True
             self._close_resources()

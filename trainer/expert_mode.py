@@ -38,7 +38,7 @@ from .ring import expert_entry_names, lend_views, queue_budget, queue_bytes_move
 ExpertWeights = tuple[Tensor, Tensor, Tensor]
 Key = tuple[int, int]  # (layer, expert)
 
-# Decode-like traces (one token per step) favour a short memory: see the README's cache
+# Decode-like traces (one token per step) favour a short memory: see docs/performance.md's cache
 # policy tables, where lfu-decay with period=16 matched lru and arc.
 DEFAULT_POLICY_ARGS: dict[str, Any] = {"period": 16}
 

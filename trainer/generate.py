@@ -39,7 +39,7 @@ MODES = ("ring", "expert", "resident", "on-demand")
 # (checksums' bookkeeping, catalog lookups) keeps it that long, and a CPU prefill of a few
 # hundred ops per layer waits on it op after op. At 0.5 ms a transfer-bound ring prefill
 # from NVMe ran 8 % faster (trained `medium`, K=4), and a compute-bound one at 0.89 of
-# resident instead of 0.83 (README, "Switching threads sooner").
+# resident instead of 0.83 (docs/performance.md, "Switching threads sooner").
 STREAMING_SWITCH_INTERVAL_S = 5e-4
 _switch_lock = threading.Lock()
 _switch_users = 0
