@@ -249,7 +249,7 @@ def sweep_command(traces: tuple[str, ...], capacities: str, json_out: str | None
     """The lfu-decay parameter sweep behind its defaults (see the README, "Host cache").
 
     \b
-    python -m bench.cache_lab --trace train=zipf:steps=200@1 --trace rec=docs/t.csv@1
+    python -m tierstore.bench.cache_lab --trace train=zipf:steps=200@1 --trace rec=docs/t.csv@1
     """
     parsed = []
     for item in traces:

@@ -44,9 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
-import tierstore
-from trainer.decoder import (
+from tierstore.trainer.decoder import (
     DENSE_PREFIX,
     MODEL_ENTRY,
     MODEL_FORMAT,
@@ -57,7 +55,9 @@ from trainer.decoder import (
     load_model,
     model_info,
 )
-from trainer.generate import GenerationResult, generate, make_source
+from tierstore.trainer.generate import GenerationResult, generate, make_source
+
+import tierstore
 
 MiB = 1 << 20
 TIERS = ("nvme", "backing", "host")
@@ -214,7 +214,7 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
             tmp = tempfile.mkdtemp(prefix="tierstore-infer-", dir=".")
             store_path = os.path.join(tmp, "store")
             if model_dir is not None:
-                from trainer.hf_import import import_hf
+                from tierstore.trainer.hf_import import import_hf
 
                 import_hf(model_dir, store_path, progress=False)
             else:

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tierstore.trainer import TrainConfig, model_size, train_resident, train_store
+from tierstore.trainer.resident import corpus_for, resolve_model_config
 
 import tierstore
-from trainer import TrainConfig, model_size, train_resident, train_store
-from trainer.resident import corpus_for, resolve_model_config
 
 Metrics = dict[str, Any]
 

@@ -7,7 +7,7 @@ update. This trains the same model from the same seed over fresh stores, once pe
 size and ``lfu-decay`` setting, and reports the cache's hit rate and the bytes read from the
 backing tier. Every run computes the same losses (the cache never changes a number).
 
-    python -m bench.train_cache --host-cache 48MiB,96MiB,192MiB --turn 0,1.1
+    python -m tierstore.bench.train_cache --host-cache 48MiB,96MiB,192MiB --turn 0,1.1
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import tempfile
 from dataclasses import replace
 from typing import Any
 
+from tierstore.trainer import TrainConfig, train_store
+
 import tierstore
-from trainer import TrainConfig, train_store
 
 
 def run(host_caches: list[str], turns: list[float], *, model: str = "medium", steps: int = 25,

@@ -10,8 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cache import PAGE, POLICIES, BuddyAllocator, HostCache
+from tierstore.cache import PAGE, POLICIES, BuddyAllocator, HostCache
 
 
 def pattern(key, nbytes: int, version: int = 0) -> torch.Tensor:

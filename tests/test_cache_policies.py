@@ -7,8 +7,7 @@ import functools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from cache import (
+from tierstore.cache import (
     POLICIES,
     AccountingCache,
     ArcPolicy,
@@ -19,7 +18,7 @@ from cache import (
     SemoePolicy,
     make_policy,
 )
-from cache.policies import heap_walk
+from tierstore.cache.policies import heap_walk
 
 
 def run(policy, keys, capacity):

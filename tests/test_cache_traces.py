@@ -8,8 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from cache import (
+from tierstore.cache import (
     POLICIES,
     LfuDecayPolicy,
     Trace,
@@ -231,7 +230,7 @@ def test_policy_overhead_measures_something(name):
 
 
 def test_parameter_sweep_reports_margins_over_the_best_rival(tmp_path):
-    from bench.cache_lab import ONLINE_RIVALS, sweep_defaults
+    from tierstore.bench.cache_lab import ONLINE_RIVALS, sweep_defaults
 
     out = tmp_path / "sweep.json"
     grid = [("step", 0.7, 1, 2.0), ("access", 0.5, 4, 2.0), ("pass", 0.7, 1, 0.0)]
@@ -251,7 +250,7 @@ def test_parameter_sweep_reports_margins_over_the_best_rival(tmp_path):
 
 
 def test_policy_args_keep_words_as_strings():
-    from bench.cache_lab import parse_policy_args
+    from tierstore.bench.cache_lab import parse_policy_args
 
     parsed = parse_policy_args(("lfu-decay:beta=0.5,period=2,clock=step,theta=1e1",))
     assert parsed == {"lfu-decay": {"beta": 0.5, "period": 2, "clock": "step", "theta": 10.0}}

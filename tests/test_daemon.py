@@ -668,7 +668,7 @@ def test_frame_header_layout() -> None:
 def test_host_cache_on_a_caller_supplied_arena() -> None:
     import mmap
 
-    from cache import HostCache
+    from tierstore.cache import HostCache
 
     m = mmap.mmap(-1, 1 << 20)
     arena = torch.frombuffer(m, dtype=torch.uint8)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tierstore.trainer.decoder import load_model
+from tierstore.trainer.generate import generate, make_source
 
 import tierstore
 from tierstore.cli import main
 from tierstore.lab import read_trace
-from trainer.decoder import load_model
-from trainer.generate import generate, make_source
 
 transformers = pytest.importorskip("transformers")
 from test_hf_models import imported_path  # noqa: E402 (the families' tiny HF models)
@@ -53,7 +53,7 @@ def test_json_line_with_text_and_id_prompts(mixtral: Path, tmp_path: Path) -> No
     assert got["spec_accuracy"] is None  # the ring predicts nothing
     # The same prompts as ids, in expert mode, give the same tokens (and cache figures).
     with tierstore.open(mixtral) as store:
-        from trainer.decoder import load_tokenizer
+        from tierstore.trainer.decoder import load_tokenizer
 
         tok = load_tokenizer(store)
         assert tok is not None

@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tierstore.bench.prefetch import stats_key
+from tierstore.bench.tiers import engine_reads_direct
+from tierstore.cache import HostCache
+from tierstore.cache import pinned as pinned_mod
+from tierstore.cache.slab import PAGE
+from tierstore.nvme.engines import configure_kvikio, make_engine, resolve_engine
+from tierstore.trainer.store_trainer import BufferPool
 
-from bench.prefetch import stats_key
-from bench.tiers import engine_reads_direct
-from cache import HostCache
-from cache import pinned as pinned_mod
-from cache.slab import PAGE
-from nvme.engines import configure_kvikio, make_engine, resolve_engine
 from tierstore.devices import normalize_device
 from tierstore.prefetch import PrefetchQueue
-from trainer.store_trainer import BufferPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,7 +195,7 @@ def test_kvikio_legacy_thread_pool_api() -> None:
 
 def test_real_kvikio_engine_configuration(tmp_path: Any) -> None:
     pytest.importorskip("kvikio")
-    from nvme.engines import KvikioEngine
+    from tierstore.nvme.engines import KvikioEngine
 
     engine = KvikioEngine(threads=5, direct=True)
     try:

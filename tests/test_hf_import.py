@@ -11,10 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from test_hf_models import ATOL, SENTENCES, make_hf_model, prompt_ids
-
-import tierstore
-from tierstore.cli import main
-from trainer.decoder import (
+from tierstore.trainer.decoder import (
     SUPPORTED_FAMILIES,
     ResidentSource,
     expert_names,
@@ -23,7 +20,10 @@ from trainer.decoder import (
     model_info,
     tokenizer_files,
 )
-from trainer.hf_import import import_hf
+from tierstore.trainer.hf_import import import_hf
+
+import tierstore
+from tierstore.cli import main
 
 pytest.importorskip("transformers")
 
@@ -169,7 +169,7 @@ def test_load_model_on_a_store_without_model(tmp_path: Path) -> None:
 
 KILL_AFTER = r"""
 import os, signal, sys
-from trainer.hf_import import import_hf
+from tierstore.trainer.hf_import import import_hf
 calls = [0]
 def progress(n):  # called once an expert's put_many has returned
     calls[0] += 1

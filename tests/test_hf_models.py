@@ -10,9 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-
-import tierstore
-from trainer.decoder import (
+from tierstore.trainer.decoder import (
     SUPPORTED_FAMILIES,
     DecoderConfig,
     MoEDecoder,
@@ -22,7 +20,9 @@ from trainer.decoder import (
     load_model,
     load_tokenizer,
 )
-from trainer.hf_import import import_hf
+from tierstore.trainer.hf_import import import_hf
+
+import tierstore
 
 transformers = pytest.importorskip("transformers")
 
@@ -238,10 +238,10 @@ def test_trainer_checkpoint_through_decoder(tmp_path: Path, moe_every: int) -> N
     computes what trainer.model.MoEModel computes."""
     from dataclasses import replace
 
-    from trainer.data import load_corpus
-    from trainer.model import PRESETS, MoEModel
-    from trainer.resident import TrainConfig
-    from trainer.store_trainer import DENSE_ENTRY, _unpack, train_store
+    from tierstore.trainer.data import load_corpus
+    from tierstore.trainer.model import PRESETS, MoEModel
+    from tierstore.trainer.resident import TrainConfig
+    from tierstore.trainer.store_trainer import DENSE_ENTRY, _unpack, train_store
 
     cfg = replace(PRESETS["tiny"], moe_every=moe_every)
     tc = TrainConfig(batch_size=2, seq_len=16, eval_every=0, lr=1e-2)

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from tierstore.trainer.decoder import HF_FAMILIES, expert_names, load_model
+from tierstore.trainer.expert_mode import ExpertModeSource
+from tierstore.trainer.generate import generate, make_source, pad_left, responsive_interpreter
+from tierstore.trainer.ring import RingSource, choose_slots, max_slots
 
 import tierstore
-from trainer.decoder import HF_FAMILIES, expert_names, load_model
-from trainer.expert_mode import ExpertModeSource
-from trainer.generate import generate, make_source, pad_left, responsive_interpreter
-from trainer.ring import RingSource, choose_slots, max_slots
 
 transformers = pytest.importorskip("transformers")
 from test_hf_models import imported_path  # noqa: E402 (the families' tiny HF models)
@@ -491,7 +491,7 @@ def test_expert_mode_guesses_while_guessing_pays(mixtral: Path) -> None:
     guesses that are always right it guesses on every layer; with guesses that are always
     wrong it stops after the first and only probes now and then. Either way the tokens are
     the resident model's. The guesses come from the routing a resident run recorded."""
-    from trainer import expert_mode
+    from tierstore.trainer import expert_mode
 
     with open_offloaded(mixtral) as store:
         model = load_model(store, "cpu")
@@ -605,7 +605,7 @@ def test_zero_copy_sources_leave_the_cached_experts_untouched(mixtral: Path) -> 
 
 
 def test_bench_infer_reports_every_mode_against_its_tier(tmp_path: Path) -> None:
-    from bench.infer import run_infer
+    from tierstore.bench.infer import run_infer
 
     lines: list[str] = []
     for tier in ("host", "nvme"):

@@ -8,8 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-
-from nvme import (
+from tierstore.nvme import (
     PosixEngine,
     RecycledBuffers,
     SlabMedium,
@@ -45,8 +44,7 @@ def test_blocking_calls_hand_large_requests_to_the_pool(tmp_path, monkeypatch) -
     come back with the bytes, and never more than ``threads`` are in flight."""
     import threading
 
-    import nvme.engines as engines
-
+    import tierstore.nvme.engines as engines
     where: list[str] = []
     inflight, peak = [0], [0]
     guard = threading.Lock()
@@ -100,7 +98,7 @@ def test_depth_limit_serves_waiters_in_arrival_order() -> None:
     import threading
     import time
 
-    from nvme.engines import FairDepth
+    from tierstore.nvme.engines import FairDepth
 
     depth = FairDepth(1)
     order: list[str] = []
@@ -273,7 +271,7 @@ def test_store_reads_reuse_dropped_results(tmp_path) -> None:
 @pytest.mark.gpu
 def test_kvikio_reads_into_device_memory_match(tmp_path) -> None:
     pytest.importorskip("kvikio")
-    from nvme import KvikioEngine
+    from tierstore.nvme import KvikioEngine
 
     eng = KvikioEngine(threads=2)
     try:
@@ -293,6 +291,6 @@ def test_kvikio_reads_into_device_memory_match(tmp_path) -> None:
 def test_gds_ceiling_is_skipped_with_a_reason_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the GDS rows run")
-    from bench.tiers import gds_unavailable
+    from tierstore.bench.tiers import gds_unavailable
 
     assert gds_unavailable() == "no CUDA device"

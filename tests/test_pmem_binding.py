@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tierstore.pmem import dax
+from tierstore.pmem.libpmem import ENV_HIDE, PMEM_FILE_CREATE, PMEM_FILE_EXCL, Libpmem, PmemError
 
-import pmem
-from pmem import dax
-from pmem.libpmem import ENV_HIDE, PMEM_FILE_CREATE, PMEM_FILE_EXCL, Libpmem, PmemError
+from tierstore import pmem
 
 REPO = Path(__file__).resolve().parents[1]
 MAP_LEN = 1 << 20
@@ -213,9 +213,9 @@ def test_mount_dax_option(path: str, expected: bool) -> None:
 
 _FORCE_SCRIPT = """
 import json, os, sys
-import pmem
-from pmem.libpmem import PMEM_FILE_CREATE
-from pmem.mapping import LibpmemMapping
+from tierstore import pmem
+from tierstore.pmem.libpmem import PMEM_FILE_CREATE
+from tierstore.pmem.mapping import LibpmemMapping
 
 lib = pmem.load()
 raw = sys.argv[1] + "/raw.bin"
@@ -249,7 +249,7 @@ import json, os, sys, warnings
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    import pmem
+    from tierstore import pmem
     d = sys.argv[1]
     pool = pmem.PoolMedium(d + "/a.pool", create=True, size=64 << 10)
     second = pmem.PoolMedium(d + "/b.pool", create=True)

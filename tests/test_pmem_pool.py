@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tierstore.pmem import HEADER_SIZE, PoolFormatError, PoolMedium
+from tierstore.pmem.libpmem import ENV_HIDE
 
-import pmem
-from pmem import HEADER_SIZE, PoolFormatError, PoolMedium
-from pmem.libpmem import ENV_HIDE
+from tierstore import pmem
 
 REPO = Path(__file__).resolve().parents[1]
 KiB = 1024
@@ -360,8 +360,7 @@ def test_create_before_attach_never_reuses_space(make_pool: Callable[..., PoolMe
 
 _GROWTH_FAILURE_SCRIPT = """
 import errno, json, os, resource, signal, sys
-import pmem
-
+from tierstore import pmem
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 path = sys.argv[1] + "/limited.pool"
 pool = pmem.PoolMedium(path, create=True, size=256 << 10, engine=sys.argv[2])

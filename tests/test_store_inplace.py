@@ -7,9 +7,9 @@ import threading
 
 import pytest
 import torch
+from tierstore.cache import HostCache
 
 import tierstore
-from cache import HostCache
 
 
 def _t(seed: int, shape: tuple[int, ...] = (64, 32)) -> torch.Tensor:

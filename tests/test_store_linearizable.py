@@ -210,8 +210,7 @@ def test_flush_commits_a_put_that_a_newer_one_replaces_meanwhile(cached) -> None
 
 
 def test_flush_waits_for_an_in_place_rewrite_of_a_dirty_entry(cached, monkeypatch) -> None:
-    import cache.hostcache as hostcache
-
+    import tierstore.cache.hostcache as hostcache
     st = cached
     st.put("k", value(1.0))
     st.flush()

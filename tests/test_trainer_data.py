@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from trainer.data import (
+from tierstore.trainer.data import (
     BatchSampler,
     CorpusError,
     decode,

@@ -7,8 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from trainer.model import (
+from tierstore.trainer.model import (
     EXPERT_WEIGHTS,
     PRESETS,
     ExpertWeights,

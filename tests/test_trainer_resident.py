@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainer.data import BatchSampler, Corpus, load_corpus
-from trainer.model import PRESETS, ExpertWeights, MoEConfig, MoEModel, init_expert
-from trainer.optim import adamw_step, clip_grads_, lr_at
-from trainer.resident import (
+from tierstore.trainer.data import BatchSampler, Corpus, load_corpus
+from tierstore.trainer.model import PRESETS, ExpertWeights, MoEConfig, MoEModel, init_expert
+from tierstore.trainer.optim import adamw_step, clip_grads_, lr_at
+from tierstore.trainer.resident import (
     CHECKPOINT_NAME,
     TrainConfig,
     load_checkpoint,

@@ -17,13 +17,10 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-
-import tierstore
-from tierstore.cli import main
-from trainer.data import Corpus, load_corpus
-from trainer.model import EXPERT_WEIGHTS, PRESETS, MoEConfig, expert_name, init_expert
-from trainer.resident import TrainConfig, load_checkpoint, param_groups, train_resident
-from trainer.store_trainer import (
+from tierstore.trainer.data import Corpus, load_corpus
+from tierstore.trainer.model import EXPERT_WEIGHTS, PRESETS, MoEConfig, expert_name, init_expert
+from tierstore.trainer.resident import TrainConfig, load_checkpoint, param_groups, train_resident
+from tierstore.trainer.store_trainer import (
     DENSE_ENTRY,
     MOMENTS,
     STEP_KIND,
@@ -34,6 +31,9 @@ from trainer.store_trainer import (
     step_counts_name,
     train_store,
 )
+
+import tierstore
+from tierstore.cli import main
 
 TC = TrainConfig(batch_size=4, seq_len=32, grad_accum=2, eval_every=3, eval_batches=2,
                  lr=3e-3, warmup_steps=2, decay_steps=10)

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from nvme import fsync_dir
+from tierstore.nvme import fsync_dir
 
 from .errors import CatalogError, StoreError, StoreFullError
 

@@ -231,7 +231,7 @@ def import_hf_(model_dir: str, store: str, resume: bool) -> None:
     tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral
     tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral --resume   # after an interruption
     """
-    from trainer.hf_import import import_hf
+    from tierstore.trainer.hf_import import import_hf
 
     def go() -> None:
         info = import_hf(model_dir, store, progress=True, resume=resume)
@@ -320,7 +320,7 @@ def demo(store: str, layers: int, experts: int, hidden: int, ffn: int, seed: int
         code = run_demo(store, layers=layers, experts=experts, hidden=hidden, ffn=ffn,
                         seed=seed, fresh=fresh, echo=click.echo)
         if train_steps:
-            from trainer.demo import run_demo_training
+            from tierstore.trainer.demo import run_demo_training
 
             code = max(code, run_demo_training(
                 store.rstrip("/") + "-model", model=model, steps=train_steps, seed=seed,
@@ -333,7 +333,7 @@ def demo(store: str, layers: int, experts: int, hidden: int, ffn: int, seed: int
 def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
-    from trainer.model import presets_table
+    from tierstore.trainer.model import presets_table
 
     click.echo(presets_table())
     ctx.exit()
@@ -425,7 +425,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
         raise click.UsageError("--trace records the store trainer's routing; drop --resident")
     if resident and store is None and (resume or checkpoint_every):
         raise click.UsageError("--resume and --checkpoint-every with --resident need --store")
-    from trainer.cli_train import run_train
+    from tierstore.trainer.cli_train import run_train
 
     given = {"batch_size": batch_size, "seq_len": seq_len, "lr": lr, "grad_accum": grad_accum,
              "dtype": dtype, "eval_every": eval_every}
@@ -512,7 +512,7 @@ def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
     if (store is None) == (connect is None):
         raise click.UsageError("give the model's store with --store or a daemon's socket with "
                                "--connect (one of them)")
-    from trainer.generate import run_generate
+    from tierstore.trainer.generate import run_generate
 
     _run(lambda: run_generate(
         store=store, prompts=prompts, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
@@ -561,7 +561,7 @@ def bench_tiers(store: str | None, quick: bool, blocks: str, threads: str, total
     run: NVMe through the store's engines against fio on the same file with the same request
     size, threads and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy; host cache
     hits against memcpy; host<->device against plain pinned copies."""
-    from bench.tiers import run_tiers
+    from tierstore.bench.tiers import run_tiers
 
     sizes = [parse_size(b) for b in blocks.split(",")]
     counts = [int(t) for t in threads.split(",")]
@@ -598,7 +598,7 @@ def bench_cache(trace_file: str | None, synthetic: str | None, capacities: str, 
                 json_out: str | None, plot_out: str | None) -> None:
     """Replay a routing trace against every eviction policy at each capacity, beside
     Belady's offline optimum on the same trace."""
-    from bench.cache_lab import parse_policy_args, run_cache_lab
+    from tierstore.bench.cache_lab import parse_policy_args, run_cache_lab
 
     _run(lambda: run_cache_lab(
         trace_file=trace_file, synthetic=synthetic, capacities=capacities, policies=policies,
@@ -632,7 +632,7 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
     """A layered workload (real matmuls per layer, experts in the store) run with on-demand
     loading and with prefetch of the next layers; reports step time, stall fraction and bytes
     moved."""
-    from bench.prefetch import run_prefetch
+    from tierstore.bench.prefetch import run_prefetch
 
     _run(lambda: run_prefetch(
         store, layers=layers, experts=experts, expert_bytes=expert_bytes, hidden=hidden,
@@ -683,7 +683,7 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
         ks = [int(k) for k in ring_slots.split(",") if k]
     except ValueError:
         raise click.UsageError(f"--ring-slots takes integers, got {ring_slots!r}") from None
-    from bench.infer import run_infer
+    from tierstore.bench.infer import run_infer
 
     def go() -> None:
         run_infer(store, model_dir, json_out=json_out, layers=layers, experts=experts,
@@ -718,7 +718,7 @@ def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: in
                 json_out: str | None) -> None:
     """Step time of the store trainer against the resident trainer (same model, data and
     seed): median step times, their ratio (target <= 1.15), stall fraction, hit rate."""
-    from bench.train import run_train_bench
+    from tierstore.bench.train import run_train_bench
 
     given = {"batch_size": batch_size, "seq_len": seq_len}
 

@@ -110,7 +110,7 @@ def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: str
     """Get throughput of cached entries through the daemon (client processes copying out of
     the shared cache, and taking zero-copy views) against the same gets in-process (threads
     on one store), for each client count; the ratio is daemon / in-process."""
-    from bench.daemon import run_daemon_bench
+    from tierstore.bench.daemon import run_daemon_bench
 
     try:
         counts = [int(c) for c in clients.split(",")]

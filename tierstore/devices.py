@@ -120,7 +120,7 @@ class CudaCopier:
     """
 
     def __init__(self, device: torch.device) -> None:
-        from cache.pinned import arena_tensor, cuda_consumer
+        from tierstore.cache.pinned import arena_tensor, cuda_consumer
 
         self.device = device
         cuda_consumer()  # host caches now page-lock their arenas (cache.pinned)

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from nvme import holds_data
+from tierstore.nvme import holds_data
 
 from .errors import CorruptEntryError, StoreError
 

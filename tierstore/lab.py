@@ -2,7 +2,7 @@
 (``make_policy``) and the simulator that replays a trace against every eviction policy
 (Belady's optimum included)."""
 
-from cache import (
+from tierstore.cache import (
     POLICIES,
     Trace,
     TraceRecorder,

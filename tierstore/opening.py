@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from nvme import fsync_dir
+from tierstore.nvme import fsync_dir
 
 from .catalog import FORMAT_VERSION, REPAIR_HINT, Catalog
 from .errors import CatalogError, NotAStoreError, StoreError, StoreLockedError

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from nvme import aligned_empty
+from tierstore.nvme import aligned_empty
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -46,7 +46,7 @@ def pmem_memcpy_persist_gbps(
     """``pmem_memcpy_persist`` bandwidth (GB/s) into a scratch file at ``path`` (removed
     afterwards), or None where libpmem is not installed. On a file that is not DAX this is
     a cache-flushing copy into the page cache, not a durable write."""
-    from pmem.libpmem import PMEM_FILE_CREATE, load
+    from tierstore.pmem.libpmem import PMEM_FILE_CREATE, load
 
     lib = load()
     if lib is None:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nvme import fsync_dir, orphan_slabs
+from tierstore.nvme import fsync_dir, orphan_slabs
 
 from .catalog import Catalog
 from .errors import CatalogError, StoreError

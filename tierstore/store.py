@@ -34,9 +34,9 @@ import crc32c
 import numpy as np
 import torch
 
-from cache import HostCache
-from cache.pinned import cuda_consumer
-from nvme import ENGINES, HANDOFF_MIN_BYTES, RecycledBuffers, StagingPool, aligned_empty
+from tierstore.cache import HostCache
+from tierstore.cache.pinned import cuda_consumer
+from tierstore.nvme import ENGINES, HANDOFF_MIN_BYTES, RecycledBuffers, StagingPool, aligned_empty
 
 from .alloc import ExtentAllocator
 from .catalog import Catalog, Gate, Record, entry_key
@@ -1380,11 +1380,11 @@ def _make_medium(path: str, backing: dict[str, Any], engine: str, io_threads: in
     """The backing tier; ``fresh`` (no segment committed yet) lets a pmem pool be made."""
     kind = backing.get("kind", "nvme")
     if kind == "nvme":
-        from nvme import SlabMedium
+        from tierstore.nvme import SlabMedium
 
         return SlabMedium(path, slab_bytes=backing["slab_bytes"], engine=engine, threads=io_threads)
     if kind == "pmem":
-        from pmem import PoolMedium
+        from tierstore.pmem import PoolMedium
 
         exists = os.path.exists(backing["pool"])
         if not exists and not fresh:

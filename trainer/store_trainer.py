@@ -75,10 +75,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tierstore.cache.pinned import cuda_consumer
 from torch import Tensor
 
 import tierstore
-from cache.pinned import cuda_consumer
 from tierstore import StoreError
 from tierstore.devices import normalize_device
 from tierstore.prefetch import DEFAULT_CUDA_FRACTION

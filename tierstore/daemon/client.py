@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nvme import RecycledBuffers
+from tierstore.nvme import RecycledBuffers
 
 from .. import errors
 from ..devices import bytes_to_device

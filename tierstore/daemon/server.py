@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cache.slab import PAGE
+from tierstore.cache.slab import PAGE
 
 from ..errors import StoreError, UnsupportedTensorError
 from ..opening import check_host_cache
