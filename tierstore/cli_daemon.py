@@ -91,36 +91,3 @@ def status(socket_path: str, as_json: bool) -> None:
             click.echo(f"metrics   http://127.0.0.1:{s['metrics_port']}/metrics")
 
     _run(go)
-
-
-@click.command(name="daemon")
-@click.option("--store", "store", type=click.Path(file_okay=False),
-              help="Scratch directory (default: a temporary directory here, removed after).")
-@click.option("--entry-bytes", type=SIZE, default="4MiB", show_default=True,
-              help="Size of each entry (an expert's tensor).")
-@click.option("--entries", default=32, show_default=True, help="Entries in the store.")
-@click.option("--clients", default="1,2,4,8", show_default=True,
-              help="Comma-separated client counts (threads in-process, processes via the daemon).")
-@click.option("--gets", default=200, show_default=True, help="Gets per client per measurement.")
-@click.option("--repeat", default=3, show_default=True,
-              help="In-process and daemon measured in turn this many times; medians reported.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
-def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: str, gets: int,
-                 repeat: int, json_out: str | None) -> None:
-    """Get throughput of cached entries through the daemon (client processes copying out of
-    the shared cache, and taking zero-copy views) against the same gets in-process (threads
-    on one store), for each client count; the ratio is daemon / in-process."""
-    from tierstore.bench.daemon import run_daemon_bench
-
-    try:
-        counts = [int(c) for c in clients.split(",")]
-    except ValueError:
-        raise click.UsageError("--clients is a comma-separated list of integers") from None
-    if not counts or min(counts) < 1:
-        raise click.UsageError("--clients counts are positive")
-    def go() -> None:
-        run_daemon_bench(store, entry_bytes=entry_bytes, entries=entries, clients=counts,
-                         gets=gets, repeat=repeat, json_out=json_out, echo=click.echo)
-
-    _run(go)
-

@@ -1,0 +1,262 @@
+"""The ``tierstore bench`` group: every benchmark reports its figures beside a ceiling or a
+peer measured in the same run.
+
+It reaches the ``tierstore`` command line through the ``tierstore.commands`` entry-point
+group (pyproject.toml). Only click is imported here; each benchmark imports what it runs when
+it runs."""
+
+from __future__ import annotations
+
+import click
+
+from tierstore.cli_options import SIZE
+from tierstore.cli_options import run_command as _run
+from tierstore.sizes import parse_size
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks; each reports ratios against a ceiling measured in the same run."""
+
+
+@bench.command(name="tiers")
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Scratch directory (default: a temporary directory in the current directory, "
+                   "removed afterwards; put it on the drive you want to measure).")
+@click.option("--quick", is_flag=True,
+              help="4 and 64 MiB entries, 8 threads, O_DIRECT only, 256 MiB per figure: about "
+                   "a minute.")
+@click.option("--blocks", default="64KiB,1MiB,4MiB,16MiB,64MiB", show_default=True,
+              help="Comma-separated entry sizes.")
+@click.option("--threads", default="1,8", show_default=True,
+              help="Comma-separated I/O thread counts (NVMe and PMem tiers).")
+@click.option("--total", type=SIZE, default="1GiB", show_default=True,
+              help="Bytes moved per measurement.")
+@click.option("--tiers", "tiers", default="nvme,pmem,host,gpu", show_default=True,
+              help="Comma-separated tiers: nvme, pmem, host (cache hits), gpu (if CUDA).")
+@click.option("--engines", default="posix-direct,posix-buffered", show_default=True,
+              help="NVMe I/O engines. Add kvikio where CUDA and kvikio are present (reads "
+                   "into host memory with its threads and direct I/O set from the store's; "
+                   "the store's `auto` never picks it, as it is unmeasured).")
+@click.option("--pmem-dir", type=click.Path(file_okay=False),
+              help="Directory for the PMem pool (a DAX mount such as /mnt/pmem0 in production; "
+                   "default: the scratch directory).")
+@click.option("--repeat", "repeats", default=3, show_default=True,
+              help="NVMe: store and fio measured in turn this many times; medians reported.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+              help="Write a PNG: GB/s against entry size per tier, ceilings dashed.")
+def bench_tiers(store: str | None, quick: bool, blocks: str, threads: str, total: int,
+                tiers: str, engines: str, pmem_dir: str | None, repeats: int,
+                json_out: str | None, plot_out: str | None) -> None:
+    """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
+    run: NVMe through the store's engines against fio on the same file with the same request
+    size, threads and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy; host cache
+    hits against memcpy; host<->device against plain pinned copies."""
+    from tierstore.bench.tiers import run_tiers
+
+    sizes = [parse_size(b) for b in blocks.split(",")]
+    counts = [int(t) for t in threads.split(",")]
+    engine_list = tuple(engines.split(","))
+    if quick:
+        sizes, counts, total, repeats = [4 << 20, 64 << 20], [8], min(total, 256 << 20), 1
+        engine_list = tuple(e for e in engine_list if e != "posix-buffered")
+    _run(lambda: run_tiers(store, sizes, counts, total, json_out, engines=engine_list,
+                           tiers=tuple(tiers.split(",")), pmem_dir=pmem_dir,
+                           plot_out=plot_out, repeats=repeats, echo=click.echo))
+
+
+@bench.command(name="cache")
+@click.option("--trace", "trace_file", type=click.Path(exists=True, dir_okay=False),
+              help="A routing trace: CSV with header step,layer,expert[,nbytes].")
+@click.option("--synthetic", metavar="SPEC",
+              help="Generate a trace, e.g. 'zipf:a=1.1,layers=8,experts=64,steps=200,topk=2,"
+                   "drift=0.05,burst=0.1,seed=0' (tokens=1 gives a decode-like trace).")
+@click.option("--capacity", "capacities", default="0.1,0.25,0.5", show_default=True,
+              help="Capacities: fractions of the trace's distinct bytes, or sizes (64MiB).")
+@click.option("--policies", default="all", show_default=True,
+              help="Comma-separated policies (lfu-decay, semoe, lru, lfu, arc, belady) or all.")
+@click.option("--write-fraction", default=0.0, show_default=True,
+              help="Share of accesses that update the entry (1.0 for training traces).")
+@click.option("--policy-arg", "policy_args", multiple=True, metavar="POLICY:K=V,...",
+              help="Policy parameters, e.g. lfu-decay:beta=0.5,period=512,theta=4.")
+@click.option("--overhead", "overhead_entries", default=0, show_default=True,
+              help="Also time each policy's per-access cost with this many resident entries.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+              help="Write a PNG of hit rate against capacity, every policy, belady on top.")
+def bench_cache(trace_file: str | None, synthetic: str | None, capacities: str, policies: str,
+                write_fraction: float, policy_args: tuple[str, ...], overhead_entries: int,
+                json_out: str | None, plot_out: str | None) -> None:
+    """Replay a routing trace against every eviction policy at each capacity, beside
+    Belady's offline optimum on the same trace."""
+    from tierstore.bench.cache_lab import parse_policy_args, run_cache_lab
+
+    _run(lambda: run_cache_lab(
+        trace_file=trace_file, synthetic=synthetic, capacities=capacities, policies=policies,
+        write_fraction=write_fraction, policy_args=parse_policy_args(policy_args),
+        json_out=json_out, plot_out=plot_out, overhead_entries=overhead_entries,
+        echo=click.echo))
+
+
+@bench.command(name="prefetch")
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Scratch directory (default: a temporary directory here, removed after).")
+@click.option("--layers", default=8, show_default=True, help="MoE layers.")
+@click.option("--experts", default=8, show_default=True, help="Experts per layer.")
+@click.option("--expert-bytes", type=SIZE, default="4MiB", show_default=True,
+              help="Size of one expert (a multiple of 4 x hidden).")
+@click.option("--hidden", default=1024, show_default=True, help="Matmul width.")
+@click.option("--tokens", default=256, show_default=True, help="Tokens per layer's matmuls.")
+@click.option("--repeat", type=int, default=None,
+              help="Matmul repeats per expert (default: calibrated so a layer computes for "
+                   "about 1.5x its transfer time).")
+@click.option("--steps", default=5, show_default=True, help="Measured steps per mode.")
+@click.option("--device-budget", type=SIZE, default=None,
+              help="Prefetch budget (default: three layers).")
+@click.option("--host-cache", type=SIZE, default=None,
+              help="Host cache (default: half a layer, so reads hit the backing tier).")
+@click.option("--device", default=None, help="Compute device (default: cpu).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: int, hidden: int,
+                   tokens: int, repeat: int | None, steps: int, device_budget: int | None,
+                   host_cache: int | None, device: str | None, json_out: str | None) -> None:
+    """A layered workload (real matmuls per layer, experts in the store) run with on-demand
+    loading and with prefetch of the next layers; reports step time, stall fraction and bytes
+    moved."""
+    from tierstore.bench.prefetch import run_prefetch
+
+    _run(lambda: run_prefetch(
+        store, layers=layers, experts=experts, expert_bytes=expert_bytes, hidden=hidden,
+        tokens=tokens, repeat=repeat, steps=steps, device_budget=device_budget,
+        host_cache=host_cache, device=device, json_out=json_out, echo=click.echo))
+
+
+@bench.command(name="infer")
+@click.option("--store", "store", type=click.Path(exists=True, file_okay=False),
+              help="A store holding a model (default: a synthetic Mixtral-shaped model written "
+                   "to a temporary store here).")
+@click.option("--model-dir", type=click.Path(exists=True, file_okay=False),
+              help="A Hugging Face model directory, imported into a temporary store first.")
+@click.option("--layers", default=8, show_default=True, help="Synthetic model: MoE layers.")
+@click.option("--experts", default=8, show_default=True, help="Synthetic model: experts/layer.")
+@click.option("--hidden", default=512, show_default=True, help="Synthetic model: width.")
+@click.option("--ffn", default=1024, show_default=True, help="Synthetic model: expert width.")
+@click.option("--prefill-batch", default=4, show_default=True, help="Prompts in the prefill run.")
+@click.option("--prefill-len", default=128, show_default=True, help="Tokens per prefill prompt.")
+@click.option("--decode-batch", default=1, show_default=True, help="Prompts in the decode run.")
+@click.option("--decode-tokens", default=8, show_default=True, help="Tokens generated per prompt.")
+@click.option("--ring-slots", default="2,4", show_default=True,
+              help="Comma-separated ring sizes K to measure (besides auto).")
+@click.option("--tier", type=click.Choice(["backing", "nvme", "host"]), default="backing",
+              show_default=True,
+              help="Where the experts come from: the store's backing tier with no host cache, "
+                   "so every transfer reads it ('nvme' also checks that it is NVMe), or host "
+                   "memory (a host cache holding every expert).")
+@click.option("--host-cache", type=SIZE, help="Host cache size (overrides --tier).")
+@click.option("--expert-budget", default=0.6, show_default=True,
+              help="Expert mode's device budget as a fraction of all experts' bytes.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Rounds over every mode (interleaved); each mode reports its median.")
+@click.option("--device", default=None, help="Compute device (default: cuda if available).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: int, hidden: int,
+                ffn: int, prefill_batch: int, prefill_len: int, decode_batch: int,
+                decode_tokens: int, ring_slots: str, tier: str, host_cache: int | None,
+                expert_budget: float, repeats: int, device: str | None,
+                json_out: str | None) -> None:
+    """Tokens/s of one model and one set of prompts with every expert source: fully
+    resident, ring at several K and auto, expert mode, synchronous on-demand loading; ratios
+    against resident, against on-demand, and for ring decoding against the limit set by the
+    bytes moved per token over the tier bandwidth measured in the same run."""
+    if store and model_dir:
+        raise click.UsageError("--store and --model-dir exclude each other")
+    try:
+        ks = [int(k) for k in ring_slots.split(",") if k]
+    except ValueError:
+        raise click.UsageError(f"--ring-slots takes integers, got {ring_slots!r}") from None
+    from tierstore.bench.infer import run_infer
+
+    def go() -> None:
+        run_infer(store, model_dir, json_out=json_out, layers=layers, experts=experts,
+                  hidden=hidden, ffn=ffn, prefill_batch=prefill_batch, prefill_len=prefill_len,
+                  decode_batch=decode_batch, decode_tokens=decode_tokens, ring_slots=ks,
+                  host_cache=host_cache, expert_budget=expert_budget, device=device,
+                  repeats=repeats, tier=tier, echo=click.echo)
+
+    _run(go)
+
+
+@bench.command(name="train")
+@click.option("--model", default="medium", show_default=True,
+              help="Model preset (tierstore train --list-models).")
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Measured optimizer steps per side and round.")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0),
+              help="Steps run before measuring (cold cache, first-call costs).")
+@click.option("--rounds", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Resident/store pairs, alternating which goes first.")
+@click.option("--host-cache", type=SIZE, default="2GiB", show_default=True,
+              help="The store's host cache (the target applies when it holds a step's "
+                   "working set).")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per step [8].")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence [128].")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Scratch directory (default: a temporary directory here, removed after).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: int,
+                batch_size: int | None, seq_len: int | None, device: str, store: str | None,
+                json_out: str | None) -> None:
+    """Step time of the store trainer against the resident trainer (same model, data and
+    seed): median step times, their ratio (target <= 1.15), stall fraction, hit rate."""
+    from tierstore.bench.train import run_train_bench
+
+    given = {"batch_size": batch_size, "seq_len": seq_len}
+
+    def go() -> int:
+        try:
+            run_train_bench(model=model, steps=steps, warmup=warmup, rounds=rounds,
+                            host_cache=host_cache, store=store, device=device,
+                            overrides={k: v for k, v in given.items() if v is not None},
+                            json_out=json_out, echo=click.echo)
+        except ValueError as e:
+            click.echo(f"tierstore bench train: {e}", err=True)
+            return 2
+        return 0
+
+    _run(go)
+
+
+
+
+@bench.command(name="daemon")
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Scratch directory (default: a temporary directory here, removed after).")
+@click.option("--entry-bytes", type=SIZE, default="4MiB", show_default=True,
+              help="Size of each entry (an expert's tensor).")
+@click.option("--entries", default=32, show_default=True, help="Entries in the store.")
+@click.option("--clients", default="1,2,4,8", show_default=True,
+              help="Comma-separated client counts (threads in-process, processes via the daemon).")
+@click.option("--gets", default=200, show_default=True, help="Gets per client per measurement.")
+@click.option("--repeat", default=3, show_default=True,
+              help="In-process and daemon measured in turn this many times; medians reported.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: str, gets: int,
+                 repeat: int, json_out: str | None) -> None:
+    """Get throughput of cached entries through the daemon (client processes copying out of
+    the shared cache, and taking zero-copy views) against the same gets in-process (threads
+    on one store), for each client count; the ratio is daemon / in-process."""
+    from tierstore.bench.daemon import run_daemon_bench
+
+    try:
+        counts = [int(c) for c in clients.split(",")]
+    except ValueError:
+        raise click.UsageError("--clients is a comma-separated list of integers") from None
+    if not counts or min(counts) < 1:
+        raise click.UsageError("--clients counts are positive")
+    def go() -> None:
+        run_daemon_bench(store, entry_bytes=entry_bytes, entries=entries, clients=counts,
+                         gets=gets, repeat=repeat, json_out=json_out, echo=click.echo)
+
+    _run(go)

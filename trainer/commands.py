@@ -1,0 +1,280 @@
+"""The bundled applications' commands: ``train``, ``generate``, ``import-hf`` and ``demo``.
+
+They reach the ``tierstore`` command line through the ``tierstore.commands`` entry-point group
+(pyproject.toml), so the core never imports the applications. Only click is imported here;
+each command imports what it runs when it runs, so ``tierstore --help`` stays quick."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from tierstore.cli_options import SIZE
+from tierstore.cli_options import run_command as _run
+
+DEFAULT_DEMO_STORE = "demo-store"
+
+
+@click.command(name="import-hf")
+@click.argument("model_dir", type=click.Path())
+@click.option("--store", "store", required=True, type=click.Path(file_okay=False),
+              help="Store to import into (created if missing; must not hold a model yet).")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted import of the same checkpoint into STORE: experts "
+                   "and tensors already stored as the checkpoint has them are kept.")
+def import_hf_(model_dir: str, store: str, resume: bool) -> None:
+    """Import the Hugging Face MoE model in MODEL_DIR (config.json, single or sharded
+    safetensors, tokenizer files) for `tierstore generate`: each expert becomes one entry
+    group (layers.{i}.experts.{e}.w1|w2|w3), the dense weights, config and tokenizer are
+    kept beside them. Supported: Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE.
+
+    \b
+    tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral
+    tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral --resume   # after an interruption
+    """
+    from tierstore.trainer.hf_import import import_hf
+
+    def go() -> None:
+        info = import_hf(model_dir, store, progress=True, resume=resume)
+        cfg = info["config"]
+        click.echo(f"imported {info['family']}: {cfg['n_layers']} layers, "
+                   f"{len(cfg['moe_layers'])}x{cfg['n_experts']} experts, "
+                   f"tokenizer {'yes' if 'tokenizer.json' in info['tokenizer'] else 'no'}"
+                   f" -> {store}")
+
+    _run(go)
+
+
+
+
+@click.command()
+@click.option("--store", "store", default=DEFAULT_DEMO_STORE, show_default=True,
+              type=click.Path(file_okay=False),
+              help="Store directory for the tier walk-through (created if missing); the "
+                   "training run uses STORE-model next to it.")
+@click.option("--layers", default=8, show_default=True, help="MoE layers (tier walk-through).")
+@click.option("--experts", default=16, show_default=True, help="Experts per layer.")
+@click.option("--hidden", default=512, show_default=True, help="Model width.")
+@click.option("--ffn", default=1024, show_default=True, help="Expert hidden width.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--fresh", is_flag=True, help="Delete the demo store first.")
+@click.option("--model", default="small", show_default=True,
+              help="Preset trained in the second part (tierstore train --list-models).")
+@click.option("--train-steps", default=60, show_default=True, type=click.IntRange(min=0),
+              help="Optimizer steps of the training part (0: skip training and generation).")
+@click.option("--new-tokens", default=48, show_default=True, type=click.IntRange(min=1),
+              help="Tokens generated from the trained model.")
+def demo(store: str, layers: int, experts: int, hidden: int, ffn: int, seed: int,
+         fresh: bool, model: str, train_steps: int, new_tokens: int) -> None:
+    """The whole path in about a minute on a CPU. First a synthetic MoE model's expert
+    states are written through the host cache to the backing tier, read back, snapshotted
+    and verified. Then a small MoE model is trained with its experts and AdamW moments in a
+    store (host cache smaller than the states), checked with fsck, and made to generate
+    text through the ring-memory inferencer and the expert-granular mode."""
+    from tierstore.demo import run_demo
+
+    def go() -> int:
+        code = run_demo(store, layers=layers, experts=experts, hidden=hidden, ffn=ffn,
+                        seed=seed, fresh=fresh, echo=click.echo)
+        if train_steps:
+            from tierstore.trainer.demo import run_demo_training
+
+            code = max(code, run_demo_training(
+                store.rstrip("/") + "-model", model=model, steps=train_steps, seed=seed,
+                new_tokens=new_tokens, echo=click.echo))
+        return code
+
+    _run(go)
+
+
+def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from tierstore.trainer.model import presets_table
+
+    click.echo(presets_table())
+    ctx.exit()
+
+
+@click.command()
+@click.option("--store", "store", type=click.Path(file_okay=False),
+              help="Store directory holding the experts (created if missing). With --resident: "
+                   "the checkpoint directory (optional).")
+@click.option("--connect", "connect", type=click.Path(dir_okay=False),
+              help="Instead of --store: train over the store a `tierstore serve` daemon owns, "
+                   "through its socket (the daemon's host cache and backing are used; "
+                   "--host-cache, --backing, --pmem-* and --slab-size do not apply).")
+@click.option("--resident", is_flag=True,
+              help="Train the same model with everything in memory as plain torch modules "
+                   "(the reference and the performance baseline).")
+@click.option("--model",
+              help="Model preset: tiny, small, medium, large, xl (see --list-models) [tiny].")
+@click.option("--list-models", is_flag=True, is_eager=True, expose_value=False,
+              callback=_list_models, help="Print the presets' sizes and exit.")
+@click.option("--steps", type=click.IntRange(min=0), required=True,
+              help="Total optimizer steps; --resume continues up to this count.")
+@click.option("--seed", type=int, help="Initial weights and batch order [0].")
+@click.option("--device", default="auto", show_default=True,
+              help="Where dense parameters and compute live: cpu, cuda, cuda:N (auto: cuda if "
+                   "available).")
+@click.option("--device-budget", type=SIZE,
+              help="Bytes of expert weights the device may hold at once: the prefetch queue's "
+                   "budget (default: the store's, 1GiB on the CPU, half of a GPU); with "
+                   "get_many fetching, unbounded unless given.")
+@click.option("--host-cache", type=SIZE, default="1GiB", show_default=True,
+              help="Host-memory cache in front of the backing tier (0: none).")
+@click.option("--backing", type=click.Choice(["nvme", "pmem"]),
+              help="Backing tier of a new store (default nvme); checked against an existing one.")
+@click.option("--pmem-path", type=click.Path(dir_okay=False), help="Pool file for --backing pmem.")
+@click.option("--pmem-size", type=SIZE, help="Pool size for --backing pmem, e.g. 16GiB.")
+@click.option("--slab-size", type=SIZE, default="1GiB", show_default=True,
+              help="NVMe slab file size of a new store.")
+@click.option("--fetch", type=click.Choice(["auto", "queue", "direct"]), default="auto",
+              show_default=True,
+              help="How experts reach the device: the prefetch queue (next layer predicted from "
+                   "routing history), get_many, or auto (queue on a GPU, get_many on the CPU).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Checkpoint every N steps (and always after the last).")
+@click.option("--resume", is_flag=True,
+              help="Continue from the latest checkpoint, with the model, hyperparameters and "
+                   "seed the run started with (options given must agree with them).")
+@click.option("--metrics", type=click.Path(dir_okay=False),
+              help="Write one JSON object per step (step, loss, tokens_per_s, hit_rate, "
+                   "stall_frac, ...).")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
+                   "cache --trace`).")
+@click.option("--corpus", multiple=True, type=click.Path(exists=True),
+              help="Text files or directories to train on (repeatable; default: the Python "
+                   "standard library's sources).")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per micro-batch [8].")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence [128].")
+@click.option("--lr", type=float, help="Peak learning rate [3e-3].")
+@click.option("--grad-accum", type=click.IntRange(min=1), help="Micro-batches per step [1].")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]),
+              help="Compute dtype (master weights and optimizer states stay fp32) [float32].")
+@click.option("--eval-every", type=click.IntRange(min=0),
+              help="Validation loss every N steps and at the last (0: never) [50].")
+def train(store: str | None, connect: str | None, resident: bool, model: str | None, steps: int,
+          seed: int | None,
+          device: str,
+          device_budget: int | None, host_cache: int, backing: str | None,
+          pmem_path: str | None, pmem_size: int | None, slab_size: int, fetch: str,
+          checkpoint_every: int, resume: bool, metrics: str | None, trace: str | None,
+          corpus: tuple[str, ...], batch_size: int | None, seq_len: int | None,
+          lr: float | None, grad_accum: int | None, dtype: str | None,
+          eval_every: int | None) -> None:
+    """Train an MoE model whose experts live in a store: dense parameters on the device,
+    expert weights and AdamW moments in STORE, fetched per step for the experts the routers
+    picked and written back through the host cache. With --resident, the same model held in
+    memory.
+
+    \b
+    tierstore train --store run --model tiny --steps 200 --metrics m.jsonl
+    tierstore train --store run --model tiny --steps 400 --resume
+    tierstore train --resident --model tiny --steps 200
+    """
+    if connect is not None and (store is not None or resident):
+        raise click.UsageError("--connect replaces --store and cannot go with --resident")
+    if not resident and store is None and connect is None:
+        raise click.UsageError("--store or --connect is required (or pass --resident)")
+    if resident and trace is not None:
+        raise click.UsageError("--trace records the store trainer's routing; drop --resident")
+    if resident and store is None and (resume or checkpoint_every):
+        raise click.UsageError("--resume and --checkpoint-every with --resident need --store")
+    from tierstore.trainer.cli_train import run_train
+
+    given = {"batch_size": batch_size, "seq_len": seq_len, "lr": lr, "grad_accum": grad_accum,
+             "dtype": dtype, "eval_every": eval_every}
+
+    def go() -> int:
+        try:
+            run_train(store=store, resident=resident, model=model, steps=steps, seed=seed,
+                      device_budget=device_budget, host_cache=host_cache, backing=backing,
+                      pmem_path=pmem_path, pmem_size=pmem_size, slab_size=slab_size,
+                      checkpoint_every=checkpoint_every, resume=resume, metrics=metrics,
+                      trace=trace, corpus=corpus, device=device, fetch=fetch,
+                      overrides={k: v for k, v in given.items() if v is not None},
+                      echo=click.echo, connect=connect)
+        except ValueError as e:  # bad configuration or corpus: one line, like store errors
+            click.echo(f"tierstore train: {e}", err=True)
+            return 2
+        return 0
+
+    _run(go)
+
+
+@click.command()
+@click.option("--store", "store", type=click.Path(exists=True, file_okay=False),
+              help="A store holding a model (`tierstore import-hf`, or a `tierstore train` run).")
+@click.option("--connect", "connect", type=click.Path(dir_okay=False),
+              help="Instead of --store: the socket of a `tierstore serve` daemon that owns the "
+                   "store (its host cache is shared with the daemon's other clients).")
+@click.option("--prompt", "prompts", multiple=True,
+              help="A text prompt, encoded with the model's tokenizer (repeatable: one batch).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="1,2,3",
+              help="A prompt as comma-separated token ids (repeatable: one batch).")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), required=True,
+              help="Tokens to generate per prompt at most (fewer once a prompt reaches an "
+                   "end-of-sequence token).")
+@click.option("--greedy", is_flag=True, help="Take the most likely token (default: sample).")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="Sampling temperature.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+              show_default=True, help="Sample from the smallest set of tokens whose probability "
+                                      "reaches this.")
+@click.option("--seed", type=int, help="Sampling seed (the same seed gives the same tokens).")
+@click.option("--device-budget", type=SIZE,
+              help="Bytes of experts the device may hold (the prefetch queue's budget; default "
+                   "1GiB on the CPU, half of a GPU).")
+@click.option("--ring-slots", default="auto", show_default=True,
+              help="Ring mode: K layers of experts on the device, or auto (from the budget and "
+                   "the measured transfer and compute times).")
+@click.option("--mode", type=click.Choice(["ring", "expert", "resident", "on-demand"]),
+              default="ring", show_default=True,
+              help="ring: K slots of whole layers refilled behind the compute; expert: routed "
+                   "experts only, predicted one layer ahead, with a device expert cache; "
+                   "resident: every expert loaded first; on-demand: routed experts read when "
+                   "needed, nothing kept.")
+@click.option("--device", default="auto", show_default=True,
+              help="cpu, cuda, cuda:N (auto: cuda if available).")
+@click.option("--host-cache", type=SIZE,
+              help="Host-memory cache in front of the backing tier (default: the store's, 1GiB).")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="CPU compute threads (default: torch's; on a CPU device, ring and expert "
+                   "modes use one fewer, leaving a core to the prefetch queue's copy thread).")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
+                   "cache --trace`).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print one line: {"tokens": [[...]] per prompt, "tokens_per_s", "stall_frac", '
+                   '"hit_rate", "spec_accuracy"}.')
+def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
+             prompt_ids: tuple[str, ...],
+             max_new_tokens: int, greedy: bool, temperature: float, top_p: float,
+             seed: int | None, device_budget: int | None, ring_slots: str, mode: str,
+             device: str, host_cache: int | None, threads: int | None, trace: str | None,
+             as_json: bool) -> None:
+    """Generate text from the model in STORE with its experts offloaded: a batch of prompts
+    (left-padded), a KV cache, one token per step until max-new-tokens or every prompt's
+    end-of-sequence token.
+
+    \b
+    tierstore generate --store mixtral --prompt "The store" --max-new-tokens 32 --greedy
+    tierstore generate --store run --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 8 \\
+        --mode expert --device-budget 2GiB --json
+    """
+    if bool(prompts) == bool(prompt_ids):
+        raise click.UsageError("give prompts with --prompt or with --prompt-ids (one of them)")
+    if (store is None) == (connect is None):
+        raise click.UsageError("give the model's store with --store or a daemon's socket with "
+                               "--connect (one of them)")
+    from tierstore.trainer.generate import run_generate
+
+    _run(lambda: run_generate(
+        store=store, prompts=prompts, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+        greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
+        device_budget=device_budget, ring_slots=ring_slots, mode=mode, device=device,
+        host_cache=host_cache, trace=trace, as_json=as_json, threads=threads,
+        echo=click.echo, connect=connect))

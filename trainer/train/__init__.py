@@ -1,0 +1,2 @@
+"""Training over the store: the expert states' fetch strategies, the training loop, its
+checkpoints and metrics."""
