@@ -4,11 +4,11 @@ One model and one set of prompts, run through every expert source:
 
 - **resident**: every expert loaded onto the device first (the ceiling);
 - **ring K**: K slots of one MoE layer's experts each, refilled behind the compute
-  (``trainer.ring``), for each K asked and for ``auto``;
+  (``trainer.infer.ring``), for each K asked and for ``auto``;
 - **expert**: routed experts only, the next layer's router predicting them, a device expert
-  cache (``trainer.expert_mode``);
+  cache (``trainer.infer.expert_mode``);
 - **on-demand**: each layer's routed experts read synchronously when it runs, nothing kept
-  (``trainer.decoder.OnDemandSource``: what accelerate's offloading does).
+  (``trainer.infer.sources.OnDemandSource``: what accelerate's offloading does).
 
 Two phases. **Prefill** (many prompt tokens per pass): per-layer compute is large, the ring
 should hide its transfers and run near the resident speed. **Decode** (one token per
@@ -44,18 +44,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from tierstore.trainer.decoder import (
+from tierstore.trainer.infer.generate import GenerationResult, generate, make_source
+from tierstore.trainer.infer.loading import (
     DENSE_PREFIX,
     MODEL_ENTRY,
     MODEL_FORMAT,
-    DecoderConfig,
-    MoEDecoder,
-    expert_names,
     json_entry,
     load_model,
     model_info,
 )
-from tierstore.trainer.generate import GenerationResult, generate, make_source
+from tierstore.trainer.model import ModelConfig, MoEDecoder, expert_names
 
 import tierstore
 
@@ -65,18 +63,18 @@ TIERS = ("nvme", "backing", "host")
 
 def synthetic_config(layers: int = 8, experts: int = 8, hidden: int = 512, ffn: int = 1024,
                      vocab: int = 512, top_k: int = 2, heads: int = 8,
-                     kv_heads: int = 2) -> DecoderConfig:
+                     kv_heads: int = 2) -> ModelConfig:
     """A Mixtral-shaped configuration (every layer MoE, top-k routing, GQA)."""
-    return DecoderConfig(
+    return ModelConfig(
         family="mixtral", vocab_size=vocab, hidden_size=hidden, n_layers=layers,
         n_heads=heads, n_kv_heads=kv_heads, head_dim=hidden // heads, n_experts=experts,
         top_k=top_k, moe_ffn=ffn, moe_layers=tuple(range(layers)), dense_ffn=ffn,
         eos_token_ids=(), max_position=4096, dtype="float32")
 
 
-def write_synthetic_model(store: tierstore.Store, cfg: DecoderConfig, seed: int = 0,
+def write_synthetic_model(store: tierstore.Store, cfg: ModelConfig, seed: int = 0,
                           progress: Callable[[int], Any] | None = None) -> None:
-    """Random weights for ``cfg`` in the store layout ``trainer.decoder.load_model`` reads:
+    """Random weights for ``cfg`` in the store layout ``trainer.infer.loading.load_model`` reads:
     experts as ``layers.{i}.experts.{e}.w1|w2|w3``, dense weights under ``dense.``, then
     ``model.json``. Weights are scaled by 1/sqrt(fan-in) so activations stay O(1)."""
     g = torch.Generator().manual_seed(seed)
@@ -110,7 +108,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_bandwidth(store: tierstore.Store, cfg: DecoderConfig, device: torch.device,
+def measure_bandwidth(store: tierstore.Store, cfg: ModelConfig, device: torch.device,
                       repeats: int = 2) -> dict[str, Any]:
     """Bytes per second of ``get_many`` of whole MoE layers' experts onto ``device``, the
     path every source's transfers take (median over the layers and repeats)."""
@@ -130,7 +128,7 @@ def measure_bandwidth(store: tierstore.Store, cfg: DecoderConfig, device: torch.
             "t_transfer_layer_s": nbytes / statistics.median(rates)}
 
 
-def _prompts(cfg: DecoderConfig, batch: int, length: int, seed: int) -> list[list[int]]:
+def _prompts(cfg: ModelConfig, batch: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # Lengths differ a little so that left padding is exercised.
     return [torch.randint(0, cfg.vocab_size, (max(1, length - 3 * i),), generator=g).tolist()
@@ -149,8 +147,7 @@ def _run(store: tierstore.Store, model: MoEDecoder, mode: str, prompts: list[lis
     try:
         res = generate(model, source, prompts, new_tokens, greedy=True, eos_token_ids=())
     finally:
-        if hasattr(source, "close"):
-            source.close()
+        source.close()
     return res, res.source
 
 
@@ -214,7 +211,7 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
             tmp = tempfile.mkdtemp(prefix="tierstore-infer-", dir=".")
             store_path = os.path.join(tmp, "store")
             if model_dir is not None:
-                from tierstore.trainer.hf_import import import_hf
+                from tierstore.trainer.infer.hf_import import import_hf
 
                 import_hf(model_dir, store_path, progress=False)
             else:
@@ -225,7 +222,7 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
         # (O_DIRECT, checksums verified), the setting the store exists for; tier "host":
         # every expert fits the host cache.
         with tierstore.open(store_path, host_cache=0) as probe:
-            cfg1 = DecoderConfig.from_dict(model_info(probe)["config"])
+            cfg1 = ModelConfig.from_dict(model_info(probe)["config"])
             backing = probe.backing
         if tier == "nvme" and backing != "nvme":
             raise tierstore.StoreError(f"--tier nvme needs a store on NVMe; this one is on "
@@ -256,7 +253,7 @@ def _queue_stats(store: tierstore.Store, device: torch.device) -> dict[str, Any]
     return (store.stats().get("prefetch") or {}).get(str(dev)) or {}
 
 
-def measure_queue_bandwidth(store: tierstore.Store, cfg: DecoderConfig, device: torch.device
+def measure_queue_bandwidth(store: tierstore.Store, cfg: ModelConfig, device: torch.device
                             ) -> tuple[float, float]:
     """Bytes per second of whole MoE layers' experts through the store's device prefetch
     queue (the ring's and expert mode's transfer path): four layers requested at once, each

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from tierstore.trainer import TrainConfig, model_size, train_resident, train_store
-from tierstore.trainer.resident import corpus_for, resolve_model_config
+from tierstore.trainer.train.resident import corpus_for, resolve_model_config
 
 import tierstore
 

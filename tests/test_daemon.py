@@ -12,6 +12,8 @@
   and sizes are rejected; metrics and status answer.
 """
 
+# Over 600 lines: the daemon's processes, fuzz and signals share one set of launchers.
+
 from __future__ import annotations
 
 import grp

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from tierstore.trainer.decoder import load_model
-from tierstore.trainer.generate import generate, make_source
+from tierstore.trainer.infer.generate import generate, make_source
+from tierstore.trainer.infer.loading import load_model
 
 import tierstore
 from tierstore.cli import main
@@ -53,7 +53,7 @@ def test_json_line_with_text_and_id_prompts(mixtral: Path, tmp_path: Path) -> No
     assert got["spec_accuracy"] is None  # the ring predicts nothing
     # The same prompts as ids, in expert mode, give the same tokens (and cache figures).
     with tierstore.open(mixtral) as store:
-        from tierstore.trainer.decoder import load_tokenizer
+        from tierstore.trainer.infer.loading import load_tokenizer
 
         tok = load_tokenizer(store)
         assert tok is not None

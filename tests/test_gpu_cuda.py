@@ -34,9 +34,9 @@ def _open(tmp_path: Path, **kw: Any) -> tierstore.Store:
 
 
 def test_trainer_device_memory_is_flat_over_20_steps(tmp_path: Path) -> None:
-    from tierstore.trainer.data import load_corpus
-    from tierstore.trainer.resident import TrainConfig
-    from tierstore.trainer.store_trainer import train_store
+    from tierstore.trainer.train.data import load_corpus
+    from tierstore.trainer.train.resident import TrainConfig
+    from tierstore.trainer.train.store_trainer import train_store
 
     tc = TrainConfig(batch_size=4, seq_len=32, grad_accum=2, eval_every=0, lr=3e-3,
                      warmup_steps=2, decay_steps=20)

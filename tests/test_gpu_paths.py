@@ -3,6 +3,8 @@ is pinned, kvikio's configuration, the bench's device keys, and the prefetch que
 rules on a fake asynchronous device (copies and consumer kernels run later, on a device
 thread, in an order the test controls). Nothing here needs or touches CUDA."""
 
+# Over 600 lines: one fake asynchronous device serves every CUDA rule checked here.
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +26,7 @@ from tierstore.cache import HostCache
 from tierstore.cache import pinned as pinned_mod
 from tierstore.cache.slab import PAGE
 from tierstore.nvme.engines import configure_kvikio, make_engine, resolve_engine
-from tierstore.trainer.store_trainer import BufferPool
+from tierstore.trainer.train.fetch import BufferPool
 
 from tierstore.devices import normalize_device
 from tierstore.prefetch import PrefetchQueue

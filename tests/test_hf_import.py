@@ -11,16 +11,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from test_hf_models import ATOL, SENTENCES, make_hf_model, prompt_ids
-from tierstore.trainer.decoder import (
-    SUPPORTED_FAMILIES,
-    ResidentSource,
-    expert_names,
-    load_model,
-    load_tokenizer,
-    model_info,
-    tokenizer_files,
-)
-from tierstore.trainer.hf_import import import_hf
+from tierstore.trainer.infer.hf_config import SUPPORTED_FAMILIES
+from tierstore.trainer.infer.hf_import import import_hf
+from tierstore.trainer.infer.loading import load_model, load_tokenizer, model_info, tokenizer_files
+from tierstore.trainer.infer.sources import ResidentSource
+from tierstore.trainer.model import expert_names
 
 import tierstore
 from tierstore.cli import main
@@ -169,7 +164,7 @@ def test_load_model_on_a_store_without_model(tmp_path: Path) -> None:
 
 KILL_AFTER = r"""
 import os, signal, sys
-from tierstore.trainer.hf_import import import_hf
+from tierstore.trainer.infer.hf_import import import_hf
 calls = [0]
 def progress(n):  # called once an expert's put_many has returned
     calls[0] += 1

@@ -10,17 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from tierstore.trainer.decoder import (
-    SUPPORTED_FAMILIES,
-    DecoderConfig,
-    MoEDecoder,
-    OnDemandSource,
-    ResidentSource,
-    build_from_hf,
-    load_model,
-    load_tokenizer,
-)
-from tierstore.trainer.hf_import import import_hf
+from tierstore.trainer.infer.hf_config import SUPPORTED_FAMILIES, build_from_hf
+from tierstore.trainer.infer.hf_import import import_hf
+from tierstore.trainer.infer.loading import load_model, load_tokenizer
+from tierstore.trainer.infer.sources import OnDemandSource, ResidentSource
+from tierstore.trainer.model import ModelConfig, MoEDecoder
 
 import tierstore
 
@@ -200,7 +194,7 @@ def test_config_fields(tmp_path: Path) -> None:
     assert mx.norm_topk_prob and mx.eos_token_ids == (2,)
     assert mx.expert_bytes(torch.float32) == 3 * 32 * 48 * 4
     assert mx.expert_bytes("bfloat16") == 3 * 32 * 48 * 2
-    assert DecoderConfig.from_dict(mx.to_dict()) == mx
+    assert ModelConfig.from_dict(mx.to_dict()) == mx
     with torch.device("meta"):
         m = MoEDecoder(q2)
     assert m.next_moe_layer(0) == 2 and m.next_moe_layer(2) is None
@@ -238,10 +232,13 @@ def test_trainer_checkpoint_through_decoder(tmp_path: Path, moe_every: int) -> N
     computes what trainer.model.MoEModel computes."""
     from dataclasses import replace
 
-    from tierstore.trainer.data import load_corpus
-    from tierstore.trainer.model import PRESETS, MoEModel
-    from tierstore.trainer.resident import TrainConfig
-    from tierstore.trainer.store_trainer import DENSE_ENTRY, _unpack, train_store
+    from tierstore.trainer.model import MoEModel
+    from tierstore.trainer.presets import PRESETS
+    from tierstore.trainer.train.checkpoint import DENSE_ENTRY
+    from tierstore.trainer.train.checkpoint import unpack as _unpack
+    from tierstore.trainer.train.data import load_corpus
+    from tierstore.trainer.train.resident import TrainConfig
+    from tierstore.trainer.train.store_trainer import train_store
 
     cfg = replace(PRESETS["tiny"], moe_every=moe_every)
     tc = TrainConfig(batch_size=2, seq_len=16, eval_every=0, lr=1e-2)

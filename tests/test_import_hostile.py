@@ -540,7 +540,7 @@ HUGE = r"""
 import json, resource, sys
 from click.testing import CliRunner
 from tierstore.cli import main
-import trainer.hf_import  # what the command imports, loaded before the baseline
+import tierstore.trainer.infer.hf_import  # what the command imports, loaded before the baseline
 
 def vm_kib():
     with open("/proc/self/status") as f:

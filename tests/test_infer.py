@@ -4,6 +4,8 @@ the ring (K below the number of MoE layers, the budget holding exactly K layers)
 expert mode; logits match ``transformers``' forward to 1e-4 and greedy generation yields
 exactly the tokens of its ``generate``. Also the ring-size chooser and the budgets."""
 
+# Over 600 lines: every inference mode against transformers over one set of tiny models.
+
 from __future__ import annotations
 
 import shutil
@@ -17,10 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from tierstore.trainer.decoder import HF_FAMILIES, expert_names, load_model
-from tierstore.trainer.expert_mode import ExpertModeSource
-from tierstore.trainer.generate import generate, make_source, pad_left, responsive_interpreter
-from tierstore.trainer.ring import RingSource, choose_slots, max_slots
+from tierstore.trainer.infer.expert_mode import ExpertModeSource
+from tierstore.trainer.infer.generate import generate, make_source, pad_left, responsive_interpreter
+from tierstore.trainer.infer.hf_config import HF_FAMILIES
+from tierstore.trainer.infer.loading import load_model
+from tierstore.trainer.infer.ring import RingSource, choose_slots, max_slots
+from tierstore.trainer.model import expert_names
 
 import tierstore
 
@@ -491,7 +495,7 @@ def test_expert_mode_guesses_while_guessing_pays(mixtral: Path) -> None:
     guesses that are always right it guesses on every layer; with guesses that are always
     wrong it stops after the first and only probes now and then. Either way the tokens are
     the resident model's. The guesses come from the routing a resident run recorded."""
-    from tierstore.trainer import expert_mode
+    from tierstore.trainer.infer import expert_mode
 
     with open_offloaded(mixtral) as store:
         model = load_model(store, "cpu")

@@ -6,6 +6,8 @@ as a transfer takes its credits), and stage 1 is held back where needed by wrapp
 store's ``_host_bytes`` with a gate. Nothing here asserts on time.
 """
 
+# Over 600 lines: the queue's contract, one section per rule, sharing one gated store.
+
 from __future__ import annotations
 
 import random

@@ -130,10 +130,10 @@ def test_a_host_cache_larger_than_the_machine_is_refused(tmp_path: Path) -> None
 
 # -- a full disk with the host cache on ---------------------------------------------------------
 FULL_CHILD = textwrap.dedent("""
-    import json, resource, signal, sys, torch, tierstore, tierstore.store
+    import json, resource, signal, sys, torch, tierstore, tierstore.writes
     path, limit = sys.argv[1], int(sys.argv[2])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
-    tierstore.store.FLUSH_BATCH_BYTES = 256 << 10  # small batches, so some fit the space left
+    tierstore.writes.FLUSH_BATCH_BYTES = 256 << 10  # small batches, so some fit the space left
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     out = {}
     st = tierstore.open(path, host_cache="64MiB")

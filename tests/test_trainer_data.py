@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tierstore.trainer.data import (
+from tierstore.trainer.train.data import (
     BatchSampler,
     CorpusError,
     decode,

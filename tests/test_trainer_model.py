@@ -9,18 +9,15 @@ import pytest
 import torch
 from tierstore.trainer.model import (
     EXPERT_WEIGHTS,
-    PRESETS,
     ExpertWeights,
-    MoEConfig,
     MoEModel,
     expert_forward,
     expert_name,
     init_expert,
-    model_size,
     moe_combine,
-    presets_table,
     route,
 )
+from tierstore.trainer.presets import PRESETS, MoEConfig, model_size, presets_table
 
 TINY = PRESETS["tiny"]
 MIXED = MoEConfig(d_model=32, n_layers=4, n_heads=2, d_ff=48, d_ff_dense=40, n_experts=6,

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tierstore.trainer.data import BatchSampler, Corpus, load_corpus
-from tierstore.trainer.model import PRESETS, ExpertWeights, MoEConfig, MoEModel, init_expert
-from tierstore.trainer.optim import adamw_step, clip_grads_, lr_at
-from tierstore.trainer.resident import (
+from tierstore.trainer.model import ExpertWeights, MoEModel, init_expert
+from tierstore.trainer.presets import PRESETS, MoEConfig
+from tierstore.trainer.train.data import BatchSampler, Corpus, load_corpus
+from tierstore.trainer.train.optim import adamw_step, clip_grads_, lr_at
+from tierstore.trainer.train.resident import (
     CHECKPOINT_NAME,
     TrainConfig,
     load_checkpoint,

@@ -17,20 +17,26 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from tierstore.trainer.data import Corpus, load_corpus
-from tierstore.trainer.model import EXPERT_WEIGHTS, PRESETS, MoEConfig, expert_name, init_expert
-from tierstore.trainer.resident import TrainConfig, load_checkpoint, param_groups, train_resident
-from tierstore.trainer.store_trainer import (
+from tierstore.trainer.model import EXPERT_WEIGHTS, expert_name, init_expert
+from tierstore.trainer.presets import PRESETS, MoEConfig
+from tierstore.trainer.train.checkpoint import (
     DENSE_ENTRY,
     MOMENTS,
     STEP_KIND,
-    MetricsLog,
-    RoutingPredictor,
     TrainerError,
     checkpoint_steps,
     step_counts_name,
-    train_store,
 )
+from tierstore.trainer.train.data import Corpus, load_corpus
+from tierstore.trainer.train.fetch import RoutingPredictor
+from tierstore.trainer.train.metrics import MetricsLog
+from tierstore.trainer.train.resident import (
+    TrainConfig,
+    load_checkpoint,
+    param_groups,
+    train_resident,
+)
+from tierstore.trainer.train.store_trainer import train_store
 
 import tierstore
 from tierstore.cli import main

@@ -22,22 +22,26 @@ from .errors import (
     StoreLockedError,
     UnsupportedTensorError,
 )
+from .interface import Borrowed, Capabilities, EntryInfo, FsckReport, SnapshotInfo, Staged, Store
+from .keys import KINDS
+from .local import LocalStore
+from .opening import open_store as open
 from .repair import RepairReport, repair_store
 from .sizes import format_size, parse_size
-from .store import KINDS, Borrowed, EntryInfo, FsckReport, SnapshotInfo, Staged, Store
-from .store import open_store as open
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KINDS",
     "Borrowed",
+    "Capabilities",
     "CatalogError",
     "CorruptEntryError",
     "EntryInfo",
     "EntryNotFoundError",
     "FsckReport",
     "ImportFormatError",
+    "LocalStore",
     "NotAStoreError",
     "RemoteStore",
     "RepairReport",

@@ -163,7 +163,7 @@ def fsck(store: str, as_json: bool, repair: bool) -> None:
     map and the slab files. Exits 1 if anything is wrong; a damaged catalog is reported
     too, and `--repair` recovers from it."""
     from .errors import CatalogError
-    from .store import FsckReport
+    from .interface import FsckReport
 
     def go() -> int:
         with _bar(0, "repair" if repair else "fsck") as bar:

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from .opening import open_store
 from .sizes import format_size
-from .store import open_store
 
 WEIGHTS = ("w1", "w2", "w3")  # SwiGLU expert: w1, w3 [ffn, hidden]; w2 [hidden, ffn]
 

@@ -5,22 +5,24 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from tierstore.nvme import holds_data
 
+from .catalog import Catalog, Record
 from .errors import CorruptEntryError, StoreError
+from .interface import FsckReport
+from .media import Medium, missing_segments, orphan_files
 
 LOST_FOUND = "lost+found"  # where a repair puts slab files the restored catalog does not name
 
-if TYPE_CHECKING:
-    from .store import FsckReport, Store
 
-
-def check_store(store: Store, progress: Callable[[int], None] | None = None) -> FsckReport:
-    from .store import FsckReport
-
-    cat, report = store._catalog, FsckReport()
+def check_store(path: str, cat: Catalog, medium: Medium,
+                verify: Callable[[str, str, Record], None],
+                progress: Callable[[int], None] | None = None) -> FsckReport:
+    """Check the store at ``path`` (its catalog and backing medium, both open):
+    ``verify(name, kind, record)`` reads a stored version back and raises
+    :class:`CorruptEntryError` where its checksums disagree."""
+    report = FsckReport()
     with cat.read() as txn:
         live = list(cat.iter_records(txn))
         snaps = [
@@ -82,7 +84,7 @@ def check_store(store: Store, progress: Callable[[int], None] | None = None) -> 
             continue
         done.add((rec.seg, rec.off))
         try:
-            store._verify_record(name, kind, rec)
+            verify(name, kind, rec)
         except CorruptEntryError as e:
             report.problems.append(str(e))
         except (StoreError, OSError) as e:
@@ -92,18 +94,17 @@ def check_store(store: Store, progress: Callable[[int], None] | None = None) -> 
         verified += rec.nbytes
         if progress:
             progress(verified)
-    for seg, path in getattr(store._medium, "missing", dict)().items():
-        report.problems.append(f"{path}: slab file of segment {seg} is missing; the entries "
+    for seg, where in missing_segments(medium).items():
+        report.problems.append(f"{where}: slab file of segment {seg} is missing; the entries "
                                "stored there cannot be read")
-    orphans = getattr(store._medium, "orphans", None)
-    for path in orphans(segments) if orphans else []:
-        if holds_data(path):
-            report.problems.append(f"{path}: holds data but no catalog segment names it; the "
+    for where in orphan_files(medium, segments):
+        if holds_data(where):
+            report.problems.append(f"{where}: holds data but no catalog segment names it; the "
                                    "store never reuses it: move it away once you know whose it is")
         else:
-            report.notes.append(f"{path}: never written, left by a crash (reused as the "
+            report.notes.append(f"{where}: never written, left by a crash (reused as the "
                                 "store grows)")
-    found = os.path.join(store.path, LOST_FOUND)
+    found = os.path.join(path, LOST_FOUND)
     if os.path.isdir(found) and os.listdir(found):
         report.notes.append(f"{found}: files set aside by a repair; delete them when they "
                             "are no longer wanted")

@@ -84,5 +84,19 @@ class Medium(Protocol):
         """Release files, mappings and threads. Idempotent."""
 
 
+def missing_segments(medium: Medium) -> dict[int, str]:
+    """Segments whose files are gone, with their paths: only a medium that keeps a file per
+    segment (NVMe slabs) can lose one, and only such a medium has ``missing()``."""
+    missing = getattr(medium, "missing", None)
+    return missing() if missing is not None else {}
+
+
+def orphan_files(medium: Medium, segments: Iterable[int]) -> list[str]:
+    """Files of the medium that no segment of ``segments`` names (left by a crash between
+    making a segment and committing it); only a medium with a file per segment has any."""
+    orphans = getattr(medium, "orphans", None)
+    return orphans(segments) if orphans is not None else []
+
+
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment

@@ -1,5 +1,6 @@
-"""What opening a store proves before it touches anything: the marker is whole, the catalog
-is this store's own, the caller may write there and nobody else has the store open.
+"""Opening a store (:func:`open_store`, which is ``tierstore.open``) and what it proves before
+it touches anything: the marker is whole, the catalog is this store's own, the caller may
+write there and nobody else has the store open.
 
 A store directory holds ``TIERSTORE`` (the marker: format, backing, store id), ``catalog/``
 (LMDB) and the backing tier's files. The marker and the catalog record the same identity, so
@@ -16,13 +17,17 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
-from tierstore.nvme import fsync_dir
+import torch
+
+from tierstore.nvme import ENGINES, fsync_dir
 
 from .catalog import FORMAT_VERSION, REPAIR_HINT, Catalog
 from .errors import CatalogError, NotAStoreError, StoreError, StoreLockedError
-from .media import ALIGNMENT, align_up
+from .local import LocalStore
+from .media import ALIGNMENT, Medium, align_up
 from .sizes import format_size, parse_size
 
 MARKER = "TIERSTORE"
@@ -170,3 +175,105 @@ def check_host_cache(nbytes: int) -> None:
         raise StoreError(f"a host cache of {format_size(nbytes)} does not fit this machine's "
                          f"{format_size(limit)} of memory; choose a smaller host cache "
                          "(--host-cache / host_cache=)")
+
+
+def _make_medium(path: str, backing: dict[str, Any], engine: str, io_threads: int,
+                 fresh: bool) -> Medium:
+    """The backing tier; ``fresh`` (no segment committed yet) lets a pmem pool be made."""
+    kind = backing.get("kind", "nvme")
+    if kind == "nvme":
+        from tierstore.nvme import SlabMedium
+
+        return SlabMedium(path, slab_bytes=backing["slab_bytes"], engine=engine, threads=io_threads)
+    if kind == "pmem":
+        from tierstore.pmem import PoolMedium
+
+        exists = os.path.exists(backing["pool"])
+        if not exists and not fresh:
+            raise StoreError(f"pmem pool {backing['pool']} of store {path} is missing; the "
+                             "store's data is there: restore the file (or mount its device)")
+        return PoolMedium(backing["pool"], create=not exists, size=backing.get("pool_bytes"),
+                          threads=io_threads)
+    raise NotAStoreError(f"store {path} names an unknown backing tier {kind!r}")
+
+
+def open_store(
+    path: str | os.PathLike[str],
+    *,
+    create: bool = False,
+    backing: str | None = None,
+    slab_size: int | str = "1GiB",
+    pmem_path: str | os.PathLike[str] | None = None,
+    pmem_size: int | str | None = None,
+    engine: str = "auto",
+    io_threads: int = 8,
+    chunk_size: int | str = "8MiB",
+    map_size: int | str = "1GiB",
+    host_cache: int | str | None = "1GiB",
+    policy: str = "lfu-decay",
+    policy_args: dict[str, Any] | None = None,
+    device_budget: int | str | Mapping[str, int | str] | None = None,
+    cache_arena: torch.Tensor | None = None,
+) -> LocalStore:
+    """Open the store at ``path`` (``create=True`` makes it if missing).
+
+    ``backing`` is ``"nvme"`` (slab files under the store directory, the default) or
+    ``"pmem"`` (a libpmem pool at ``pmem_path`` of ``pmem_size``); it is recorded at
+    creation, so reopening needs only the path. ``engine`` picks the NVMe I/O engine
+    (``auto``: POSIX O_DIRECT; kvikio only when named, as it is unmeasured). ``host_cache`` is the host-memory
+    cache's capacity (0 or None: no cache, every ``put`` is committed before it returns);
+    ``policy`` names its eviction policy (``lfu-decay``, ``lru``, ``lfu``, ``arc``,
+    ``semoe``) and ``policy_args`` its parameters. ``device_budget`` is the byte budget of
+    the prefetch queues (:meth:`Store.prefetch`): one size for every device, or a mapping
+    from a device (``"cpu"``, ``"cuda"``, ``"cuda:1"``) to its size; unset, it is 1 GiB on
+    the CPU and half of a GPU's memory. Sizes take bytes or strings such as ``"2GiB"``.
+    ``cache_arena`` is memory for the host cache's slots instead of a fresh allocation (a
+    page-aligned flat uint8 tensor of at least ``host_cache`` bytes): the daemon passes a
+    shared-memory mapping that its clients read.
+    """
+    path = os.path.abspath(os.fspath(path))
+    marker = os.path.join(path, MARKER)
+    chunk = parse_size(chunk_size)
+    if chunk < ALIGNMENT or chunk % ALIGNMENT:
+        raise StoreError(f"chunk_size must be a positive multiple of {ALIGNMENT}, got {chunk}")
+    if engine not in ENGINES:  # checked for every backing: a typo is never ignored
+        raise StoreError(f"unknown I/O engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if io_threads < 1:
+        raise StoreError("io_threads must be >= 1")
+    cache_bytes = parse_size(host_cache or 0)
+    check_host_cache(cache_bytes)  # before anything is made or opened
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotAStoreError(f"{path} is a file, not a store directory")
+    if not os.path.exists(marker):
+        if not create:
+            what = "does not exist" if not os.path.exists(path) else "is not a tierstore store"
+            raise NotAStoreError(f"{path} {what} (create it with `tierstore init {path}`)")
+        leftovers = set(os.listdir(path)) if os.path.isdir(path) else set()
+        if leftovers - {CATALOG_DIR, LOCK, "slabs", MARKER + ".tmp"}:
+            raise NotAStoreError(f"{path} is a non-empty directory that is not a store")
+        init_dir(path, backing or "nvme", slab_size, pmem_path, pmem_size, map_size)
+    meta = read_marker(path)
+    if backing is not None and backing != meta["backing"]["kind"]:
+        raise StoreError(f"store {path} is backed by {meta['backing']['kind']}, not {backing}")
+    lock_fd = lock(path)
+    catalog = medium = None
+    try:
+        catalog = Catalog(os.path.join(path, CATALOG_DIR), map_size=parse_size(map_size))
+        check_identity(path, meta, catalog)
+        with catalog.read() as txn:
+            fresh = not catalog.segments(txn)
+        medium = _make_medium(path, meta["backing"], engine, io_threads, fresh)
+        return LocalStore(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd,
+                     io_threads=io_threads, host_cache=cache_bytes,
+                     policy=policy, policy_args=policy_args, device_budget=device_budget,
+                     cache_arena=cache_arena)
+    except BaseException as e:
+        if medium is not None:
+            medium.close()
+        if catalog is not None:
+            catalog.close()
+        os.close(lock_fd)
+        if isinstance(e, PermissionError):
+            raise StoreError(f"{e.filename or path}: permission denied; open the store as the "
+                             "user who owns it, or make its files writable") from None
+        raise

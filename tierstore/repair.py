@@ -28,8 +28,9 @@ from tierstore.nvme import fsync_dir, orphan_slabs
 from .catalog import Catalog
 from .errors import CatalogError, StoreError
 from .fsck import LOST_FOUND
-from .opening import CATALOG_DIR, check_identity, lock, read_marker
-from .store import CATALOG_COPY, FsckReport, open_store
+from .interface import FsckReport
+from .opening import CATALOG_DIR, check_identity, lock, open_store, read_marker
+from .snapshots import CATALOG_COPY
 
 
 @dataclass

@@ -1,19 +1,21 @@
-"""tierstore's bundled MoE trainer.
+"""tierstore's bundled MoE applications: a trainer and an inferencer over the store.
 
-- :mod:`trainer.model`: the decoder-only MoE transformer, its presets and size arithmetic.
-- :mod:`trainer.data`: a byte-level text corpus and a resumable batch sampler.
-- :mod:`trainer.optim`: AdamW, clipping and learning-rate arithmetic shared by the trainers.
-- :mod:`trainer.resident`: the reference trainer with everything held in memory.
-- :mod:`trainer.store_trainer`: the trainer whose experts and their optimizer states live in a
-  tierstore Store.
-- :mod:`trainer.cli_train`: what ``tierstore train`` runs.
+- :mod:`trainer.model`: the MoE transformer both run, in one file, and its config.
+- :mod:`trainer.presets`: the trainer's model shapes (:class:`MoEConfig`), presets and sizes.
+- :mod:`trainer.train`: training, in memory or with the experts' states in a store.
+- :mod:`trainer.infer`: inference with the experts in a store: Hugging Face import, expert
+  sources and generation.
+- :mod:`trainer.commands`: the ``tierstore`` commands they add.
 """
 
-from .data import BatchSampler, Corpus, CorpusError, load_corpus
-from .model import PRESETS, MoEConfig, MoEModel, model_size, presets_table
-from .optim import adamw_step
-from .resident import TrainConfig, train_resident
-from .store_trainer import ExpertStates, TrainerError, checkpoint_steps, saved_run, train_store
+from .model import ModelConfig, MoEModel
+from .presets import PRESETS, MoEConfig, model_size, presets_table
+from .train.checkpoint import TrainerError, checkpoint_steps, saved_run
+from .train.data import BatchSampler, Corpus, CorpusError, load_corpus
+from .train.expert_states import ExpertStates
+from .train.optim import adamw_step
+from .train.resident import TrainConfig, train_resident
+from .train.store_trainer import train_store
 
 __all__ = [
     "PRESETS",
@@ -21,6 +23,7 @@ __all__ = [
     "Corpus",
     "CorpusError",
     "ExpertStates",
+    "ModelConfig",
     "MoEConfig",
     "MoEModel",
     "TrainConfig",

@@ -33,7 +33,7 @@ def import_hf_(model_dir: str, store: str, resume: bool) -> None:
     tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral
     tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral --resume   # after an interruption
     """
-    from tierstore.trainer.hf_import import import_hf
+    from tierstore.trainer.infer.hf_import import import_hf
 
     def go() -> None:
         info = import_hf(model_dir, store, progress=True, resume=resume)
@@ -78,7 +78,7 @@ def demo(store: str, layers: int, experts: int, hidden: int, ffn: int, seed: int
         code = run_demo(store, layers=layers, experts=experts, hidden=hidden, ffn=ffn,
                         seed=seed, fresh=fresh, echo=click.echo)
         if train_steps:
-            from tierstore.trainer.demo import run_demo_training
+            from tierstore.trainer.train.demo import run_demo_training
 
             code = max(code, run_demo_training(
                 store.rstrip("/") + "-model", model=model, steps=train_steps, seed=seed,
@@ -91,7 +91,7 @@ def demo(store: str, layers: int, experts: int, hidden: int, ffn: int, seed: int
 def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
-    from tierstore.trainer.model import presets_table
+    from tierstore.trainer.presets import presets_table
 
     click.echo(presets_table())
     ctx.exit()
@@ -183,7 +183,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
         raise click.UsageError("--trace records the store trainer's routing; drop --resident")
     if resident and store is None and (resume or checkpoint_every):
         raise click.UsageError("--resume and --checkpoint-every with --resident need --store")
-    from tierstore.trainer.cli_train import run_train
+    from tierstore.trainer.train.cli_train import run_train
 
     given = {"batch_size": batch_size, "seq_len": seq_len, "lr": lr, "grad_accum": grad_accum,
              "dtype": dtype, "eval_every": eval_every}
@@ -270,7 +270,7 @@ def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
     if (store is None) == (connect is None):
         raise click.UsageError("give the model's store with --store or a daemon's socket with "
                                "--connect (one of them)")
-    from tierstore.trainer.generate import run_generate
+    from tierstore.trainer.infer.generate import run_generate
 
     _run(lambda: run_generate(
         store=store, prompts=prompts, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,

@@ -1,134 +1,67 @@
-"""A decoder-only Mixture-of-Experts transformer in one file.
+"""A decoder-only Mixture-of-Experts transformer in one file: the model tierstore trains and
+the one it runs Hugging Face checkpoints with.
 
-Pre-norm blocks: RMSNorm -> causal rotary attention -> RMSNorm -> FFN, where the FFN of every
-``moe_every``-th layer is a top-k routed bank of SwiGLU experts and the others are one dense
-SwiGLU. The router computes in fp32 and adds the Switch Transformer load-balancing loss and
-the ST-MoE router z-loss.
+Pre-norm blocks: RMSNorm -> causal rotary attention -> RMSNorm -> FFN, where the FFN of an
+MoE layer is a top-k routed bank of SwiGLU experts (plus, in Qwen2-MoE, a sigmoid-gated
+shared expert) and that of the other layers one dense SwiGLU. :class:`ModelConfig` holds
+every way the families differ (grouped-query attention, q/k norms, biases, sliding windows,
+router renormalisation, tied embeddings); the trainer's presets (:mod:`trainer.presets`) and
+Hugging Face configs (:mod:`trainer.infer.hf_config`) both produce one.
 
-The expert FFN is written so that expert weights never have to be module parameters:
+Expert weights never have to be module parameters. An MoE layer routes its tokens, asks an
+:class:`ExpertSource` for exactly the experts it routed to, and :func:`moe_combine` runs the
+tokens through whatever weights come back (``expert_id -> (w1, w2, w3)``). Training, the
+source is the resident banks (:class:`ExpertBank`, parameters named like the store's entries,
+``layers.{i}.experts.{e}.w1|w2|w3``) or a store-backed trainer's provider; inference, a
+resident copy, on-demand reads, a ring of layers or an expert cache (:mod:`trainer.infer`).
+Every path runs the same code, so they agree bit for bit.
 
-* :func:`expert_forward` takes an expert's ``w1, w2, w3`` as explicit tensors;
-* :meth:`Block.route` picks experts for each token;
-* :func:`moe_combine` runs the routed tokens through whichever weights the caller hands it
-  (a mapping ``expert_id -> (w1, w2, w3)``) and mixes the outputs.
+:meth:`MoEModel.forward` trains: causal attention over whole sequences, the Switch
+load-balancing loss and the ST-MoE router z-loss, fp32 master weights computing in ``dtype``
+through autocast. :meth:`MoEModel.decode` runs inference: a KV cache, left padding by
+attention mask, positions as ``transformers``' generate counts them. :class:`MoEDecoder` is
+the model whose call is ``decode``. One precision rule serves both: rotary tables and router
+logits are computed in the weights' dtype, so fp32 masters under autocast keep both in fp32
+and bf16 weights (inference, as ``transformers`` runs them) compute them in bf16.
 
-A resident model keeps every expert in an :class:`ExpertBank` (plain ``nn.Parameter`` s named
-``layers.{i}.experts.{e}.w1|w2|w3``, the store's naming convention). A store-backed trainer
-builds the model with ``resident_experts=False`` and passes ``experts=provider`` to
-:meth:`MoEModel.forward`; the provider is called once per MoE layer, right after that layer's
-router has run, with the exact set of experts it needs. Both paths run the same
-:func:`moe_combine`, so they agree bit for bit.
-
-Weight layouts follow ``nn.Linear`` (and Mixtral): ``w1``/``w3`` are ``[d_ff, d_model]``
-(gate and up projections), ``w2`` is ``[d_model, d_ff]`` (down projection).
+Weight layouts follow ``nn.Linear`` (and Mixtral): ``w1``/``w3`` are ``[ffn, hidden]``
+(gate and up projections), ``w2`` is ``[hidden, ffn]`` (down projection).
 """
 
+# Over 600 lines: the one model that training and inference both run, read best whole.
 from __future__ import annotations
 
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
-from typing import Any, NamedTuple
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    from .presets import MoEConfig
 
-ExpertWeights = tuple[Tensor, Tensor, Tensor]
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+QK_NORMS = ("none", "full", "head")  # OLMoE: over the whole projection; Qwen3: per head
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+ExpertWeights = tuple[Tensor, Tensor, Tensor]  # (w1 gate, w2 down, w3 up)
 # provider(layer_index, sorted expert ids) -> {expert_id: (w1, w2, w3)}
 ExpertProvider = Callable[[int, list[int]], Mapping[int, ExpertWeights]]
 
 
-@dataclass(frozen=True)
-class MoEConfig:
-    """Architecture of an :class:`MoEModel`.
-
-    ``dtype`` is the compute dtype (``float32`` or ``bfloat16``, the latter through autocast);
-    parameters are always fp32 master copies, which is what the store keeps for experts.
-    """
-
-    vocab_size: int = 256  # byte-level tokens
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    d_ff: int = 128  # hidden size of one expert
-    d_ff_dense: int | None = None  # hidden size of the dense FFN layers; None: d_ff
-    n_experts: int = 8
-    top_k: int = 2
-    moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    router_aux_coef: float = 0.01  # Switch load-balancing loss weight
-    router_z_coef: float = 0.001  # ST-MoE router z-loss weight
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError("rotary embeddings need an even head dimension")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k must be in 1..n_experts, got {self.top_k}")
-        if self.moe_every < 1:
-            raise ValueError(f"moe_every must be >= 1, got {self.moe_every}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def dense_ff(self) -> int:
-        return self.d_ff if self.d_ff_dense is None else self.d_ff_dense
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def is_moe(self, layer: int) -> bool:
-        return (layer + 1) % self.moe_every == 0
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return [i for i in range(self.n_layers) if self.is_moe(i)]
-
-    def expert_shapes(self) -> dict[str, tuple[int, int]]:
-        return {
-            "w1": (self.d_ff, self.d_model),
-            "w2": (self.d_model, self.d_ff),
-            "w3": (self.d_ff, self.d_model),
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> MoEConfig:
-        return cls(**d)
-
-
-PRESETS: dict[str, MoEConfig] = {
-    # Trains in seconds on a laptop CPU.
-    "tiny": MoEConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, n_experts=8, top_k=2,
-                      max_seq_len=256),
-    "small": MoEConfig(d_model=128, n_layers=4, n_heads=4, d_ff=256, n_experts=16, top_k=2,
-                       max_seq_len=512),
-    "medium": MoEConfig(d_model=256, n_layers=6, n_heads=8, d_ff=512, n_experts=32, top_k=2,
-                        max_seq_len=512),
-    # Many experts keep the per-token compute small while the expert states grow large.
-    "large": MoEConfig(d_model=512, n_layers=8, n_heads=8, d_ff=1024, n_experts=64, top_k=2,
-                       max_seq_len=1024),
-    "xl": MoEConfig(d_model=768, n_layers=12, n_heads=12, d_ff=2048, n_experts=64, top_k=2,
-                    max_seq_len=1024),
-}
+def dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"``, ``torch.bfloat16`` or ``None`` -> a torch dtype (or ``None``)."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[str(name).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}") from None
 
 
 def expert_name(layer: int, expert: int, weight: str) -> str:
@@ -138,89 +71,104 @@ def expert_name(layer: int, expert: int, weight: str) -> str:
     return f"layers.{layer}.experts.{expert}.{weight}"
 
 
-# --------------------------------------------------------------------------- sizes
+def expert_names(layer: int, expert: int) -> tuple[str, str, str]:
+    """Store names of one expert's ``(w1, w2, w3)``."""
+    base = f"layers.{layer}.experts.{expert}"
+    return f"{base}.w1", f"{base}.w2", f"{base}.w3"
+
+
+# --------------------------------------------------------------------------- configuration
 
 
 @dataclass(frozen=True)
-class ModelSize:
-    """Parameter counts and state sizes of a configuration, computed without building it.
+class ModelConfig:
+    """Architecture of a :class:`MoEModel`; JSON-serialisable through :meth:`to_dict`.
 
-    ``expert_state_bytes`` is 12 bytes per expert parameter (fp32 master + ``exp_avg`` +
-    ``exp_avg_sq``: the papers' 12·S on the backing tier); ``dense_state_bytes`` is 16 bytes
-    per dense parameter (param, grad, and the two fp32 moments: the papers' 16·D).
+    ``dtype`` is the compute dtype: inference holds the weights in it (by default: the
+    stored dtype), training holds fp32 master weights and computes in it through autocast.
     """
 
-    dense_params: int
-    expert_params: int
-    params_per_expert: int
-    n_moe_layers: int
-    active_params: int  # parameters one token touches (top_k experts per MoE layer)
+    family: str  # "tierstore" (trained by tierstore) or the HF model_type
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    moe_ffn: int  # hidden size of one routed expert
+    moe_layers: tuple[int, ...]
+    dense_ffn: int  # hidden size of the dense FFN of non-MoE layers
+    shared_ffn: int = 0  # 0: no shared expert (Qwen2-MoE has one, gated by a sigmoid)
+    rope_theta: float = 10000.0
+    rope_scale: float = 1.0  # linear position scaling ("linear" rope type)
+    norm_eps: float = 1e-5
+    qk_norm: str = "none"  # "none" | "full" (OLMoE) | "head" (Qwen3-MoE)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    clip_qkv: float | None = None  # OLMoE's optional clamp of q, k, v
+    norm_topk_prob: bool = True  # renormalise the top-k softmax weights to sum to 1
+    tie_embeddings: bool = False
+    sliding_windows: tuple[int, ...] = ()  # per layer, 0: full attention; empty: all full
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    max_position: int = 4096
+    dtype: str = "float32"
+    router_aux_coef: float = 0.01  # training: Switch load-balancing loss weight
+    router_z_coef: float = 0.001  # training: ST-MoE router z-loss weight
+    init_std: float = 0.02  # training: std of the initial weights
 
-    @property
-    def total_params(self) -> int:
-        return self.dense_params + self.expert_params
+    def __post_init__(self) -> None:
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads "
+                             f"{self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError("rotary embeddings need an even head dimension")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must be in 1..n_experts, got {self.top_k}")
+        if any(not 0 <= i < self.n_layers for i in self.moe_layers):
+            raise ValueError(f"moe_layers {self.moe_layers} outside 0..{self.n_layers - 1}")
+        if self.sliding_windows and len(self.sliding_windows) != self.n_layers:
+            raise ValueError("sliding_windows needs one entry per layer")
+        dtype_of(self.dtype)
 
-    @property
-    def expert_state_bytes(self) -> int:
-        return 12 * self.expert_params
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
 
-    @property
-    def dense_state_bytes(self) -> int:
-        return 16 * self.dense_params
+    def window(self, layer: int) -> int:
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
-    @property
-    def layer_expert_state_bytes(self) -> int:
-        """Expert states of one MoE layer: the unit a layer-wise prefetch moves."""
-        return 0 if not self.n_moe_layers else self.expert_state_bytes // self.n_moe_layers
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        return {"w1": (self.moe_ffn, self.hidden_size), "w2": (self.hidden_size, self.moe_ffn),
+                "w3": (self.moe_ffn, self.hidden_size)}
 
+    def expert_bytes(self, dtype: torch.dtype | str | None = None) -> int:
+        """Bytes of one expert's three tensors in ``dtype`` (default: :attr:`dtype`)."""
+        dt = dtype_of(dtype) or dtype_of(self.dtype)
+        assert dt is not None
+        return 3 * self.hidden_size * self.moe_ffn * torch.empty((), dtype=dt).element_size()
 
-def model_size(cfg: MoEConfig) -> ModelSize:
-    d, v = cfg.d_model, cfg.vocab_size
-    per_expert = 3 * d * cfg.d_ff
-    n_moe = len(cfg.moe_layers)
-    n_dense = cfg.n_layers - n_moe
-    per_layer_common = 2 * d + 4 * d * d  # two norms + attention
-    dense = (
-        2 * v * d  # embedding + untied output head
-        + d  # final norm
-        + cfg.n_layers * per_layer_common
-        + n_dense * 3 * d * cfg.dense_ff
-        + n_moe * cfg.n_experts * d  # routers
-    )
-    experts = n_moe * cfg.n_experts * per_expert
-    return ModelSize(
-        dense_params=dense,
-        expert_params=experts,
-        params_per_expert=per_expert,
-        n_moe_layers=n_moe,
-        active_params=dense + n_moe * cfg.top_k * per_expert,
-    )
+    def layer_expert_bytes(self, dtype: torch.dtype | str | None = None) -> int:
+        """Bytes of every expert of one MoE layer."""
+        return self.n_experts * self.expert_bytes(dtype)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
-def _human(n: float, unit: str = "") -> str:
-    """``460.1 K`` for counts, ``4.5 MiB`` for bytes (``unit="B"``)."""
-    base, prefixes = (1024.0, ("Ki", "Mi", "Gi", "Ti")) if unit == "B" else (
-        1000.0, ("K", "M", "B", "T"))
-    if abs(n) < base:
-        return f"{n:.0f} {unit}".rstrip()
-    for prefix in prefixes:
-        n /= base
-        if abs(n) < base or prefix == prefixes[-1]:
-            break
-    return f"{n:.1f} {prefix}{unit}"
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v
+                      for k, v in d.items() if k in known})
 
 
-def presets_table(presets: Mapping[str, MoEConfig] | None = None) -> str:
-    """A plain-text table of the presets' sizes (for ``--help`` texts and the README)."""
-    rows = [("preset", "layers", "experts", "total params", "active", "expert states",
-             "dense states")]
-    for name, cfg in (presets or PRESETS).items():
-        s = model_size(cfg)
-        rows.append((name, str(cfg.n_layers), f"{len(cfg.moe_layers)}x{cfg.n_experts}",
-                     _human(s.total_params), _human(s.active_params),
-                     _human(s.expert_state_bytes, "B"), _human(s.dense_state_bytes, "B")))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+def model_config(cfg: ModelConfig | MoEConfig) -> ModelConfig:
+    """``cfg`` itself, or the :class:`ModelConfig` a trainer preset stands for."""
+    return cfg if isinstance(cfg, ModelConfig) else cfg.model_config()
 
 
 # --------------------------------------------------------------------------- initialisation
@@ -233,7 +181,8 @@ def _seed_for(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def init_expert(cfg: MoEConfig, seed: int, layer: int, expert: int) -> ExpertWeights:
+def init_expert(cfg: ModelConfig | MoEConfig, seed: int, layer: int, expert: int
+                ) -> ExpertWeights:
     """The initial fp32 ``(w1, w2, w3)`` of one expert; identical however the model is held."""
     g = torch.Generator().manual_seed(_seed_for("expert", seed, layer, expert))
     shapes = cfg.expert_shapes()
@@ -244,7 +193,7 @@ def init_expert(cfg: MoEConfig, seed: int, layer: int, expert: int) -> ExpertWei
     return w1, w2, w3
 
 
-def _init_dense_(model: nn.Module, cfg: MoEConfig, seed: int) -> None:
+def _init_dense_(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     g = torch.Generator().manual_seed(_seed_for("dense", seed))
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     with torch.no_grad():
@@ -253,13 +202,13 @@ def _init_dense_(model: nn.Module, cfg: MoEConfig, seed: int) -> None:
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(("attn.wo.weight", "mlp.w2")):
+            elif name.endswith(("attn.wo.weight", "mlp.w2", "shared.w2")):
                 p.normal_(0.0, out_std, generator=g)
             else:
                 p.normal_(0.0, cfg.init_std, generator=g)
 
 
-# --------------------------------------------------------------------------- building blocks
+# --------------------------------------------------------------------------- attention
 
 
 class RMSNorm(nn.Module):
@@ -275,44 +224,123 @@ class RMSNorm(nn.Module):
         return (y * self.weight).to(x.dtype)
 
 
-def rope_tables(cfg: MoEConfig, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
-    """cos/sin tables ``[max_seq_len, head_dim]`` in the rotate-half layout (as in Llama and
-    Mixtral, so weights map onto those implementations without permutation)."""
-    half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device).float() / half))
-    t = torch.arange(cfg.max_seq_len, device=device).float()
-    freqs = torch.outer(t, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scale: float = 1.0
+                 ) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[B, T, head_dim]`` fp32 for integer ``positions`` ``[B, T]``, in the
+    rotate-half layout (Llama, Mixtral: their weights need no permutation), computed the
+    way ``transformers``' default rotary embedding does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.int64).float() / head_dim))
+    inv_freq = inv_freq / scale
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` ``[B, H, T, hd]`` by position; ``cos``/``sin`` are ``[T, hd]``."""
+    """Rotate ``x`` ``[B, H, T, hd]`` by position (``cos``/``sin`` ``[B, 1, T, hd]``), in
+    the wider of the two dtypes; the result has ``x``'s."""
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated ``[batch, n_kv_heads, max_len,
+    head_dim]``, plus which cached slots are real tokens (``mask``, from the attention
+    masks the forward passes were given). ``length`` is the number of slots filled."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        dt = dtype or torch.float32
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dt) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dt) for _ in range(cfg.n_layers)]
+        self.mask = torch.zeros(batch, max_len, device=device, dtype=torch.bool)
+        self.batch, self.max_len = batch, max_len
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+        self.mask.zero_()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: MoEConfig) -> None:
+    """Grouped-query rotary attention with the families' optional q/k norms and biases."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.cfg = cfg
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.wq = nn.Linear(h, cfg.n_heads * hd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, h, bias=cfg.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(cfg.n_heads * hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.n_kv_heads * hd, cfg.norm_eps)
+        elif cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, t, d = x.shape
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor | None = None,
+                cache: KVCache | None = None, layer: int = 0, start: int = 0) -> Tensor:
+        """``allowed`` ``[B, 1, T, L]`` says which keys each query sees; ``None``: causal
+        over ``x`` alone. With a ``cache``, the new keys and values go to slots ``start``
+        onwards of ``layer``'s and the queries see every slot up to theirs."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if cfg.qk_norm == "full":
+            assert self.q_norm is not None and self.k_norm is not None
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            c = float(cfg.clip_qkv)
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.view(b, t, cfg.n_heads, cfg.head_dim)
+        k = k.view(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        if cfg.qk_norm == "head":
+            assert self.q_norm is not None and self.k_norm is not None
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        if cache is not None:
+            ck, cv = cache.k[layer], cache.v[layer]
+            ck[:, :, start:start + t] = k.to(ck.dtype)
+            cv[:, :, start:start + t] = v.to(cv.dtype)
+            k, v = ck[:, :, :start + t].to(q.dtype), cv[:, :, :start + t].to(q.dtype)
+        rep = cfg.n_heads // cfg.n_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if allowed is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.wo(y.transpose(1, 2).reshape(b, t, cfg.n_heads * cfg.head_dim))
 
-        def heads(y: Tensor) -> Tensor:
-            return y.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
 
-        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
-        q = apply_rope(q, cos[:t], sin[:t]).to(v.dtype)
-        k = apply_rope(k, cos[:t], sin[:t]).to(v.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+def _allowed(mask: Tensor, start: int, t: int, window: int) -> Tensor:
+    """Boolean ``[B, 1, T, L]``: causal, real keys only (``mask`` ``[B, L]``), within the
+    sliding window. A query may always see itself, so a padding row never becomes all
+    -inf (NaN)."""
+    total = mask.shape[1]
+    q = torch.arange(start, start + t, device=mask.device)[:, None]
+    kpos = torch.arange(total, device=mask.device)[None, :]
+    ok = kpos <= q
+    if window:
+        ok = ok & (kpos > q - window)
+    allowed = ok[None] & mask[:, None, :]
+    allowed = allowed | (kpos == q)[None]
+    return allowed[:, None]
+
+
+# --------------------------------------------------------------------------- experts
 
 
 def expert_forward(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
@@ -321,7 +349,7 @@ def expert_forward(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
 
 
 class SwiGLU(nn.Module):
-    """The dense FFN of non-MoE layers (same function as an expert)."""
+    """The dense FFN of non-MoE layers and the shared expert (an expert's function)."""
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
@@ -348,8 +376,14 @@ class ExpertBank(nn.ModuleList):
     the same lazy semantics the store-backed trainer implements.
     """
 
-    def __init__(self, cfg: MoEConfig, seed: int, layer: int) -> None:
-        super().__init__(Expert(init_expert(cfg, seed, layer, e)) for e in range(cfg.n_experts))
+    def __init__(self, cfg: ModelConfig, seed: int | None, layer: int) -> None:
+        def weights(e: int) -> ExpertWeights:
+            if seed is not None:
+                return init_expert(cfg, seed, layer, e)
+            w1, w2, w3 = (torch.empty(s) for s in cfg.expert_shapes().values())  # to be loaded
+            return w1, w2, w3
+
+        super().__init__(Expert(weights(e)) for e in range(cfg.n_experts))
 
     def weights(self, ids: Sequence[int]) -> dict[int, ExpertWeights]:
         """``{e: (w1, w2, w3)}`` for the given expert ids, as :func:`moe_combine` takes."""
@@ -362,24 +396,33 @@ class ExpertBank(nn.ModuleList):
 
 class Routing(NamedTuple):
     topk_idx: Tensor  # [T, k] int64 expert ids
-    topk_weight: Tensor  # [T, k] fp32 mixing weights, each row sums to 1
-    aux_loss: Tensor  # Switch load-balancing loss (1.0 when perfectly balanced)
-    z_loss: Tensor  # mean squared log-sum-exp of the router logits
+    topk_weight: Tensor  # [T, k] fp32 mixing weights (rows sum to 1 when renormalised)
+    aux_loss: Tensor | None  # Switch load-balancing loss (1.0 when perfectly balanced)
+    z_loss: Tensor | None  # mean squared log-sum-exp of the router logits
 
 
-def route(x: Tensor, router_weight: Tensor, top_k: int) -> Routing:
-    """Top-k softmax routing of tokens ``x`` ``[T, D]``.
+def route(x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = True,
+          losses: bool = True) -> Routing:
+    """Top-k softmax routing of tokens ``x`` ``[T, D]``; ``losses=False`` leaves the
+    router losses out (``None``).
 
-    The router runs in fp32 outside autocast: small logit differences decide which experts
-    a token gets, and bf16 would turn ties into noise. Weights are the softmax over all
-    experts renormalised over the chosen k (Mixtral), i.e. a softmax over the top-k logits.
+    Logits are computed in the router weight's dtype outside autocast (fp32 for a trainer's
+    master weights: small logit differences decide which experts a token gets, and bf16
+    would turn ties into noise), the softmax over all experts in fp32. With
+    ``norm_topk_prob`` the top-k weights are renormalised over the chosen k (Mixtral), i.e.
+    a softmax over the top-k logits.
     """
     n_experts = router_weight.shape[0]
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        logits = F.linear(x.float(), router_weight.float())
+    dev = x.device.type
+    with (torch.autocast(device_type=dev, enabled=False) if torch.is_autocast_enabled(dev)
+          else nullcontext()):
+        logits = F.linear(x.to(router_weight.dtype), router_weight).float()
         probs = logits.softmax(dim=-1)
         topk_weight, topk_idx = probs.topk(top_k, dim=-1)
-        topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        if norm_topk_prob:
+            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        if not losses:
+            return Routing(topk_idx, topk_weight, None, None)
         # Switch loss: n_experts * sum_e f_e * P_e, with f_e the share of the T*k assignments
         # that went to expert e (no gradient) and P_e the mean router probability of e.
         counts = torch.zeros(n_experts, device=x.device, dtype=torch.float32)
@@ -422,79 +465,148 @@ def moe_combine(x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
     return (y.float() * topk_weight.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
-class Block(nn.Module):
-    """One transformer layer. MoE layers carry ``router`` and (when resident) ``experts``;
-    dense layers carry ``mlp``."""
+class ExpertSource:
+    """Where a model gets expert weights from, one MoE layer at a time. A source implements
+    :meth:`experts`; the other hooks do nothing unless it needs them to."""
 
-    def __init__(self, cfg: MoEConfig, layer: int, seed: int, resident_experts: bool) -> None:
+    def begin_pass(self, model: MoEModel, n_tokens: int) -> None:
+        """A forward pass over ``n_tokens`` tokens (batch x new positions) starts."""
+
+    def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
+        """The experts in ``ids`` (sorted, unique) of MoE layer ``layer``, on the model's
+        device. Looking one up blocks until it is there; the model looks them up in
+        ascending id order as it applies them, so a source may return while the later ones
+        are still being loaded. ``x`` ``[N, hidden]`` is the normalised hidden state
+        those experts will be applied to (a source may apply the NEXT MoE layer's router to
+        it to predict and prefetch that layer's experts: ``model.router_topk(next_layer,
+        x)``)."""
+        raise NotImplementedError
+
+    def layer_done(self, layer: int) -> None:
+        """``layer``'s experts are no longer needed in this pass."""
+
+    def end_pass(self) -> None:
+        """The forward pass is over."""
+
+    def final_pass(self) -> None:
+        """The next pass is the last one (nothing needs loading beyond it)."""
+
+    def stats(self) -> dict[str, Any]:
+        """What the source measured (``stall_s``, ``hit_rate``, ...; empty: nothing)."""
+        return {}
+
+    def close(self) -> None:
+        """Give back whatever the source holds."""
+
+
+class _TrainingExperts(ExpertSource):
+    """The trainer's experts: a provider's (a store-backed trainer) or the resident banks."""
+
+    def __init__(self, model: MoEModel, provider: ExpertProvider | None) -> None:
+        self.model, self.provider = model, provider
+
+    def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
+        if self.provider is not None:
+            return self.provider(layer, ids)
+        bank = self.model.layers[layer].experts
+        if bank is None:
+            raise RuntimeError(
+                f"layer {layer} holds no experts: pass experts=provider to forward()")
+        return bank.weights(ids)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class Block(nn.Module):
+    """One transformer layer. MoE layers carry ``router``, (when resident) ``experts`` and
+    (Qwen2-MoE) ``shared`` and ``shared_gate``; dense layers carry ``mlp``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, seed: int | None = None,
+                 resident_experts: bool = False) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.is_moe = cfg.is_moe(layer)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.router: nn.Linear | None = None
         self.experts: ExpertBank | None = None
         self.mlp: SwiGLU | None = None
+        self.shared: SwiGLU | None = None
+        self.shared_gate: nn.Linear | None = None
         if self.is_moe:
-            self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+            self.router = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
             if resident_experts:
                 self.experts = ExpertBank(cfg, seed, layer)
+            if cfg.shared_ffn:
+                self.shared = SwiGLU(cfg.hidden_size, cfg.shared_ffn)
+                self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         else:
-            self.mlp = SwiGLU(cfg.d_model, cfg.dense_ff)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_ffn)
 
-    def route(self, x: Tensor) -> Routing:
+    def route(self, x: Tensor, losses: bool = True) -> Routing:
         """Routing of tokens ``x`` ``[T, D]`` (already normalised by ``ffn_norm``)."""
         if self.router is None:
             raise RuntimeError(f"layer {self.layer} is a dense layer and has no router")
-        return route(x, self.router.weight, self.cfg.top_k)
+        return route(x, self.router.weight, self.cfg.top_k, self.cfg.norm_topk_prob, losses)
 
-    def combine(self, x: Tensor, routing: Routing,
-                weights: Mapping[int, ExpertWeights]) -> Tensor:
-        return moe_combine(x, routing.topk_idx, routing.topk_weight, weights)
-
-    def moe(self, h: Tensor, provider: ExpertProvider | None) -> tuple[Tensor, Routing]:
+    def moe(self, h: Tensor, experts: ExpertSource, losses: bool = True
+            ) -> tuple[Tensor, Routing]:
+        """The MoE FFN of normalised ``h``, with the routed experts ``experts`` supplies."""
         flat = h.reshape(-1, h.shape[-1])
-        r = self.route(flat)
+        r = self.route(flat, losses)
         ids = torch.unique(r.topk_idx).tolist()
-        if provider is not None:
-            weights = provider(self.layer, ids)
-        elif self.experts is not None:
-            weights = self.experts.weights(ids)
-        else:
-            raise RuntimeError(
-                f"layer {self.layer} holds no experts: pass experts=provider to forward()")
-        return self.combine(flat, r, weights).view_as(h), r
+        y = moe_combine(flat, r.topk_idx, r.topk_weight, experts.experts(self.layer, ids, flat))
+        experts.layer_done(self.layer)
+        if self.shared is not None:
+            assert self.shared_gate is not None
+            y = y + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return y.view_as(h), r
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                provider: ExpertProvider | None = None) -> tuple[Tensor, Routing | None]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, experts: ExpertSource,
+                allowed: Tensor | None = None, cache: KVCache | None = None, start: int = 0,
+                losses: bool = True) -> tuple[Tensor, Routing | None]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, allowed, cache, self.layer, start)
         h = self.ffn_norm(x)
-        if not self.is_moe:
-            assert self.mlp is not None
+        if self.mlp is not None:
             return x + self.mlp(h), None
-        y, r = self.moe(h, provider)
+        y, r = self.moe(h, experts, losses)
         return x + y, r
 
 
 class MoEModel(nn.Module):
     """The whole model. ``resident_experts=False`` builds everything but the experts (what a
-    store-backed trainer holds on the device); ``seed`` fixes every initial weight, and the
-    experts' initial values come from :func:`init_expert` either way."""
+    store-backed trainer or an inferencer holds on the device). ``seed`` fixes every
+    initial weight, the experts' coming from :func:`init_expert` either way; ``None``
+    leaves them as torch makes them (for weights about to be loaded)."""
 
-    def __init__(self, cfg: MoEConfig, seed: int = 0, resident_experts: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig | MoEConfig, seed: int | None = 0,
+                 resident_experts: bool = True) -> None:
         super().__init__()
+        cfg = model_config(cfg)
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.moe_layers: list[int] = list(cfg.moe_layers)
+        self.windows = sorted({cfg.window(i) for i in range(cfg.n_layers)})
+        # Training's rotary tables, kept while the sequence length, device and dtype hold.
+        self._causal_rope: tuple[Any, tuple[Tensor, Tensor]] | None = None
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            Block(cfg, i, seed, resident_experts) for i in range(cfg.n_layers)
-        )
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        _init_dense_(self, cfg, seed)
+            Block(cfg, i, seed, resident_experts) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if seed is not None:
+            _init_dense_(self, cfg, seed)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_emb.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_emb.weight.dtype
 
     def dense_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every parameter that is not an expert weight (the device-resident part)."""
@@ -504,10 +616,59 @@ class MoEModel(nn.Module):
         """Resident expert weights, named as in the store."""
         return [(n, p) for n, p in self.named_parameters() if ".experts." in n]
 
+    def dense_state(self) -> dict[str, Tensor]:
+        """The state dict without resident experts (what a store keeps under ``dense.``)."""
+        return {k: v for k, v in self.state_dict().items() if ".experts." not in k}
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A KV cache on the model's device and in its dtype."""
+        return KVCache(self.cfg, batch, max_len, self.device, self.dtype)
+
+    def next_moe_layer(self, layer: int) -> int | None:
+        """The first MoE layer after ``layer``, or ``None``."""
+        return next((i for i in self.moe_layers if i > layer), None)
+
+    @torch.no_grad()
+    def router_topk(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(ids [N, k] int64, weights [N, k] fp32)`` of MoE layer ``layer`` for normalised
+        hidden states ``x`` ``[N, hidden]`` (see :func:`route`)."""
+        router = self.layers[layer].router
+        if router is None:
+            raise ValueError(f"layer {layer} is not an MoE layer")
+        r = route(x, router.weight, self.cfg.top_k, self.cfg.norm_topk_prob, losses=False)
+        return r.topk_idx, r.topk_weight
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                self.cfg.rope_scale)
+        return cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype)
+
+    def _run(self, idx: Tensor, experts: ExpertSource, cos: Tensor, sin: Tensor,
+             masks: Mapping[int, Tensor | None], cache: KVCache | None, start: int,
+             losses: bool) -> tuple[Tensor, dict[int, Routing]]:
+        """Every layer over ``idx`` as one pass of ``experts``: the last hidden states, and
+        the routing of each MoE layer."""
+        routing: dict[int, Routing] = {}
+        experts.begin_pass(self, idx.numel())
+        try:
+            x = self.tok_emb(idx)
+            for block in self.layers:
+                x, r = block(x, cos, sin, experts, masks[self.cfg.window(block.layer)], cache,
+                             start, losses)
+                if r is not None:
+                    routing[block.layer] = r
+        finally:
+            experts.end_pass()
+        return x, routing
+
+    def _head(self, x: Tensor) -> Tensor:
+        head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(x), head).float()
+
     def forward(self, idx: Tensor, targets: Tensor | None = None,
-                experts: ExpertProvider | None = None
+                experts: ExpertProvider | ExpertSource | None = None
                 ) -> tuple[Tensor, Tensor | None, dict[str, Any]]:
-        """``idx`` ``[B, T]`` int64 -> ``(logits [B, T, V] fp32, loss, aux)``.
+        """Training: ``idx`` ``[B, T]`` int64 -> ``(logits [B, T, V] fp32, loss, aux)``.
 
         ``loss`` (when ``targets`` is given) is cross-entropy + ``router_aux_coef`` x mean
         load-balancing loss + ``router_z_coef`` x mean z-loss over MoE layers. ``aux`` holds
@@ -516,28 +677,31 @@ class MoEModel(nn.Module):
         layer instead of the resident banks.
         """
         cfg = self.cfg
-        t = idx.shape[1]
-        if t > cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len {cfg.max_seq_len}")
+        b, t = idx.shape
+        if t > cfg.max_position:
+            raise ValueError(f"sequence length {t} exceeds the {cfg.max_position} positions")
+        source = experts if isinstance(experts, ExpertSource) else _TrainingExperts(self, experts)
+        key = (t, idx.device, self.dtype)
+        if self._causal_rope is None or self._causal_rope[0] != key:
+            self._causal_rope = key, self._rope(torch.arange(t, device=idx.device)[None])
+        cos, sin = self._causal_rope[1]
+        masks: dict[int, Tensor | None] = {0: None}  # full attention: SDPA's causal kernel
+        for w in self.windows:
+            if w:
+                masks[w] = _allowed(torch.ones(b, t, dtype=torch.bool, device=idx.device), 0, t, w)
         ctx = (torch.autocast(device_type=idx.device.type, dtype=torch.bfloat16)
                if cfg.dtype == "bfloat16" else nullcontext())
-        aux_terms: list[Tensor] = []
-        z_terms: list[Tensor] = []
-        routing: dict[int, Tensor] = {}
         with ctx:
-            x = self.tok_emb(idx)
-            for block in self.layers:
-                x, r = block(x, self.rope_cos, self.rope_sin, experts)
-                if r is not None:
-                    aux_terms.append(r.aux_loss)
-                    z_terms.append(r.z_loss)
-                    routing[block.layer] = r.topk_idx.detach()
-            logits = self.lm_head(self.norm(x)).float()
+            x, routed = self._run(idx, source, cos, sin, masks, None, 0, losses=True)
+            logits = self._head(x)
         zero = logits.new_zeros(())
+        aux_terms = [r.aux_loss for r in routed.values() if r.aux_loss is not None]
+        z_terms = [r.z_loss for r in routed.values() if r.z_loss is not None]
         aux_loss = torch.stack(aux_terms).mean() if aux_terms else zero
         z_loss = torch.stack(z_terms).mean() if z_terms else zero
         info: dict[str, Any] = {"aux_loss": aux_loss.detach(), "z_loss": z_loss.detach(),
-                                "routing": routing, "ce": None}
+                                "routing": {i: r.topk_idx.detach() for i, r in routed.items()},
+                                "ce": None}
         loss = None
         if targets is not None:
             ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
@@ -545,7 +709,57 @@ class MoEModel(nn.Module):
             info["ce"] = ce.detach()
         return logits, loss, info
 
+    @torch.no_grad()
+    def decode(self, ids: Tensor, experts: ExpertSource, cache: KVCache | None = None,
+               attention_mask: Tensor | None = None) -> Tensor:
+        """Inference: ``ids`` ``[B, T]`` -> logits ``[B, T, V]`` fp32.
 
-def with_dtype(cfg: MoEConfig, dtype: str | None) -> MoEConfig:
-    """``cfg`` with its compute dtype replaced (unchanged for ``None``)."""
-    return cfg if dtype is None else replace(cfg, dtype=dtype)
+        ``attention_mask`` ``[B, cache.length + T]`` marks real tokens with 1 and left
+        padding with 0 (``[B, T]`` is taken as the new tokens' part, the cached ones keeping
+        theirs); positions and the attention pattern follow from it. Without it, every
+        token is real, or, with a cache, the new tokens are real and the cached ones keep
+        the mask they were given. With a cache, the new keys and values are appended and
+        ``cache.length`` advances by T.
+        """
+        b, t = ids.shape
+        start = cache.length if cache is not None else 0
+        dev = ids.device
+        if cache is not None:
+            if cache.batch != b:
+                raise ValueError(f"cache holds batch {cache.batch}, ids have {b}")
+            if start + t > cache.max_len:
+                raise ValueError(f"cache of {cache.max_len} tokens cannot take {start + t}")
+        if attention_mask is not None:
+            am = attention_mask.to(device=dev).bool()
+            if cache is not None and start and am.shape == (b, t):
+                am = torch.cat([cache.mask[:, :start], am], dim=1)  # the new tokens' part only
+            if am.shape != (b, start + t):
+                raise ValueError(f"attention_mask must be [{b}, {start + t}], got "
+                                 f"{list(am.shape)}")
+        elif cache is not None:
+            am = torch.cat([cache.mask[:, :start],
+                            torch.ones(b, t, dtype=torch.bool, device=dev)], dim=1)
+        else:
+            am = torch.ones(b, t, dtype=torch.bool, device=dev)
+        if cache is not None:
+            cache.mask[:, :start + t] = am
+        # transformers' generate: a token's position is the number of real tokens before it.
+        pos = (am.long().cumsum(-1) - 1).masked_fill(~am, 0)[:, -t:]
+        cos, sin = self._rope(pos)
+        masks = {w: _allowed(am, start, t, w) for w in self.windows}
+        x, _ = self._run(ids, experts, cos, sin, masks, cache, start, losses=False)
+        if cache is not None:
+            cache.length = start + t
+        return self._head(x)
+
+
+class MoEDecoder(MoEModel):
+    """The model as inference holds it: no experts of its own, weights left for loading,
+    and calling it runs :meth:`MoEModel.decode` with an :class:`ExpertSource`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, seed=None, resident_experts=False)
+
+    def forward(self, ids: Tensor, experts: ExpertSource,  # type: ignore[override]
+                cache: KVCache | None = None, attention_mask: Tensor | None = None) -> Tensor:
+        return self.decode(ids, experts, cache, attention_mask)

@@ -6,9 +6,10 @@ released), and the bytes are copied from the mapping once (``get``) or not at al
 (``view``, which keeps the lease for as long as the tensor lives). Writes travel over the
 socket and are acknowledged once committed (durable).
 
-Device prefetch queues run in the client (``tierstore/prefetch.py``'s ``DeviceQueues``, the
+Device prefetch queues run in the client (:class:`tierstore.prefetch.DeviceQueues`, the
 same ones a local store uses), fed by daemon gets; their figures are reported to the daemon
-for ``tierstore status`` and the metrics.
+for ``tierstore status`` and the metrics. The socket itself (connections, the daemon's
+errors, leases) is ``connection.py``'s.
 """
 
 from __future__ import annotations
@@ -18,15 +19,12 @@ import mmap
 import os
 import platform
 import queue
-import socket
 import threading
 import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -37,22 +35,23 @@ from tierstore.nvme import RecycledBuffers
 from .. import errors
 from ..devices import bytes_to_device
 from ..errors import StoreClosedError, StoreError
-from ..prefetch import DeviceQueues
-from ..store import (
+from ..interface import (
     Borrowed,
+    Capabilities,
     EntryInfo,
     FsckReport,
+    Meta,
     SnapshotInfo,
-    check_kind,
-    check_name,
-    prefetch_keys,
+    Staged,
+    Store,
 )
+from ..keys import Key, PutItems, StageEntry, as_key, put_items
+from ..prefetch import DeviceQueues
 from ..tensors import as_bytes, dtype_from_name, dtype_name, from_bytes
 from . import protocol as P
+from .connection import RELEASE_DELAY_S, Connection, Lease
 
-Key = tuple[str, str]
 MAX_CONNECTIONS = 8  # per client: concurrent requests from its threads
-RELEASE_DELAY_S = 0.002
 HITS_BATCH = 256  # self-served hits told to the daemon in one message, at most
 HITS_EVERY_S = 0.2  # ... and at least this often while gets keep coming
 # Reading the daemon's published index without a lock relies on loads not being reordered
@@ -61,150 +60,8 @@ FAST_PATH = platform.machine().lower() in ("x86_64", "amd64")
 REPORT_EVERY_S = 0.5
 
 
-@dataclass
-class _Meta:
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    version: int
-
-
-class _Connection:
-    """One socket to the daemon. ``request`` is one call at a time (``busy``); one-way
-    frames (releases) may be sent from any thread meanwhile under ``send_lock``."""
-
-    def __init__(self, path: str, client_id: str, want_arena: bool, role: str = "client"
-                 ) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.sock.connect(path)
-        except OSError as e:
-            self.sock.close()
-            raise StoreError(f"cannot connect to a tierstore daemon at {path}: {e.strerror or e}"
-                             ) from None
-        self.reader = P.Reader(self.sock)
-        self.pending: list[int] = []  # released leases not yet told to the daemon
-        self.pending_lock = threading.Lock()
-        self.busy = threading.Lock()
-        self.send_lock = threading.Lock()
-        self.rid = 0
-        self.closed = False
-        self.arena_fd = -1
-        self.hello, _ = self.request(P.Op.HELLO, {
-            "version": P.PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
-            "arena": want_arena, "role": role}, fds=want_arena)
-
-    def request(self, op: int, fields: dict[str, Any], payload: list[Any] | None = None,
-                fds: bool = False) -> tuple[dict[str, Any], bytearray | None]:
-        """Send a request and wait for its answer: (fields, payload bytes or None)."""
-        with self.busy:
-            self.rid = (self.rid + 1) & 0xFFFFFFFF
-            rid = self.rid
-            if self.pending:
-                with self.pending_lock:
-                    released, self.pending = self.pending, []
-                fields = {**fields, "r": released}
-            parts = payload or []
-            total = sum(p.nbytes for p in parts)
-            try:
-                head = P.encode(op, rid, fields, total)
-                with self.send_lock:
-                    self.sock.sendall(head)
-                    for p in parts:
-                        self.sock.sendall(p)
-            except OSError as e:
-                # The daemon may have answered (an error) and closed before taking it all.
-                with contextlib.suppress(StoreError):
-                    self._read_answer(rid, fds)
-                raise self._lost(e) from None
-            return self._read_answer(rid, fds)
-
-    def _read_answer(self, rid: int, fds: bool) -> tuple[dict[str, Any], bytearray | None]:
-        while True:
-            try:
-                if fds:  # the hello answer brings the arena's descriptor with its first bytes
-                    head, got_fds, _, _ = socket.recv_fds(self.sock, P.HEADER_BYTES, 1)
-                    if got_fds:
-                        self.arena_fd = got_fds[0]
-                    fds = False
-                    r = self.reader
-                    r.buf[r.end : r.end + len(head)] = head
-                    r.end += len(head)
-                frame = self.reader.frame(1 << 62)
-                if frame is None:
-                    raise P.ProtocolError("the daemon closed the connection", fatal=True)
-            except (OSError, P.ProtocolError) as e:
-                raise self._lost(e) from None
-            op, _, got_rid, raw, payload = frame
-            fields = P.decode_fields(raw)
-            if got_rid != rid:
-                continue  # an answer to an earlier one-way frame's error: not ours
-            if op == P.Op.ERROR:
-                raise _error(fields)
-            return fields, payload
-
-    def flush_releases(self) -> None:
-        with self.pending_lock:
-            released, self.pending = self.pending, []
-        if released:
-            self.send_oneway(P.Op.RELEASE, {"leases": released})
-
-    def send_oneway(self, op: int, fields: dict[str, Any]) -> None:
-        if self.closed:
-            return
-        with contextlib.suppress(OSError), self.send_lock:
-            self.sock.sendall(P.encode(op, 0, fields, flags=P.NO_REPLY))
-
-    def _lost(self, e: BaseException) -> StoreError:
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        return StoreError(f"lost the connection to the daemon at {self.path}: {e}")
-
-    def close(self) -> None:
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        if self.arena_fd >= 0:
-            os.close(self.arena_fd)
-            self.arena_fd = -1
-
-
-def _error(fields: dict[str, Any]) -> StoreError:
-    """The daemon's error as the same exception class a local store raises."""
-    cls = getattr(errors, str(fields.get("error")), None)
-    message = str(fields.get("message", "daemon error"))
-    if not (isinstance(cls, type) and issubclass(cls, StoreError)):
-        cls = StoreError
-    err = cls.__new__(cls)
-    Exception.__init__(err, message)
-    return err
-
-
-class _Lease:
-    """The daemon-side pin on the slots of one get; ``release`` exactly once.
-
-    A release rides on the connection's next request (no message of its own, which would
-    cost both processes a wake-up per get); if none follows within RELEASE_DELAY_S, the
-    client's releaser thread sends it alone.
-    """
-
-    __slots__ = ("store", "conn", "lease", "done")
-
-    def __init__(self, store: RemoteStore, conn: _Connection, lease: int) -> None:
-        self.store, self.conn, self.lease, self.done = store, conn, lease, False
-
-    def release(self) -> None:
-        if not self.done and self.lease:
-            self.done = True
-            with self.conn.pending_lock:
-                self.conn.pending.append(self.lease)
-            self.store._arm_releaser()
-
-
-class RemoteStore:
-    """A store served by a daemon; the same public API as :class:`tierstore.Store`.
+class RemoteStore(Store):
+    """A store served by a daemon: :class:`tierstore.Store` over its socket.
 
     Thread-safe: concurrent calls use separate connections (up to ``MAX_CONNECTIONS``).
     """
@@ -213,8 +70,8 @@ class RemoteStore:
                  device_budget: int | str | Mapping[str, int | str] | None = None) -> None:
         self.socket_path = os.path.abspath(os.fspath(socket_path))
         self.client_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._idle: list[_Connection] = []
-        self._all: list[_Connection] = []
+        self._idle: list[Connection] = []
+        self._all: list[Connection] = []
         self._pool_lock = threading.Lock()
         self._pool_cv = threading.Condition(self._pool_lock)
         self._lent = 0  # connections in use by a call
@@ -222,7 +79,7 @@ class RemoteStore:
         # Results land in reused memory once callers drop earlier ones: faulting fresh pages
         # in (on a VM that returns freed memory to its host) costs more than the copy.
         self._results = RecycledBuffers(256 << 20)
-        first = _Connection(self.socket_path, self.client_id, want_arena=True)
+        first = Connection(self.socket_path, self.client_id, want_arena=True)
         if first.arena_fd < 0:
             first.close()
             raise StoreError(f"the daemon at {self.socket_path} sent no cache mapping")
@@ -238,12 +95,12 @@ class RemoteStore:
         self._map = mmap.mmap(first.arena_fd, os.fstat(first.arena_fd).st_size,
                               mmap.MAP_SHARED, mmap.PROT_READ)
         self._arena_np = np.frombuffer(self._map, dtype=np.uint8, count=size)
-        # The daemon's index of published slots (server.py, "the published index"): a get
+        # The daemon's index of published slots (``shared_cache.py``): a get
         # of an entry learned through the socket is served from it without a round trip.
         self._index = (np.frombuffer(self._map, dtype=np.int64, count=2 * rows,
                                      offset=int(hello["index_offset"])).reshape(rows, 2)
                        if rows and FAST_PATH else None)
-        self._rows: dict[Key, tuple[int, int, _Meta]] = {}
+        self._rows: dict[Key, tuple[int, int, Meta]] = {}
         self._hits: list[int] = []  # [row, seq, ...] of self-served hits not yet told
         self._hits_lock = threading.Lock()
         self._hits_sent = time.monotonic()
@@ -253,7 +110,7 @@ class RemoteStore:
             self._arena_t = torch.from_numpy(self._arena_np)
         # Views handed out are released by the garbage collector, which may run inside any
         # call (even one holding a connection's lock): finalizers only queue the release.
-        self._late: queue.SimpleQueue[_Lease | bool | None] = queue.SimpleQueue()
+        self._late: queue.SimpleQueue[Lease | bool | None] = queue.SimpleQueue()
         self._armed = False
         self._releaser = threading.Thread(target=self._release_loop, daemon=True,
                                           name="tierstore-client-release")
@@ -262,7 +119,7 @@ class RemoteStore:
         self._last_report = 0.0
 
     # -- connections ------------------------------------------------------------------
-    def _take(self) -> _Connection:
+    def _take(self) -> Connection:
         """An idle connection, or a new one (at most MAX_CONNECTIONS at a time)."""
         self._check_open()
         with self._pool_cv:
@@ -272,7 +129,7 @@ class RemoteStore:
             if self._idle:
                 return self._idle.pop()
         try:
-            conn = _Connection(self.socket_path, self.client_id, want_arena=False)
+            conn = Connection(self.socket_path, self.client_id, want_arena=False)
         except BaseException:
             with self._pool_cv:
                 self._lent -= 1
@@ -282,7 +139,7 @@ class RemoteStore:
             self._all.append(conn)
         return conn
 
-    def _give(self, conn: _Connection) -> None:
+    def _give(self, conn: Connection) -> None:
         with self._pool_cv:
             self._lent -= 1
             if not conn.closed:
@@ -350,7 +207,7 @@ class RemoteStore:
                     items.append(self._late.get_nowait())
             self._armed = False  # before flushing: a later release arms again
             for it in items:
-                if isinstance(it, _Lease):
+                if isinstance(it, Lease):
                     it.release()
             with self._pool_lock:
                 conns = list(self._all)
@@ -363,12 +220,6 @@ class RemoteStore:
                 return
 
     # -- lifecycle ----------------------------------------------------------------------
-    def __enter__(self) -> RemoteStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         """Stop the device queues and disconnect; the daemon drops this client's leases.
         (The daemon keeps serving; writes were durable when acknowledged.)"""
@@ -397,30 +248,29 @@ class RemoteStore:
         self._call(P.Op.TICK)
 
     @property
+    def capabilities(self) -> Capabilities:
+        # Borrows are leased views of the daemon's slots, but stages are local tensors
+        # that a commit sends: not the zero-copy both-ways a local cached store offers.
+        return Capabilities(zero_copy=False, remote=True, backing=self._backing,
+                            host_cache=True)
+
+    @property
     def backing(self) -> str:
         return self._backing
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def describe(self) -> str:
         return f"{self._describe} (via the daemon at {self.socket_path})"
 
     # -- writes -------------------------------------------------------------------------
-    def put(self, name: str, tensor: torch.Tensor, kind: str = "param") -> int:
-        """Store ``tensor`` as (name, kind); returns its version once it is committed."""
-        return self.put_many([(name, kind, tensor)])[0]
-
-    def put_many(
-        self,
-        items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor] | tuple[str, str, torch.Tensor]],
-        kind: str = "param",
-    ) -> list[int]:
+    def put_many(self, items: PutItems, kind: str = "param") -> list[int]:
         """Store several tensors in one request; returns their versions once committed."""
-        if isinstance(items, Mapping):
-            items = items.items()
+        self._check_open()
         fields, parts, total = [], [], 0
-        for item in items:
-            name, k, t = item if len(item) == 3 else (item[0], kind, item[1])
-            check_name(name)
-            check_kind(k)
+        for name, k, t in put_items(items, kind):
             src = as_bytes(t)
             fields.append({"name": name, "kind": k, "dtype": dtype_name(t.dtype),
                            "shape": list(t.shape), "nbytes": int(src.nbytes)})
@@ -433,26 +283,24 @@ class RemoteStore:
             return []
         return [int(v) for v in self._call(P.Op.PUT, {"items": fields}, parts)["versions"]]
 
-    def delete(self, name: str, kind: str = "param", *, missing_ok: bool = False) -> bool:
+    def _delete(self, name: str, kind: str, missing_ok: bool) -> bool:
         return bool(self._call(P.Op.DELETE, {"name": name, "kind": kind,
                                              "missing_ok": missing_ok})["deleted"])
 
     # -- reads --------------------------------------------------------------------------
-    def _fetch(self, keys: list[Key]) -> tuple[list[tuple[_Meta, Any]], _Lease]:
-        """Each key's meta and bytes (a slice of the mapping, or answer bytes), leased."""
-        for name, kind in keys:
-            check_name(name)
-            check_kind(kind)
+    def _fetch(self, keys: list[Key]) -> tuple[list[tuple[Meta, Any]], Lease]:
+        """Each key's meta and bytes (a slice of the mapping, or answer bytes), leased.
+        The keys are valid ones (the callers check them)."""
         request = self._with_hits({"keys": [list(k) for k in keys]})
         conn = self._take()
         try:
             fields, payload = conn.request(P.Op.GET, request)
         finally:
             self._give(conn)
-        lease = _Lease(self, conn, int(fields["lease"]))
+        lease = Lease(self._arm_releaser, conn, int(fields["lease"]))
         out = []
         for key, item in zip(keys, fields["items"]):
-            meta = _Meta(item["d"], tuple(item["s"]), int(item["n"]), int(item["v"]))
+            meta = Meta(item["d"], tuple(item["s"]), int(item["n"]), int(item["v"]))
             if "o" in item:
                 off = int(item["o"])
                 raw = self._arena_t[off : off + meta.nbytes]
@@ -465,24 +313,10 @@ class RemoteStore:
             out.append((meta, raw))
         return out, lease
 
-    def get(self, name: str, kind: str = "param", *, device: str | torch.device | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-        """The stored tensor, copied once out of the daemon's cache (checksums were verified
-        when the daemon read it from the backing tier)."""
-        return self._read([(name, kind)], device, [out])[0]
-
-    def get_many(self, names: Iterable[str | Key], kind: str = "param", *,
-                 device: str | torch.device | None = None,
-                 out: Mapping[str | Key, torch.Tensor] | None = None
-                 ) -> dict[str | Key, torch.Tensor]:
-        asked = list(names)
-        keys = [(a, kind) if isinstance(a, str) else tuple(a) for a in asked]
-        outs = [None] * len(keys) if not out else [out.get(a) for a in asked]
-        return dict(zip(asked, self._read(keys, device, outs)))
-
     def _read(self, keys: list[Key], device: Any, outs: list[torch.Tensor | None]
               ) -> list[torch.Tensor]:
-        self._check_open()
+        """Copies once out of the daemon's cache (checksums were verified when the daemon
+        read the entries from the backing tier)."""
         results: list[torch.Tensor | None] = [None] * len(keys)
         if self._rows and (device is None or torch.device(device).type == "cpu"):
             for i, key in enumerate(keys):
@@ -527,7 +361,7 @@ class RemoteStore:
         self._local_hits += 1
         return t
 
-    def view(self, name: str, kind: str = "param") -> torch.Tensor:
+    def _view(self, name: str, kind: str) -> torch.Tensor:
         """A read-only zero-copy tensor over the daemon's cache slot; the slot stays leased
         (pinned) while the tensor object lives. Do not write into it. An entry the daemon
         does not cache comes back as a copy."""
@@ -539,13 +373,10 @@ class RemoteStore:
         weakref.finalize(t, self._late.put, lease)
         return t
 
-    def borrow_many(self, names: Iterable[str | Key], kind: str = "param") -> Borrowed:
-        """As :meth:`tierstore.Store.borrow_many`: read-only views of the daemon's cache
-        slots, leased (pinned) in one request until the returned :class:`Borrowed` is
-        released. An entry the daemon does not cache comes back as a copy of its own."""
-        self._check_open()
-        asked = list(names)
-        keys = [(a, kind) if isinstance(a, str) else tuple(a) for a in asked]
+    def _borrow(self, asked: list[str | Key], keys: list[Key]) -> Borrowed:
+        """Read-only views of the daemon's cache slots, leased (pinned) in one request until
+        the borrow is released. An entry the daemon does not cache comes back as a copy of
+        its own."""
         got, lease = self._fetch(keys)
         tensors: dict[Any, torch.Tensor] = {}
         try:
@@ -559,18 +390,26 @@ class RemoteStore:
             raise
         return Borrowed(tensors, lease.release)
 
+    def _stage(self, entries: list[StageEntry]) -> Staged:
+        """Tensors of this process's own, sent by the commit as one ``put_many`` (so the
+        daemon sees nothing before it, and a discarded stage leaves nothing to undo)."""
+        tensors = {key: torch.empty(shape, dtype=dtype) for key, dtype, shape, _ in entries}
+
+        def commit() -> list[int]:
+            self._check_open()
+            return self.put_many([(n, k, t) for (n, k), t in tensors.items()])
+
+        return Staged(tensors, commit, _nothing)
+
     # -- catalog queries ----------------------------------------------------------------
     def __contains__(self, key: str | Key) -> bool:
-        name, kind = (key, "param") if isinstance(key, str) else key
+        name, kind = as_key(key)
         return bool(self._call(P.Op.CONTAINS, {"name": name, "kind": kind})["found"])
 
     def keys(self, prefix: str = "") -> list[Key]:
         return [(n, k) for n, k in self._call(P.Op.KEYS, {"prefix": prefix})["keys"]]
 
-    def names(self, prefix: str = "", kind: str | None = None) -> list[str]:
-        return list(dict.fromkeys(n for n, k in self.keys(prefix) if kind is None or k == kind))
-
-    def info(self, name: str, kind: str = "param") -> EntryInfo:
+    def _info(self, name: str, kind: str) -> EntryInfo:
         f = self._call(P.Op.INFO, {"name": name, "kind": kind})
         f["dtype"] = dtype_from_name(f["dtype"])
         f["shape"] = tuple(f["shape"])
@@ -614,50 +453,21 @@ class RemoteStore:
         return report
 
     # -- device prefetch (queues in this process, fed by daemon gets) ---------------------
-    def _host_bytes(self, keys: list[Key]) -> tuple[dict[Key, tuple[_Meta, Any]], list[Any]]:
+    def _host_bytes(self, keys: list[Key]) -> tuple[dict[Key, tuple[Meta, Any]], list[Any]]:
         got, lease = self._fetch(keys)
         return dict(zip(keys, got)), [lease]
 
     def _entry_nbytes(self, key: Key) -> int:
         return self.info(*key).nbytes
 
-    def prefetch_views(self, device: str | torch.device | None = None,
-                       enabled: bool = True) -> bool:
-        """As :meth:`tierstore.Store.prefetch_views`: on the CPU the queue lends read-only
-        views of the daemon's cache slots (leased while held) instead of copies."""
+    def _device_queues(self) -> DeviceQueues:
+        """This process's prefetch queues (on the CPU, after ``prefetch_views``, they lend
+        read-only views of the daemon's cache slots, leased while held)."""
         self._check_open()
-        return self._queues.get(device).set_zero_copy(enabled)
+        return self._queues
 
-    def prefetch(self, names: str | Iterable[str | Key], *,
-                 device: str | torch.device | None = None,
-                 priority: float | tuple[float, ...] = 0,
-                 kind: str = "param") -> list[Future[torch.Tensor]]:
-        """As :meth:`tierstore.Store.prefetch`; the queue runs in this process."""
-        self._check_open()
-        futs = self._queues.get(device).request(prefetch_keys(names, kind), priority)
+    def _prefetch_used(self) -> None:
         self._report()
-        return futs
-
-    def acquire(self, name: str, *, device: str | torch.device | None = None,
-                kind: str = "param", timeout: float | None = None) -> torch.Tensor:
-        self._check_open()
-        (key,) = prefetch_keys([(name, kind)], kind)
-        t = self._queues.get(device).acquire(key, timeout)
-        self._report()
-        return t
-
-    def release(self, name: str, *, device: str | torch.device | None = None,
-                kind: str = "param") -> bool:
-        self._check_open()
-        (key,) = prefetch_keys([(name, kind)], kind)
-        done = self._queues.get(device).drop([key], release=True) == 1
-        self._report()
-        return done
-
-    def cancel(self, names: str | Iterable[str | Key], *,
-               device: str | torch.device | None = None, kind: str = "param") -> int:
-        self._check_open()
-        return self._queues.get(device).drop(prefetch_keys(names, kind), release=False)
 
     def _report(self, force: bool = False) -> None:
         """Tell the daemon this client's queue figures, at most every REPORT_EVERY_S."""
@@ -675,7 +485,11 @@ class RemoteStore:
                 self._give(conn)
 
 
-def _deliver(key: Key, meta: _Meta, raw: Any, out: torch.Tensor | None, device: Any,
+def _nothing() -> None:
+    pass
+
+
+def _deliver(key: Key, meta: Meta, raw: Any, out: torch.Tensor | None, device: Any,
              take: Callable[[int], np.ndarray]) -> torch.Tensor:
     """The caller's own tensor: one copy of the raw bytes (never typed values, which some
     dtypes cannot copy bit for bit)."""
@@ -716,7 +530,7 @@ def connect(socket_path: str | os.PathLike[str], *,
 
 def status(socket_path: str | os.PathLike[str]) -> dict[str, Any]:
     """A running daemon's figures, without mapping its cache (``tierstore status``)."""
-    conn = _Connection(os.path.abspath(os.fspath(socket_path)), f"status-{os.getpid()}",
+    conn = Connection(os.path.abspath(os.fspath(socket_path)), f"status-{os.getpid()}",
                        want_arena=False, role="status")
     try:
         return conn.request(P.Op.STATUS, {})[0]

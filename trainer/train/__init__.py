@@ -1,2 +1,13 @@
-"""Training over the store: the expert states' fetch strategies, the training loop, its
-checkpoints and metrics."""
+"""Training: the resident reference trainer and the trainer whose experts live in a store.
+
+- :mod:`.data`: a byte-level text corpus and a resumable batch sampler.
+- :mod:`.optim`: AdamW, clipping and learning-rate arithmetic shared by the trainers.
+- :mod:`.resident`: the reference trainer with everything held in memory.
+- :mod:`.store_trainer`: :func:`~.store_trainer.train_store`, the training loop over a store.
+- :mod:`.expert_states`: the experts' states as the model's expert provider during training.
+- :mod:`.fetch`: how expert states reach the device and go back (queue, direct, zero-copy).
+- :mod:`.checkpoint`: the on-store format: entry names, run record, checkpoints, resume.
+- :mod:`.metrics`: per-step store figures and the JSON-lines metrics file.
+- :mod:`.cli_train`: what ``tierstore train`` runs.
+- :mod:`.demo`: the training half of ``tierstore demo``.
+"""

@@ -1,5 +1,5 @@
 """What ``tierstore train`` runs: either trainer over the same options, with a progress bar
-and a closing summary. The click command in :mod:`tierstore.cli` only parses options."""
+and a closing summary. The ``train`` click command only parses options."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import torch
 
 import tierstore
 
-from .model import MoEConfig
+from ..presets import MoEConfig
+from .checkpoint import saved_run
+from .metrics import MetricsLog
 from .resident import Metrics, TrainConfig, load_checkpoint, train_resident
-from .store_trainer import MetricsLog, saved_run, train_store
+from .store_trainer import train_store
 
 
 def run_settings(store: str | tierstore.Store | None, resident: bool, resume: bool

@@ -36,80 +36,16 @@ from torch import Tensor
 
 import tierstore
 
-from .decoder import expert_names
+from ..model import ExpertSource, ExpertWeights, expert_names
+from .device_queue import DeviceClock, lend_views, queue_budget, queue_bytes_moved
 
-
-class DeviceClock:
-    """Time points on the device's work, not the host's: kernels on CUDA are queued, so the
-    host's clock at the end of a pass says when the pass was *queued*, which would make
-    ``t_compute`` (and so the ring size K) and the stall figures meaningless. On CUDA a point
-    is an event recorded on the current stream and a span is read once its end has
-    completed; on the CPU the work runs as the host issues it and ``perf_counter`` is right.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start: Any, end: Any) -> float:
-        """Seconds from ``start`` to ``end`` (waits for ``end`` on CUDA)."""
-        if not self.cuda:
-            return float(end - start)
-        end.synchronize()
-        return float(start.elapsed_time(end)) / 1e3
-
-ExpertWeights = tuple[Tensor, Tensor, Tensor]
 INLINE_BORROW_S = 1e-3  # a layer's borrow faster than this read nothing: see RingSource
 STREAM_PARTS = 4  # a layer read from the backing tier is borrowed in this many parts
 
 
-def expert_entry_names(layer: int, expert: int) -> tuple[str, str, str]:
-    """Store names of one expert's (w1, w2, w3) (the trainer's naming)."""
-    return expert_names(layer, expert)
-
-
-def queue_budget(store: tierstore.Store, device: torch.device) -> int:
-    """The byte budget of the store's prefetch queue for ``device`` (made on first use)."""
-    store.prefetch([], device=device)
-    dev = device
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    stats = (store.stats().get("prefetch") or {}).get(str(dev))
-    if stats is None:
-        raise tierstore.StoreError(f"the store reports no prefetch queue for {dev}")
-    return int(stats["budget_bytes"])
-
-
-def lend_views(store: tierstore.Store, device: torch.device) -> bool:
-    """On the CPU, have the store's prefetch queue lend views of the experts' host bytes
-    instead of copying them (the sources only read experts, and ``_convert`` makes a new
-    tensor rather than writing into one); whether it does. A store without the switch (a
-    daemon client) or another device keeps copying."""
-    switch = getattr(store, "prefetch_views", None)
-    return bool(switch(device)) if switch is not None and device.type == "cpu" else False
-
-
-def queue_bytes_moved(store: tierstore.Store, device: torch.device,
-                      counter: str = "bytes_moved") -> int:
-    """Bytes the store's prefetch queue for ``device`` has moved so far (landed on the
-    device, copied or pinned); ``counter="bytes_read"``: the part read from the backing
-    tier."""
-    dev = device
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    stats = (store.stats().get("prefetch") or {}).get(str(dev)) or {}
-    return int(stats.get(counter, 0))
-
-
 def layer_entry_bytes(store: tierstore.Store, layer: int, n_experts: int) -> int:
     """Bytes of every expert of MoE layer ``layer`` as stored."""
-    return sum(store.info(n).nbytes for e in range(n_experts) for n in expert_entry_names(layer, e))
+    return sum(store.info(n).nbytes for e in range(n_experts) for n in expert_names(layer, e))
 
 
 def max_slots(layer_bytes: int, budget: int, n_layers: int) -> int:
@@ -142,8 +78,8 @@ def choose_slots(t_transfer: float, t_compute: float, layer_bytes: int, budget: 
     return max(1, min(need, cap))
 
 
-class RingSource:
-    """An :class:`trainer.decoder.ExpertSource` holding K MoE layers' experts at a time.
+class RingSource(ExpertSource):
+    """An :class:`trainer.model.ExpertSource` holding K MoE layers' experts at a time.
 
     ``slots``: ``"auto"`` (see the module docstring) or a fixed K (capped by the budget and
     the number of MoE layers). ``budget``: bytes the ring may hold (default, and at most,
@@ -170,8 +106,7 @@ class RingSource:
         # step's compute. So a slot is filled with one borrow of the whole layer, made by a
         # worker thread (the ring's "copy stream"): one batched lookup, one parallel read of
         # the misses, one batched release when the layer is done.
-        self._layerwise = (self.views and self.device.type == "cpu"
-                           and hasattr(store, "borrow_many"))
+        self._layerwise = self.views and self.device.type == "cpu"
         self._worker: ThreadPoolExecutor | None = None  # made on first use, ended by close()
         self._lent: dict[int, _Loan] = {}  # layer -> its borrows, while its slot holds it
         # layer -> its last loan, released, and the expert tuples made from it: where the
@@ -222,7 +157,7 @@ class RingSource:
             raise tierstore.StoreError("the model has no MoE layers to put in a ring")
         self.n_experts = int(model.cfg.n_experts)
         self.layer_bytes = layer_entry_bytes(self.store, self.layers[0], self.n_experts)
-        self._names = {layer: [expert_entry_names(layer, e) for e in range(self.n_experts)]
+        self._names = {layer: [expert_names(layer, e) for e in range(self.n_experts)]
                        for layer in self.layers}
         self._flat = {layer: [n for trio in trios for n in trio]
                       for layer, trios in self._names.items()}

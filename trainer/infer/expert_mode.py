@@ -33,9 +33,9 @@ from torch import Tensor
 import tierstore
 from tierstore.lab import make_policy
 
-from .ring import expert_entry_names, lend_views, queue_budget, queue_bytes_moved
+from ..model import ExpertSource, ExpertWeights, expert_names
+from .device_queue import lend_views, queue_budget, queue_bytes_moved
 
-ExpertWeights = tuple[Tensor, Tensor, Tensor]
 Key = tuple[int, int]  # (layer, expert)
 
 # Decode-like traces (one token per step) favour a short memory: see docs/performance.md's cache
@@ -50,8 +50,8 @@ SPEC_PROBE_EVERY = 8
 SPEC_MEMORY = 0.95  # weight of the past in the running precision, per resolved layer
 
 
-class ExpertModeSource:
-    """An :class:`trainer.decoder.ExpertSource` loading routed experts only.
+class ExpertModeSource(ExpertSource):
+    """An :class:`trainer.model.ExpertSource` loading routed experts only.
 
     ``budget``: bytes of experts the device may hold (default, and at most, the store's
     prefetch budget for ``device``). ``cache_bytes``: the expert cache's share of it
@@ -108,7 +108,7 @@ class ExpertModeSource:
         self._index = {layer: i for i, layer in enumerate(layers)}
         self.n_experts = int(model.cfg.n_experts)
         self.expert_bytes = sum(self.store.info(n).nbytes
-                                for n in expert_entry_names(layers[0], 0))
+                                for n in expert_names(layers[0], 0))
         if self.budget < self.expert_bytes * model.cfg.top_k:
             raise tierstore.StoreError(
                 f"the device budget ({tierstore.format_size(self.budget)}) cannot hold the "
@@ -133,7 +133,7 @@ class ExpertModeSource:
         self.cache_bytes = max(self.budget - reserve, self.budget // 4)
 
     def _names(self, key: Key) -> tuple[str, str, str]:
-        return expert_entry_names(*key)
+        return expert_names(*key)
 
     def _held_bytes(self) -> int:
         return len(self._state) * self.expert_bytes

@@ -1,4 +1,4 @@
-"""Text generation with a :class:`trainer.decoder.MoEDecoder` whose experts live in a store.
+"""Text generation with a :class:`trainer.model.MoEDecoder` whose experts live in a store.
 
 A batch of prompts is left-padded into one ``[B, T]`` tensor with an attention mask, run
 through the model once (prefill) to fill the KV cache, then extended one token per step.
@@ -28,8 +28,10 @@ from torch import Tensor
 
 import tierstore
 
-from .decoder import MoEDecoder, OnDemandSource, ResidentSource, stop_tokens
-from .ring import DeviceClock
+from ..model import ExpertSource, ExpertWeights, MoEModel
+from .device_queue import DeviceClock
+from .loading import stop_tokens
+from .sources import OnDemandSource, ResidentSource
 
 MODES = ("ring", "expert", "resident", "on-demand")
 
@@ -93,23 +95,22 @@ class GenerationResult:
                 "spec_accuracy": self.source.get("spec_accuracy")}
 
 
-class _Instrumented:
+class _Instrumented(ExpertSource):
     """Wraps a source: times its ``experts`` calls (the stall, for sources that do not
     measure their own) and records the routing trace."""
 
-    def __init__(self, inner: Any, recorder: Any = None, nbytes: int = 0) -> None:
+    def __init__(self, inner: ExpertSource, recorder: Any = None, nbytes: int = 0) -> None:
         self.inner, self.recorder, self.nbytes = inner, recorder, nbytes
         self.step = 0
         self.waited = 0.0
         self.last = False  # the coming pass is the generation's last
 
-    def begin_pass(self, model: MoEDecoder, n_tokens: int) -> None:
-        final = getattr(self.inner, "final_pass", None)
-        if self.last and final is not None:
-            final()  # a ring reads nothing for a pass that will not run
+    def begin_pass(self, model: MoEModel, n_tokens: int) -> None:
+        if self.last:
+            self.inner.final_pass()  # a ring reads nothing for a pass that will not run
         self.inner.begin_pass(model, n_tokens)
 
-    def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, Any]:
+    def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
         if self.recorder is not None:
             self.recorder.record(self.step, layer, ids, self.nbytes)
         t0 = time.perf_counter()
@@ -125,9 +126,9 @@ class _Instrumented:
         self.inner.end_pass()
 
 
-def make_source(mode: str, store: tierstore.Store, model: MoEDecoder, *,
+def make_source(mode: str, store: tierstore.Store, model: MoEModel, *,
                 ring_slots: int | str = "auto", budget: int | None = None,
-                policy_args: Mapping[str, Any] | None = None) -> Any:
+                policy_args: Mapping[str, Any] | None = None) -> ExpertSource:
     """An expert source by name: ``ring`` (``ring_slots`` K or ``"auto"``), ``expert``
     (routed experts, speculative prefetch, device expert cache), ``resident`` (every expert
     loaded first) or ``on-demand`` (synchronous reads of the routed experts)."""
@@ -184,7 +185,7 @@ def next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_p: floa
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def generate(model: MoEDecoder, source: Any, prompts: Sequence[Sequence[int]],
+def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[int]],
              max_new_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
              top_p: float = 1.0, seed: int | None = None,
              eos_token_ids: Sequence[int] | None = None, pad_token_id: int | None = None,
@@ -233,7 +234,7 @@ def generate(model: MoEDecoder, source: Any, prompts: Sequence[Sequence[int]],
         if max_new_tokens:
             cache = model.new_cache(b, t + max_new_tokens)
             wrapped.last = max_new_tokens == 1
-            logits = model(ids, wrapped, cache, mask)[:, -1]
+            logits = model.decode(ids, wrapped, cache, mask)[:, -1]
             prefill_s = clock.seconds(first, clock.mark())
             while True:
                 tok = next_tokens(logits, greedy=greedy, temperature=temperature, top_p=top_p,
@@ -249,10 +250,10 @@ def generate(model: MoEDecoder, source: Any, prompts: Sequence[Sequence[int]],
                 mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
                 wrapped.step += 1
                 wrapped.last = n + 1 == max_new_tokens
-                logits = model(tok[:, None], wrapped, cache, mask)[:, -1]
+                logits = model.decode(tok[:, None], wrapped, cache, mask)[:, -1]
     seconds = time.perf_counter() - start
     tokens = _trim(out[:, :n].tolist(), set(eos))
-    stats = dict(source.stats()) if hasattr(source, "stats") else {}
+    stats = dict(source.stats())
     stall = float(stats.get("stall_s", wrapped.waited))
     return GenerationResult(tokens=tokens, seconds=seconds, prefill_s=prefill_s,
                             decode_s=seconds - prefill_s,
@@ -273,7 +274,7 @@ def encode_prompts(store: tierstore.Store, family: str, texts: Sequence[str]) ->
         list[list[int]], Any]:
     """Token ids of text prompts through the store's tokenizer (a trainer model, which has
     none, reads UTF-8 bytes), and the tokenizer (None for bytes)."""
-    from .decoder import load_tokenizer
+    from .loading import load_tokenizer
 
     tok = load_tokenizer(store)
     if tok is not None:
@@ -301,7 +302,7 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
 
     from tierstore.lab import TraceRecorder
 
-    from .decoder import load_model, model_info
+    from .loading import load_model, model_info
 
     if bool(prompts) == bool(prompt_ids):
         raise tierstore.StoreError("give prompts with --prompt or with --prompt-ids (not both)")
@@ -340,7 +341,7 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
                                                "1,2,3") from None
                 tok = None
                 if not as_json:
-                    from .decoder import load_tokenizer
+                    from .loading import load_tokenizer
 
                     tok = load_tokenizer(st)
             else:
@@ -357,8 +358,7 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
             finally:
                 if recorder is not None:
                     recorder.close()
-                if hasattr(source, "close"):
-                    source.close()
+                source.close()
         if as_json:
             echo(json.dumps(res.summary()))
             return

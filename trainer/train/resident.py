@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..model import ExpertProvider, MoEModel
+from ..presets import PRESETS, MoEConfig, with_dtype
 from .data import BatchSampler, Corpus, load_corpus
-from .model import PRESETS, ExpertProvider, MoEConfig, MoEModel, with_dtype
 from .optim import clip_grads_, grad_norms, lr_at, total_norm
 
 CHECKPOINT_NAME = "resident.pt"

@@ -1,0 +1,152 @@
+"""A client's side of the daemon's socket: one connection (:class:`Connection`), the
+daemon's errors as the store's exception classes, and the lease on the slots of one get."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .. import errors
+from ..errors import StoreError
+from . import protocol as P
+
+RELEASE_DELAY_S = 0.002
+
+
+class Connection:
+    """One socket to the daemon. ``request`` is one call at a time (``busy``); one-way
+    frames (releases) may be sent from any thread meanwhile under ``send_lock``."""
+
+    def __init__(self, path: str, client_id: str, want_arena: bool, role: str = "client"
+                 ) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect(path)
+        except OSError as e:
+            self.sock.close()
+            raise StoreError(f"cannot connect to a tierstore daemon at {path}: {e.strerror or e}"
+                             ) from None
+        self.reader = P.Reader(self.sock)
+        self.pending: list[int] = []  # released leases not yet told to the daemon
+        self.pending_lock = threading.Lock()
+        self.busy = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.rid = 0
+        self.closed = False
+        self.arena_fd = -1
+        self.hello, _ = self.request(P.Op.HELLO, {
+            "version": P.PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
+            "arena": want_arena, "role": role}, fds=want_arena)
+
+    def request(self, op: int, fields: dict[str, Any], payload: list[Any] | None = None,
+                fds: bool = False) -> tuple[dict[str, Any], bytearray | None]:
+        """Send a request and wait for its answer: (fields, payload bytes or None)."""
+        with self.busy:
+            self.rid = (self.rid + 1) & 0xFFFFFFFF
+            rid = self.rid
+            if self.pending:
+                with self.pending_lock:
+                    released, self.pending = self.pending, []
+                fields = {**fields, "r": released}
+            parts = payload or []
+            total = sum(p.nbytes for p in parts)
+            try:
+                head = P.encode(op, rid, fields, total)
+                with self.send_lock:
+                    self.sock.sendall(head)
+                    for p in parts:
+                        self.sock.sendall(p)
+            except OSError as e:
+                # The daemon may have answered (an error) and closed before taking it all.
+                with contextlib.suppress(StoreError):
+                    self._read_answer(rid, fds)
+                raise self._lost(e) from None
+            return self._read_answer(rid, fds)
+
+    def _read_answer(self, rid: int, fds: bool) -> tuple[dict[str, Any], bytearray | None]:
+        while True:
+            try:
+                if fds:  # the hello answer brings the arena's descriptor with its first bytes
+                    head, got_fds, _, _ = socket.recv_fds(self.sock, P.HEADER_BYTES, 1)
+                    if got_fds:
+                        self.arena_fd = got_fds[0]
+                    fds = False
+                    r = self.reader
+                    r.buf[r.end : r.end + len(head)] = head
+                    r.end += len(head)
+                frame = self.reader.frame(1 << 62)
+                if frame is None:
+                    raise P.ProtocolError("the daemon closed the connection", fatal=True)
+            except (OSError, P.ProtocolError) as e:
+                raise self._lost(e) from None
+            op, _, got_rid, raw, payload = frame
+            fields = P.decode_fields(raw)
+            if got_rid != rid:
+                continue  # an answer to an earlier one-way frame's error: not ours
+            if op == P.Op.ERROR:
+                raise daemon_error(fields)
+            return fields, payload
+
+    def flush_releases(self) -> None:
+        with self.pending_lock:
+            released, self.pending = self.pending, []
+        if released:
+            self.send_oneway(P.Op.RELEASE, {"leases": released})
+
+    def send_oneway(self, op: int, fields: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        with contextlib.suppress(OSError), self.send_lock:
+            self.sock.sendall(P.encode(op, 0, fields, flags=P.NO_REPLY))
+
+    def _lost(self, e: BaseException) -> StoreError:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        return StoreError(f"lost the connection to the daemon at {self.path}: {e}")
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self.arena_fd >= 0:
+            os.close(self.arena_fd)
+            self.arena_fd = -1
+
+
+def daemon_error(fields: dict[str, Any]) -> StoreError:
+    """The daemon's error as the same exception class a local store raises."""
+    cls = getattr(errors, str(fields.get("error")), None)
+    message = str(fields.get("message", "daemon error"))
+    if not (isinstance(cls, type) and issubclass(cls, StoreError)):
+        cls = StoreError
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    return err
+
+
+class Lease:
+    """The daemon-side pin on the slots of one get; ``release`` exactly once.
+
+    A release rides on the connection's next request (no message of its own, which would
+    cost both processes a wake-up per get); if none follows within RELEASE_DELAY_S, the
+    client's releaser thread sends it alone.
+    """
+
+    __slots__ = ("arm", "conn", "lease", "done")
+
+    def __init__(self, arm: Callable[[], None], conn: Connection, lease: int) -> None:
+        # ``arm`` wakes the client's releaser thread (RemoteStore._arm_releaser).
+        self.arm, self.conn, self.lease, self.done = arm, conn, lease, False
+
+    def release(self) -> None:
+        if not self.done and self.lease:
+            self.done = True
+            with self.conn.pending_lock:
+                self.conn.pending.append(self.lease)
+            self.arm()

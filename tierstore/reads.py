@@ -1,0 +1,309 @@
+"""The read path of a local store: entries into host memory, then out to the caller.
+
+A read looks its records up and leases their extents (so no write reuses the space under
+it), reads each extent in ``chunk``-sized pieces in parallel on the chunk workers, checks
+each piece's crc32c as it lands and raises :class:`~tierstore.CorruptEntryError` on a
+mismatch. With the host cache, a miss is read straight into a fresh cache slot under the
+entry's key lock, and the slot is published only once every chunk has been verified.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+
+from tierstore.cache.pinned import cuda_consumer
+from tierstore.nvme import HANDOFF_MIN_BYTES, aligned_empty
+
+from .catalog import Record
+from .devices import bytes_to_device
+from .errors import (
+    CorruptEntryError,
+    EntryNotFoundError,
+    ShapeMismatchError,
+    StoreError,
+    StoreFullError,
+)
+from .interface import Meta
+from .keys import Key
+from .local_state import LocalState
+from .tensors import dtype_from_name, from_bytes
+
+
+def _slot_buffer(view: torch.Tensor, length: int) -> np.ndarray:
+    """The cache slot under ``view`` widened to ``length`` bytes (the entry rounded up to
+    4 KiB, as O_DIRECT reads need). Slots are 4 KiB-aligned powers of two, so the widened
+    range stays inside the slot."""
+    wide = torch.empty(0, dtype=torch.uint8)
+    wide.set_(view.untyped_storage(), view.storage_offset(), (length,))
+    return wide.numpy()
+
+
+class ReadPath(LocalState):
+    """The read path of :class:`tierstore.LocalStore` (see the module docstring)."""
+
+    def _read(self, keys: list[Key], device: str | torch.device | None,
+              outs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        found, handles = self._host_bytes(keys)
+        try:
+            return [
+                self._deliver(key, *found[key], out, device) for key, out in zip(keys, outs)
+            ]
+        finally:
+            self._release_handles(handles)
+
+    def _host_bytes(
+        self, keys: list[Key]
+    ) -> tuple[dict[Key, tuple[Meta, np.ndarray | torch.Tensor]], list[Any]]:
+        """Every key's bytes in host memory, without a copy: a pinned cache slot (hit, or
+        filled from the backing tier) or, where the cache holds no slot for it, a freshly
+        read buffer. Release the returned handles when done with the bytes."""
+        found: dict[Key, tuple[Meta, np.ndarray | torch.Tensor]] = {}
+        handles: list[Any] = []
+        try:
+            if self._cache is None:
+                misses = list(dict.fromkeys(keys))
+            else:
+                misses = []
+                unique = list(dict.fromkeys(keys))
+                for key, h in zip(unique, self._cache.lookup_many(unique)):
+                    if h is None:
+                        misses.append(key)
+                    else:
+                        handles.append(h)
+                        found[key] = (h.meta, h.view)
+            if misses:
+                with self._ops.shared(), \
+                        self._key_locks(misses if self._cache is not None else []):
+                    self._load(misses, found, handles)
+            with self._stats_lock:
+                self._tier.reads += len(misses)
+        except BaseException:
+            self._release_handles(handles)
+            raise
+        return found, handles
+
+    def _release_handles(self, handles: list[Any]) -> None:
+        if handles:
+            assert self._cache is not None
+            self._cache.release_many(handles)
+
+    def _load(
+        self, keys: list[Key], found: dict[Key, Any], handles: list[Any]
+    ) -> None:
+        """Read missed entries from the backing tier, into cache slots where admitted."""
+        recs = self._lookup(keys)
+        try:
+            todo_keys, todo_recs, bufs, new = [], [], [], []
+            for key, rec in zip(keys, recs):
+                meta = Meta(rec.dtype, tuple(rec.shape), rec.nbytes, rec.version)
+                h = None
+                if self._cache is not None and rec.nbytes:
+                    try:
+                        h = self._cache.insert(key, rec.nbytes, meta)
+                    except StoreFullError:
+                        h = None  # a victim's write-back found no space: serve uncached
+                if h is not None:
+                    handles.append(h)
+                    found[key] = (h.meta, h.view)
+                    if not h.new:
+                        continue  # loaded by another thread meanwhile
+                    new.append(h)
+                    buf = _slot_buffer(h.view, rec.length)
+                else:
+                    buf = self._results.take(rec.length)
+                    found[key] = (meta, buf)
+                todo_keys.append(key)
+                todo_recs.append(rec)
+                bufs.append(buf)
+            try:
+                self._fetch(todo_keys, todo_recs, bufs)
+            except BaseException:
+                for h in new:  # never publish unverified bytes
+                    self._cache.invalidate(h.key)
+                raise
+            for h in new:
+                self._cache.publish(h)
+            with self._stats_lock:
+                self._tier.bytes_read += sum(r.nbytes for r in todo_recs)
+        finally:
+            self._unlease(recs)
+
+    def _lookup(self, keys: list[Key]) -> list[Record]:
+        """Records of ``keys`` with their extents leased (release with ``_unlease``)."""
+        recs: list[Record] = []
+        try:
+            with self._alloc.lock, self._catalog.read() as txn:
+                for name, kind in keys:
+                    rec = self._catalog.get_record(txn, name, kind)
+                    if rec is None:
+                        raise EntryNotFoundError(name, kind)
+                    if rec.seg >= 0:
+                        self._alloc.lease_locked(rec.seg, rec.off)
+                    recs.append(rec)
+        except BaseException:
+            self._unlease(recs)
+            raise
+        return recs
+
+    def _unlease(self, recs: Iterable[Record]) -> None:
+        for rec in recs:
+            if rec.seg >= 0:
+                self._alloc.unlease(rec.seg, rec.off)
+
+    def _deliver(
+        self, key: Key, meta: Meta, raw: np.ndarray | torch.Tensor,
+        out: torch.Tensor | None, device: str | torch.device | None,
+    ) -> torch.Tensor:
+        """The caller's own tensor: a copy out of a cache slot, or the freshly read buffer."""
+        if out is not None:
+            self._check_out(key, meta, out)
+        target = out.device if out is not None else torch.device(device or "cpu")
+        if target.type != "cpu":
+            if target.type == "cuda":
+                cuda_consumer()  # the first device read pins the cache arena
+            # Raw bytes, as on the CPU (see there); synchronous, so the slot may go after.
+            return bytes_to_device(raw, meta.nbytes, dtype_from_name(meta.dtype),
+                                   tuple(meta.shape), target, out=out)
+        if out is None and isinstance(raw, torch.Tensor):
+            # A cache slot: copy the raw bytes out (typed copies have no kernel for some
+            # dtypes and would canonicalise others, e.g. bool bytes other than 0/1). Into
+            # reused memory: faulting fresh pages in costs more than the copy. A plain memcpy
+            # on this thread: torch's copy splits across its intra-op threads and, with the
+            # cores busy, waits a scheduler tick for the other half.
+            buf = self._results.take(raw.numel())
+            np.copyto(buf, raw.numpy())
+            raw = buf
+        if (out is not None and out.device.type == "cpu" and out.is_contiguous()
+                and out.numel() and not out.requires_grad):
+            # Bytes straight into the caller's tensor with a memcpy (see above).
+            src = raw.numpy() if isinstance(raw, torch.Tensor) else raw
+            np.copyto(out.view(-1).view(torch.uint8).numpy(), src[: meta.nbytes])
+            return out
+        t = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
+        if out is not None:
+            return out.copy_(t)
+        return t
+
+    @staticmethod
+    def _check_out(key: Key, meta: Meta, out: torch.Tensor) -> None:
+        dtype = dtype_from_name(meta.dtype)
+        if out.dtype != dtype or tuple(out.shape) != tuple(meta.shape):
+            raise ShapeMismatchError(
+                f"out= for {key[0]!r} (kind {key[1]!r}) is {out.dtype} {tuple(out.shape)}, "
+                f"the entry is {dtype} {tuple(meta.shape)}"
+            )
+
+    def _fetch(
+        self, keys: list[Key], recs: list[Record], bufs: list[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
+        """Read the records' extents in parallel chunks, verifying each chunk's crc32c."""
+        if bufs is None:
+            bufs = [aligned_empty(rec.length) for rec in recs]
+
+        def chunk_job(i: int, c: int) -> None:
+            rec, buf, start = recs[i], bufs[i], c * recs[i].chunk
+            end = min(start + rec.chunk, rec.length)
+            try:
+                self._medium.read(rec.seg, rec.off + start, memoryview(buf[start:end]))
+            except OSError as e:
+                where = self._medium.location(rec.seg, rec.off + start)[0]
+                raise CorruptEntryError(
+                    *keys[i], f"bytes {start}..{end} cannot be read from {where} "
+                    f"({e.strerror or e}); restore the file, or the entry from a snapshot",
+                ) from e
+            stop = min(end, rec.nbytes)
+            got = crc32c.crc32c(buf[start:stop])
+            if got != rec.crc[c]:
+                name, kind = keys[i]
+                raise CorruptEntryError(
+                    name, kind,
+                    f"crc32c of bytes {start}..{stop} is {got:08x}, the catalog says "
+                    f"{rec.crc[c]:08x} (version {rec.version}, "
+                    f"{self._medium.location(rec.seg, rec.off + start)[0]})",
+                )
+
+        work = [(i, c) for i, rec in enumerate(recs)
+                for c in range(len(range(0, rec.length, rec.chunk)))]
+        if len(work) == 1:  # nothing to overlap: no hand-off
+            chunk_job(*work[0])
+            return bufs
+        # A few workers take the chunks in turn, rather than a job (a future, a queue item
+        # and a thread wake-up) per chunk: a layer of 512 KiB entries is a hundred chunks.
+        # Requests under HANDOFF_MIN_BYTES are issued by the worker itself, io_threads at a
+        # time, and more workers would only queue for those slots: one more, to issue the
+        # next request while another worker checksums. Larger requests wait on the engine's
+        # pool, whose queue must not run dry: the whole of this pool for those.
+        big = any(min(rec.chunk, rec.length) >= HANDOFF_MIN_BYTES for rec in recs)
+        fetchers = self._io_threads + (self._io_threads if big else 1)
+        todo = iter(enumerate(work))
+        take = threading.Lock()
+        failed: list[tuple[int, BaseException]] = []
+
+        def drain() -> None:
+            while not failed:
+                with take:
+                    item = next(todo, None)
+                if item is None:
+                    return
+                n, (i, c) = item
+                try:
+                    chunk_job(i, c)
+                except BaseException as e:  # noqa: BLE001 (raised by the caller below)
+                    failed.append((n, e))
+
+        jobs = [self._workers.submit(drain) for _ in range(min(len(work), fetchers))]
+        try:
+            for f in jobs:
+                f.result()
+        finally:
+            if not all(f.done() for f in jobs):  # interrupted: stop taking chunks
+                failed.append((len(work), StoreError("fetch interrupted")))
+            # Never let a read land in a buffer after its extent's lease has ended.
+            for f in jobs:
+                if not f.cancel():
+                    f.exception()
+        if failed:
+            raise min(failed, key=lambda x: x[0])[1]
+        return bufs
+
+    def _verify_record(self, name: str, kind: str, rec: Record) -> None:
+        self._fetch([(name, kind)], [rec])
+
+    def _view(self, name: str, kind: str) -> torch.Tensor:
+        """A read-only zero-copy tensor over the stored bytes, where the medium is byte
+        addressable (PMem); a checksum-verified copy elsewhere, or while the host cache
+        holds a newer version than the backing tier.
+
+        The entry's space stays reserved (not reused by later writes) while the returned
+        tensor object is alive. Do not write into it.
+        """
+        if self._cache is not None and self._cache.peek((name, kind)) is not None:
+            return self.get(name, kind)
+        rec = self._lookup([(name, kind)])[0]
+        try:
+            mv = self._medium.view(rec.seg, rec.off, rec.nbytes) if rec.seg >= 0 else None
+            if mv is None:
+                self._unlease([rec])
+                return self.get(name, kind)
+            arr = np.frombuffer(mv, dtype=np.uint8)
+            for c, start in enumerate(range(0, rec.nbytes, rec.chunk)):
+                got = crc32c.crc32c(arr[start : start + rec.chunk])
+                if got != rec.crc[c]:
+                    raise CorruptEntryError(name, kind, f"crc32c {got:08x} != {rec.crc[c]:08x}")
+            with warnings.catch_warnings():  # read-only on purpose: writes must go through put
+                warnings.simplefilter("ignore", UserWarning)
+                u8 = torch.frombuffer(mv, dtype=torch.uint8)
+            t = from_bytes(u8, dtype_from_name(rec.dtype), tuple(rec.shape))
+        except BaseException:
+            self._unlease([rec])
+            raise
+        weakref.finalize(t, self._alloc.unlease, rec.seg, rec.off)
+        return t

@@ -1,0 +1,119 @@
+"""Snapshots of a local store: a tag records the current version of every entry.
+
+A snapshot takes a reference on every extent the live entries use, so their space is never
+reused while it exists; ``restore`` makes the live entries exactly the snapshot's, and
+``drop_snapshot`` gives back what only the snapshot held. Each snapshot leaves a copy of the
+catalog beside the store (:data:`CATALOG_COPY`): ``tierstore fsck --repair`` comes back to it
+if the live catalog is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from .catalog import entry_key
+from .errors import SnapshotError
+from .interface import SnapshotInfo
+from .keys import check_tag
+from .writes import WritePath
+
+CATALOG_COPY = "catalog-snapshot.mdb"  # the catalog as the latest snapshot left it
+
+
+class SnapshotOps(WritePath):
+    """Snapshots of :class:`tierstore.LocalStore` (a snapshot flushes first)."""
+
+    def snapshot(self, tag: str) -> SnapshotInfo:
+        """Atomically record the current version of every entry under ``tag``."""
+        self._check_open()
+        check_tag(tag)
+        cat = self._catalog
+
+        def txn_snap(txn: Any) -> SnapshotInfo:
+            if txn.get(tag.encode(), db=cat.db["snapshots"]) is not None:
+                raise SnapshotError(f"snapshot {tag!r} exists; drop it first")
+            n = nbytes = 0
+            for name, kind, rec in list(cat.iter_records(txn)):
+                cat.incref(txn, rec)
+                txn.put(tag.encode() + b"\0" + entry_key(name, kind), rec.encode(),
+                        db=cat.db["snapentries"])
+                n, nbytes = n + 1, nbytes + rec.nbytes
+            info = SnapshotInfo(tag, time.time(), n, nbytes)
+            txn.put(tag.encode(), json.dumps(vars(info)).encode(), db=cat.db["snapshots"])
+            return info
+
+        with self._ops.shared():
+            self._flush()
+            # A copy of the catalog as this commit left it: `tierstore fsck --repair` comes
+            # back to it if the live catalog is lost (snapshots keep its extents in place).
+            return cat.write(txn_snap, copy_to=os.path.join(self.path, CATALOG_COPY))
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        self._check_open()
+        with self._catalog.read() as txn:
+            return [
+                SnapshotInfo(**json.loads(raw))
+                for _, raw in txn.cursor(db=self._catalog.db["snapshots"])
+            ]
+
+    def restore(self, tag: str) -> SnapshotInfo:
+        """Make the live entries exactly the snapshot's (entries made since are removed).
+
+        Unflushed puts are discarded with the rest of the live state, so nothing is
+        written back first. It runs alone: operations that change entries or fill the
+        cache wait for it, and it waits for those already running.
+        """
+        self._check_open()
+        check_tag(tag)
+        cat = self._catalog
+
+        def txn_restore(txn: Any) -> tuple[list[tuple[int, int, int]], SnapshotInfo]:
+            raw = txn.get(tag.encode(), db=cat.db["snapshots"])
+            if raw is None:
+                raise SnapshotError(f"no snapshot {tag!r}")
+            saved = list(cat.iter_records(txn, db="snapentries", tag=tag))
+            for _, _, rec in saved:  # take the snapshot's references before dropping the live ones
+                cat.incref(txn, rec)
+            freed = []
+            for name, kind, rec in list(cat.iter_records(txn)):
+                ext = cat.decref(txn, rec)
+                if ext:
+                    freed.append(ext)
+                txn.delete(entry_key(name, kind), db=cat.db["entries"])
+            for name, kind, rec in saved:
+                txn.put(entry_key(name, kind), rec.encode(), db=cat.db["entries"])
+            cat.put_meta(txn, "live_bytes", sum(r.nbytes for _, _, r in saved))
+            return freed, SnapshotInfo(**json.loads(raw))
+
+        with self._ops.exclusive():  # so no write-back is in flight
+            self._tombstones.clear()
+            freed, info = cat.write(txn_restore)
+            self._alloc.release(freed)
+            if self._cache is not None:  # cached copies are of versions the restore replaced
+                for key in list(self._cache):
+                    self._cache.invalidate(key)
+        return info
+
+    def drop_snapshot(self, tag: str) -> None:
+        """Forget a snapshot; space only it held becomes free."""
+        self._check_open()
+        cat = self._catalog
+
+        def txn_drop(txn: Any) -> list[tuple[int, int, int]]:
+            if not txn.delete(tag.encode(), db=cat.db["snapshots"]):
+                raise SnapshotError(f"no snapshot {tag!r}")
+            freed = []
+            for name, kind, rec in list(cat.iter_records(txn, db="snapentries", tag=tag)):
+                ext = cat.decref(txn, rec)
+                if ext:
+                    freed.append(ext)
+                txn.delete(tag.encode() + b"\0" + entry_key(name, kind), db=cat.db["snapentries"])
+            return freed
+
+        copy = os.path.join(self.path, CATALOG_COPY)
+        # The copy is refreshed so it never lists a snapshot whose space may be reused.
+        with self._ops.shared():
+            self._alloc.release(cat.write(txn_drop, copy_to=copy if os.path.exists(copy) else None))

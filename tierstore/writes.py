@@ -1,0 +1,270 @@
+"""The write path of a local store: new versions, copy-on-write, commit and delete.
+
+Copy-on-write: take free aligned extents, write the new bytes there, make them durable
+(``Medium.sync``), then one LMDB transaction points the entries at the new extents and frees
+the old ones. Until that commit nothing the catalog references has changed, so a crash at
+any instant leaves every entry at its last committed version. With the host cache, a put
+lands in a cache slot as a dirty entry and takes that path on eviction or ``flush()``;
+without it, the put takes it before returning.
+
+Versions are given out when an operation is called, and a commit keeps the newest: a record
+older than the catalog's (a slow write-back overtaken by a newer write) or than its key's
+delete (a tombstone) is dropped, whatever order commits land in.
+"""
+
+from __future__ import annotations
+
+import errno
+from concurrent.futures import Future, wait
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+
+from .catalog import Record, entry_key
+from .errors import EntryNotFoundError, StoreError, StoreFullError
+from .interface import Meta
+from .keys import Key, PutItems, put_items
+from .local_state import LocalState
+from .media import ALIGNMENT, align_up
+from .tensors import as_bytes, dtype_name
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# A flush commits dirty entries in batches of about this many bytes, each its own commit:
+# copy-on-write needs room for a batch's new bytes before its commit frees the old ones, so
+# on a nearly full disk a flush still makes progress (and freeing space lets it finish).
+FLUSH_BATCH_BYTES = 256 << 20
+
+
+class WritePath(LocalState):
+    """The write path of :class:`tierstore.LocalStore` (see the module docstring)."""
+
+    def put_many(self, items: PutItems, kind: str = "param") -> list[int]:
+        """Store several tensors; returns their versions.
+
+        ``items`` maps names to tensors, or yields ``(name, tensor)`` or
+        ``(name, kind, tensor)``. What bypasses the cache is written with overlapped I/O
+        and committed in ONE transaction: all of it or none of it.
+
+        With a host cache (the default) the entries land there dirty and reach the backing
+        tier on eviction, ``flush()``, ``snapshot()`` or ``close()``; without one
+        (``host_cache=0``) they are committed before ``put_many`` returns. Either way
+        ``flush()`` returning means every earlier put is durable.
+        """
+        self._check_open()
+        batch = [
+            (name, k, as_bytes(t), Meta(dtype_name(t.dtype), tuple(t.shape), 0, 0))
+            for name, k, t in put_items(items, kind)
+        ]
+        cached = self._cache is not None
+        # With the cache, versions are given out under the key locks, so two operations on
+        # one key are ordered the same way by their versions and by the cache.
+        with self._ops.shared(), self._key_locks([(n, k) for n, k, _, _ in batch] if cached else []):
+            versions = self._next_versions(len(batch))
+            for (_, _, src, meta), v in zip(batch, versions):
+                meta.nbytes, meta.version = src.nbytes, v
+            if cached:
+                self._land(batch)
+            else:
+                self._write_through(batch)
+        return versions
+
+    def _land(self, batch: list[tuple[str, str, np.ndarray, Meta]]) -> None:
+        """New versions into the host cache as dirty entries; what it does not take is
+        written through in one commit. The caller holds the entries' key locks."""
+        assert self._cache is not None
+        through = []
+        for name, k, src, meta in batch:
+            # In place when nobody holds the old bytes; otherwise a new slot, so readers
+            # still copying the old bytes keep them.
+            if meta.nbytes and self._cache.overwrite((name, k), src, meta):
+                continue
+            self._cache.invalidate((name, k))
+            h = self._cache.insert((name, k), meta.nbytes, meta, data=src) if meta.nbytes else None
+            if h is None:
+                through.append((name, k, src, meta))
+                continue
+            self._cache.mark_dirty((name, k), meta)
+            h.release()
+        if through:
+            self._write_through(through)
+
+    def _delete(self, name: str, kind: str, missing_ok: bool) -> bool:
+        """With the host cache the delete is a version above every earlier put of the key,
+        and leaves a tombstone (see ``_commit``)."""
+        cache = self._cache
+        dead = 0
+
+        def txn_delete(txn: Any) -> tuple[int, int, int] | None | bool:
+            if cache is not None:
+                # A write-back that took the entry before it left the cache may commit
+                # after this one: the tombstone, set in this commit (so a crash never shows
+                # the delete's effect before it is durable), makes that commit drop it.
+                # Tombstones matter only while such a write-back can exist.
+                if not cache.writebacks_in_flight():
+                    self._tombstones.clear()
+                self._tombstones[(name, kind)] = dead
+            old = self._catalog.get_record(txn, name, kind)
+            if old is None:
+                return False
+            txn.delete(entry_key(name, kind), db=self._catalog.db["entries"])
+            live = self._catalog.get_meta(txn, "live_bytes", 0)
+            self._catalog.put_meta(txn, "live_bytes", live - old.nbytes)
+            return self._catalog.decref(txn, old)
+
+        with self._ops.shared(), self._key_locks([(name, kind)]):
+            cached = False
+            if cache is not None:
+                # Above every earlier put of the key (the key lock orders them).
+                (dead,) = self._next_versions(1)
+                cached = cache.invalidate((name, kind))
+            freed = self._catalog.write(txn_delete)
+        if freed is False and not cached:
+            if missing_ok:
+                return False
+            raise EntryNotFoundError(name, kind)
+        if freed:
+            self._alloc.release([freed])
+        return True
+
+    def flush(self) -> None:
+        """Make every earlier ``put`` durable: dirty cache entries are written back
+        copy-on-write and committed in batches of about ``FLUSH_BATCH_BYTES``, each batch
+        one transaction. If it fails, the batches committed so far are durable and the
+        rest stay dirty in the cache, so a later ``flush()`` retries them."""
+        self._check_open()
+        with self._ops.shared():
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._cache is not None:
+            self._cache.flush(many=self._write_back, batch_bytes=FLUSH_BATCH_BYTES)
+        self._catalog.env.sync(True)
+
+    def _write_back_one(self, key: Key, view: torch.Tensor, meta: Meta) -> None:
+        self._write_back([(key, view, meta)])
+
+    def _write_back(self, items: list[tuple[Key, torch.Tensor, Meta]]) -> None:
+        """The cache's write-back: dirty slots to the backing tier, one commit."""
+        self._write_through([(n, k, view.numpy(), meta) for (n, k), view, meta in items])
+
+    def _write_through(self, batch: list[tuple[str, str, np.ndarray, Meta]]) -> None:
+        """Copy-on-write: fresh extents, parallel chunk writes, sync, then one commit."""
+        taken: list[tuple[int, int, int]] = []
+        records: list[tuple[str, str, Record]] = []
+        started: list[list[Future[int]]] = []
+        try:
+            for name, k, src, meta in batch:
+                rec, futs = self._write_bytes(src, meta, taken)
+                records.append((name, k, rec))
+                started.append(futs)
+            for (_, _, rec), futs in zip(records, started):
+                rec.crc = rec.crc or [f.result() for f in futs]
+            self._medium.sync({seg for seg, _, length in taken if length})
+            freed = self._catalog.write(lambda txn: self._commit(txn, records))
+        except BaseException as e:
+            # A write still in flight must land before its extent can be handed out again.
+            wait([f for futs in started for f in futs])
+            self._alloc.release(taken)
+            if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+                raise StoreFullError(f"no space to write to {self.path}: {e}") from e
+            raise
+        self._alloc.release(freed)
+        with self._stats_lock:
+            self._tier.writes += len(records)
+            self._tier.bytes_written += sum(r.nbytes for _, _, r in records)
+
+    def _write_bytes(
+        self, src: np.ndarray, meta: Meta, taken: list[tuple[int, int, int]]
+    ) -> tuple[Record, list[Future[int]]]:
+        """Start writing ``src`` to fresh extents; the futures give each chunk's crc32c."""
+        nbytes = src.nbytes
+        rec = Record(
+            dtype=meta.dtype, shape=list(meta.shape), nbytes=nbytes, crc=[],
+            chunk=self._chunk, version=meta.version, seg=-1, off=0, length=0,
+        )
+        if nbytes == 0:
+            rec.crc = [0]
+            return rec, []
+        length = align_up(nbytes)
+        seg, off = self._allocate(length)
+        taken.append((seg, off, length))
+        rec.seg, rec.off, rec.length = seg, off, length
+        # O_DIRECT and GDS need page-aligned memory (cache slots are). Otherwise each chunk
+        # is copied into an aligned staging buffer by a worker just before its write, so
+        # copies, checksums and writes of different chunks overlap.
+        aligned = src.ctypes.data % ALIGNMENT == 0
+
+        def chunk_job(start: int) -> int:
+            end = min(start + self._chunk, length)
+            stop = min(end, nbytes)
+            crc = crc32c.crc32c(src[start:stop])
+            if aligned and end <= nbytes:
+                self._medium.write(seg, off + start, memoryview(src[start:end]))
+                return crc
+            stage = self._staging.take()  # reused, so no page faults on the hot path
+            try:
+                stage[: stop - start] = src[start:stop]
+                stage[stop - start : end - start] = 0
+                self._medium.write(seg, off + start, memoryview(stage[: end - start]))
+            finally:
+                self._staging.give(stage)
+            return crc
+
+        return rec, [self._workers.submit(chunk_job, start) for start in range(0, length, self._chunk)]
+
+    def _allocate(self, length: int) -> tuple[int, int]:
+        got = self._alloc.allocate(length)
+        while got is None:
+            with self._seg_lock:
+                got = self._alloc.allocate(length)  # another thread may have added a slab
+                if got is not None:
+                    break
+                seg = self._next_seg
+                try:
+                    new = self._medium.create_segment(seg, max(length, self._grow_bytes))
+                except FileExistsError as e:
+                    raise StoreError(f"{e.filename}: {e.strerror}") from None
+                self._catalog.write(lambda txn, new=new: self._catalog.add_segment(txn, *new))
+                seg, _, _, size = new
+                self._next_seg = seg + 1
+                self._alloc.add(seg, 0, size)
+            got = self._alloc.allocate(length)
+        return got
+
+    def _commit(
+        self, txn: Any, records: list[tuple[str, str, Record]]
+    ) -> list[tuple[int, int, int]]:
+        """Point entries at their new extents; returns extents to hand back to the allocator.
+
+        Versions are given out when ``put`` is called, so a record older than the one the
+        catalog holds (a slow write-back overtaken by a newer write) is dropped: the newest
+        version wins whatever order commits land in. So is one older than a delete of its
+        key (a write-back that took the entry before the delete and commits after it: see
+        ``delete``).
+        """
+        cat = self._catalog
+        top = cat.get_meta(txn, "version", 0)
+        live = cat.get_meta(txn, "live_bytes", 0)
+        freed = []
+        for name, kind, rec in records:
+            old = cat.get_record(txn, name, kind)
+            dead = self._tombstones.get((name, kind))
+            if (old is not None and old.version > rec.version) or (
+                    dead is not None and dead > rec.version):
+                if rec.seg >= 0:
+                    freed.append(rec.extent)  # taken in memory only, never carved
+                continue
+            cat.incref(txn, rec)
+            if old is not None:
+                live -= old.nbytes
+                ext = cat.decref(txn, old)
+                if ext:
+                    freed.append(ext)
+            live += rec.nbytes
+            top = max(top, rec.version)
+            txn.put(entry_key(name, kind), rec.encode(), db=cat.db["entries"])
+        cat.put_meta(txn, "version", top)
+        cat.put_meta(txn, "live_bytes", live)
+        return freed

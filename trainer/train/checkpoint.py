@@ -1,0 +1,279 @@
+"""The store trainer's on-store format: every entry name, kind and snapshot tag it uses, and
+the reading and writing of run records and checkpoints. Nothing else builds these names.
+
+Layout
+- ``layers.{l}.experts.{e}.{w1,w2,w3}`` (:func:`trainer.model.expert_name`), kinds ``param``
+  and :data:`MOMENTS` (``exp_avg``, ``exp_avg_sq``): every expert weight's fp32 master copy
+  and its two AdamW moments.
+- ``layers.{l}.experts`` (:func:`step_counts_name`), kind :data:`STEP_KIND`: the per-expert
+  AdamW step counts of MoE layer ``l``, one int64 ``[n_experts]`` entry.
+- :data:`RUN_ENTRY` (``trainer.run``, kind ``meta``): the model and training configs and the
+  seed, as JSON.
+- :data:`DENSE_ENTRY` (``trainer.dense``, kind ``checkpoint``): the dense part of the latest
+  checkpoint, ``torch.save`` bytes.
+- snapshots ``step-{n}`` (:func:`checkpoint_tag`): the checkpoints.
+
+Checkpoints
+A checkpoint is one store snapshot, ``step-{n}``. The dense part (model and optimizer state,
+sampler position, RNG states, configs) is serialised into :data:`DENSE_ENTRY` right before
+the snapshot is taken, so the snapshot's single catalog transaction records it together with
+every expert entry: there is no moment at which a checkpoint exists whose dense and expert
+parts come from different steps. A crash before that transaction commits leaves the previous
+checkpoints as they were (the live entries may hold newer, partly flushed versions; resuming
+restores the snapshot over them); a crash after it leaves a complete new checkpoint. The
+latest :data:`KEEP_CHECKPOINTS` snapshots are kept; older ones are dropped after each new one
+commits (a crash in between only leaves an extra snapshot, dropped by the next checkpoint).
+Resuming restores the latest snapshot and loads the dense state from it.
+
+Reusing a store
+The first run writes :data:`RUN_ENTRY` and initialises every expert from
+:func:`trainer.model.init_expert`. A store that already holds a run is only used again to
+resume it, with the same configs and seed; otherwise :class:`TrainerError` says so and
+nothing is touched. Resuming a run that never reached a checkpoint starts it over from the
+initial weights.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import tierstore
+from tierstore import StoreError
+
+from ..model import EXPERT_WEIGHTS, MoEModel, expert_name, init_expert
+from ..presets import MoEConfig
+from .data import BatchSampler
+from .resident import Metrics, TrainConfig, rng_state, set_rng_state
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+STEP_KIND = "step"
+RUN_ENTRY = ("trainer.run", "meta")
+DENSE_ENTRY = ("trainer.dense", "checkpoint")
+CHECKPOINT_VERSION = 1
+KEEP_CHECKPOINTS = 2
+_TAG = re.compile(r"^step-(\d+)$")
+
+PathLike = str | os.PathLike[str]
+
+
+class TrainerError(StoreError):
+    """The store cannot be trained on as asked (it holds another run, the device budget
+    cannot hold a step's experts, ...). A :class:`tierstore.StoreError`, so the CLI reports
+    it as one line."""
+
+
+def step_counts_name(layer: int) -> str:
+    """The store name of MoE layer ``layer``'s per-expert AdamW step counts."""
+    return f"layers.{layer}.experts"
+
+
+def checkpoint_tag(step: int) -> str:
+    return f"step-{step}"
+
+
+def checkpoint_steps(store: tierstore.Store) -> list[int]:
+    """Steps of the checkpoints (``step-{n}`` snapshots) the store holds, ascending."""
+    found = (_TAG.match(s.tag) for s in store.snapshots())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+# --------------------------------------------------------------------------- serialisation
+
+
+def pack(obj: Any) -> Tensor:
+    """``torch.save`` bytes as a uint8 tensor, so a Python object can be a store entry."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def unpack(t: Tensor) -> Any:
+    """The object :func:`pack` stored."""
+    # The payload holds numpy and python RNG states besides tensors.
+    return torch.load(io.BytesIO(t.numpy().tobytes()), map_location="cpu", weights_only=False)
+
+
+def _json_entry(obj: Any) -> Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
+
+
+def _read_entry(store: tierstore.Store, entry: tuple[str, str]) -> Tensor | None:
+    try:
+        return store.get(*entry)
+    except tierstore.EntryNotFoundError:
+        return None
+
+
+# --------------------------------------------------------------------------- the run record
+
+
+def _run_identity(cfg: MoEConfig, tc: TrainConfig, seed: int) -> dict[str, Any]:
+    return {"version": CHECKPOINT_VERSION, "model_config": cfg.to_dict(),
+            "train_config": tc.to_dict(), "seed": seed}
+
+
+def _differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    return [f"{k}={saved.get(k)!r} (now {mine.get(k)!r})"
+            for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
+
+
+def _check_identity(saved: dict[str, Any], cfg: MoEConfig, tc: TrainConfig, seed: int,
+                    where: str) -> None:
+    """Refuse to continue a run with other configs or another seed than it started with."""
+    if saved.get("version") != CHECKPOINT_VERSION:
+        raise TrainerError(f"{where} holds a training run of format {saved.get('version')!r}, "
+                           f"this trainer writes {CHECKPOINT_VERSION}")
+    if MoEConfig.from_dict(saved["model_config"]) != cfg:
+        diff = _differences(saved["model_config"], cfg.to_dict())
+        raise TrainerError(f"{where} holds a run of a different model: {', '.join(diff)}")
+    saved_tc = json.loads(json.dumps(saved["train_config"]))
+    mine_tc = json.loads(json.dumps(tc.to_dict()))
+    if saved_tc != mine_tc:
+        diff = _differences(saved_tc, mine_tc)
+        raise TrainerError(f"{where} holds a run with different training hyperparameters: "
+                           f"{', '.join(diff)}")
+    if saved["seed"] != seed:
+        raise TrainerError(f"{where} holds a run with seed {saved['seed']}, not {seed}")
+
+
+def saved_run(store_path: PathLike | tierstore.Store) -> dict[str, Any] | None:
+    """The model config, training config and seed (``model_config``, ``train_config``,
+    ``seed``) of the run the store at ``store_path`` (or the open store given) holds;
+    ``None`` if there is no store or no run in it."""
+    if not isinstance(store_path, str | os.PathLike):
+        raw = _read_entry(store_path, RUN_ENTRY)
+    else:
+        try:
+            store = tierstore.open(store_path, host_cache=0)
+        except tierstore.NotAStoreError:
+            return None
+        with store:
+            raw = _read_entry(store, RUN_ENTRY)
+    return None if raw is None else json.loads(raw.numpy().tobytes())
+
+
+def initialise_experts(store: tierstore.Store, cfg: MoEConfig, seed: int) -> None:
+    """Write every expert's initial weights, zero moments and zero step counts.
+
+    Writes are flushed whenever about half the host cache has been filled, so that making
+    room evicts clean entries instead of writing dirty ones back one commit at a time.
+    """
+    shapes = cfg.expert_shapes()
+    expert_bytes = sum(4 * a * b for a, b in shapes.values())  # fp32 w1+w2+w3
+    cache = store.stats()["cache"]
+    flush_every = cache["capacity_bytes"] // 2 if cache else 0
+    zeros = {w: torch.zeros(shape) for w, shape in shapes.items()}
+    pending = 0
+    for layer in cfg.moe_layers:
+        for e in range(cfg.n_experts):
+            items: list[tuple[str, str, Tensor]] = []
+            for w, t in zip(EXPERT_WEIGHTS, init_expert(cfg, seed, layer, e)):
+                name = expert_name(layer, e, w)
+                items += [(name, "param", t), (name, MOMENTS[0], zeros[w]),
+                          (name, MOMENTS[1], zeros[w])]
+            store.put_many(items)
+            pending += 3 * expert_bytes
+            if flush_every and pending >= flush_every:
+                store.flush()
+                pending = 0
+        store.put(step_counts_name(layer), torch.zeros(cfg.n_experts, dtype=torch.int64),
+                  kind=STEP_KIND)
+    store.flush()
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def start_run(store: tierstore.Store, cfg: MoEConfig, tc: TrainConfig, seed: int,
+              resume: bool, net: MoEModel, opt: torch.optim.Optimizer,
+              sampler: BatchSampler) -> tuple[int, Metrics | None]:
+    """Bring the store, ``net``, ``opt``, ``sampler`` and the RNGs to the state training
+    starts from: the latest checkpoint when resuming a run that has one, else the initial
+    weights (written to the store here). Returns the first step to run and, when resuming,
+    the checkpoint step's own metrics."""
+    where = f"store {store.path}"
+    raw = _read_entry(store, RUN_ENTRY)
+    saved = None if raw is None else json.loads(raw.numpy().tobytes())
+    if saved is None:
+        if store.names("layers.") or checkpoint_steps(store):
+            raise TrainerError(f"{where} holds expert entries or checkpoints that no training "
+                               "run of this trainer wrote; train in a new store")
+    else:
+        if not resume:
+            ckpts = checkpoint_steps(store)
+            last = f"its latest checkpoint is step {ckpts[-1]}" if ckpts else "no checkpoint yet"
+            raise TrainerError(f"{where} already holds a training run ({last}); pass --resume "
+                               "to continue it, or train in a new store")
+        _check_identity(saved, cfg, tc, seed, where)
+        ckpts = checkpoint_steps(store)
+        if ckpts:
+            store.restore(checkpoint_tag(ckpts[-1]))
+            dense = _read_entry(store, DENSE_ENTRY)
+            if dense is None:
+                raise TrainerError(f"{where}: checkpoint step-{ckpts[-1]} has no dense state")
+            payload = unpack(dense)
+            if payload.get("step") != ckpts[-1]:
+                raise TrainerError(f"{where}: checkpoint step-{ckpts[-1]} holds the dense state "
+                                   f"of step {payload.get('step')}")
+            net.load_state_dict(payload["model"])
+            opt.load_state_dict(payload["optimizer"])
+            sampler.load_state_dict(payload["sampler"])
+            set_rng_state(payload["rng"])
+            return int(payload["step"]), payload.get("metrics")
+    # A new run, or one that crashed before its first checkpoint: start from scratch. The
+    # run record goes first, so an interrupted initialisation is recognised as this run.
+    store.put(RUN_ENTRY[0], _json_entry(_run_identity(cfg, tc, seed)), kind=RUN_ENTRY[1])
+    initialise_experts(store, cfg, seed)
+    return 0, None
+
+
+def write_checkpoint(store: tierstore.Store, step: int, *, seed: int, cfg: MoEConfig,
+                     tc: TrainConfig, net: MoEModel, opt: torch.optim.Optimizer,
+                     sampler: BatchSampler, metrics: Metrics) -> str:
+    """Checkpoint the run after ``step`` steps: the dense entry, then the snapshot that makes
+    the checkpoint (see the module docstring), then drop what is no longer among the latest
+    :data:`KEEP_CHECKPOINTS`. ``metrics`` are the step's own, kept with the checkpoint; the
+    snapshot's tag is added to them as ``checkpoint`` first (if the snapshot never commits,
+    neither does that claim) and returned."""
+    tag = checkpoint_tag(step)
+    metrics["checkpoint"] = tag
+    payload = {
+        "version": CHECKPOINT_VERSION, "kind": "store", "step": step, "seed": seed,
+        "model_config": cfg.to_dict(), "train_config": asdict(tc),
+        "model": net.state_dict(), "optimizer": opt.state_dict(),
+        "sampler": sampler.state_dict(), "rng": rng_state(), "metrics": dict(metrics),
+    }
+    store.put(DENSE_ENTRY[0], pack(payload), kind=DENSE_ENTRY[1])
+    if step in checkpoint_steps(store):
+        # Training only moves past the latest checkpoint, so this is a snapshot someone
+        # named by hand; the checkpoint of this step replaces it.
+        store.drop_snapshot(tag)
+    store.snapshot(tag)
+    for old in checkpoint_steps(store)[:-KEEP_CHECKPOINTS]:
+        store.drop_snapshot(checkpoint_tag(old))
+    return tag
+
+
+def latest_dense_state(store: tierstore.Store) -> dict[str, Any] | None:
+    """The dense state of the store's latest checkpoint (``step``, ``model_config``,
+    ``model``, ...), for reading a trained model back; ``None`` if the store holds none.
+
+    The live dense entry is the latest checkpoint's: it is written right before the
+    snapshot, and training only moves forward from there.
+    """
+    if DENSE_ENTRY not in store:
+        return None
+    payload = unpack(store.get(*DENSE_ENTRY))
+    steps = checkpoint_steps(store)
+    if steps and payload.get("step") != steps[-1]:
+        raise TrainerError(f"store {store.path}: dense state of step {payload.get('step')} "
+                           f"but latest checkpoint is {steps[-1]}")
+    return payload
