@@ -156,21 +156,67 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
 @click.option("--host-cache", type=SIZE, help="Host cache size (overrides --tier).")
 @click.option("--expert-budget", default=0.6, show_default=True,
               help="Expert mode's device budget as a fraction of all experts' bytes.")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Rounds over every mode (interleaved); each mode reports its median.")
+@click.option("--repeats", "--rounds", "repeats", type=click.IntRange(min=1), default=5,
+              show_default=True,
+              help="Rounds over every mode (interleaved, or alternated with --peer); each mode "
+                   "reports its median.")
 @click.option("--device", default=None, help="Compute device (default: cuda if available).")
+@click.option("--vocab", type=click.IntRange(min=8),
+              help="Synthetic model: vocabulary [512; 32000 with --peer].")
+@click.option("--peer", type=click.Choice(["accelerate"]),
+              help="Also run the checkpoint (--model-dir, or a synthetic Mixtral-shaped one "
+                   "saved with transformers) through this system: accelerate's disk offload "
+                   "(experts on \"disk\", the rest on the CPU). Every run is then a fresh "
+                   "process (`tierstore generate` per mode: resident, ring auto, expert, "
+                   "on-demand) with one prompt of --prefill-len tokens and --decode-tokens "
+                   "greedy tokens; tokens are checked equal, and prefill and decode tokens/s, "
+                   "peak RSS and the ratios to the peer reported. Needs the `peers` extra.")
+@click.option("--memory-limit", metavar="SIZE|FRACTION",
+              help="With --peer: run every offloading mode and the peer in a memory cgroup "
+                   "with this limit (page cache included), a size (1.4GiB) or a fraction of "
+                   "the checkpoint's size (0.75). Resident runs without it (it holds every "
+                   "expert: the compute reference). Without a writable cgroup the runs are "
+                   "unlimited and the results say so.")
+@click.option("--cold/--warm", default=True, show_default=True,
+              help="With --peer: drop the page cache before every run (where permitted; the "
+                   "results say when it was not).")
+@click.option("--device-budget", type=SIZE,
+              help="Bytes of experts the device may hold (with --peer: passed to `tierstore "
+                   "generate`; default the store's, or a quarter of --memory-limit).")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="With --peer: CPU compute threads of every run, the peer's included "
+                   "(default: each system's own; tierstore's ring and expert modes leave a "
+                   "core to their reads).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
 def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: int, hidden: int,
                 ffn: int, prefill_batch: int, prefill_len: int, decode_batch: int,
                 decode_tokens: int, ring_slots: str, tier: str, host_cache: int | None,
-                expert_budget: float, repeats: int, device: str | None,
-                json_out: str | None) -> None:
+                expert_budget: float, repeats: int, device: str | None, vocab: int | None,
+                peer: str | None, memory_limit: str | None, cold: bool,
+                device_budget: int | None, threads: int | None, json_out: str | None) -> None:
     """Tokens/s of one model and one set of prompts with every expert source: fully
     resident, ring at several K and auto, expert mode, synchronous on-demand loading; ratios
     against resident, against on-demand, and for ring decoding against the limit set by the
-    bytes moved per token over the tier bandwidth measured in the same run."""
+    bytes moved per token over the tier bandwidth measured in the same run.
+
+    With --peer accelerate: the same Hugging Face checkpoint through accelerate's disk
+    offload and every tierstore mode, each run a fresh process, cold, optionally under a
+    memory limit; ratios to accelerate per phase, and the ring's prefill against its
+    physical limit, max(compute, bytes read / the tier's bandwidth measured in every round).
+    Without --memory-limit the host cache holds every expert (as the page cache does for
+    accelerate); under one it defaults to a sixth of the limit (--host-cache overrides).
+
+    \b
+    tierstore bench infer --peer accelerate --hidden 1024 --ffn 2048 --prefill-len 16 \\
+        --decode-tokens 16 --rounds 3 --memory-limit 0.75 --host-cache 256MiB \\
+        --device-budget 400MiB --json peer.json"""
     if store and model_dir:
         raise click.UsageError("--store and --model-dir exclude each other")
+    if peer and store:
+        raise click.UsageError("--peer needs a Hugging Face checkpoint (--model-dir, or none "
+                               "for a synthetic one), not --store")
+    if memory_limit and not peer:
+        raise click.UsageError("--memory-limit applies to the fresh processes of --peer")
     try:
         ks = [int(k) for k in ring_slots.split(",") if k]
     except ValueError:
@@ -182,7 +228,9 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
                   hidden=hidden, ffn=ffn, prefill_batch=prefill_batch, prefill_len=prefill_len,
                   decode_batch=decode_batch, decode_tokens=decode_tokens, ring_slots=ks,
                   host_cache=host_cache, expert_budget=expert_budget, device=device,
-                  repeats=repeats, tier=tier, echo=click.echo)
+                  repeats=repeats, tier=tier, vocab=vocab, peer=peer,
+                  memory_limit=memory_limit, cold=cold, device_budget=device_budget,
+                  threads=threads, echo=click.echo)
 
     _run(go)
 
@@ -204,12 +252,18 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--store", "store", type=click.Path(file_okay=False),
               help="Scratch directory (default: a temporary directory here, removed after).")
+@click.option("--model-dir", type=click.Path(exists=True, file_okay=False),
+              help="Instead of --model: fine-tune this Hugging Face checkpoint (Mixtral, "
+                   "Qwen2-MoE, OLMoE, Qwen3-MoE), imported afresh into the scratch directory "
+                   "for every store run, against transformers-equivalent training in memory.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
 def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: int,
                 batch_size: int | None, seq_len: int | None, device: str, store: str | None,
-                json_out: str | None) -> None:
+                model_dir: str | None, json_out: str | None) -> None:
     """Step time of the store trainer against the resident trainer (same model, data and
-    seed): median step times, their ratio (target <= 1.15), stall fraction, hit rate."""
+    seed): median step times, their ratio (target <= 1.15), stall fraction, hit rate.
+    With --model-dir, of fine-tuning an imported checkpoint over the store against the same
+    model trained in memory."""
     from tierstore.bench.train import run_train_bench
 
     given = {"batch_size": batch_size, "seq_len": seq_len}
@@ -219,7 +273,7 @@ def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: in
             run_train_bench(model=model, steps=steps, warmup=warmup, rounds=rounds,
                             host_cache=host_cache, store=store, device=device,
                             overrides={k: v for k, v in given.items() if v is not None},
-                            json_out=json_out, echo=click.echo)
+                            json_out=json_out, echo=click.echo, model_dir=model_dir)
         except ValueError as e:
             click.echo(f"tierstore bench train: {e}", err=True)
             return 2

@@ -30,6 +30,10 @@ default a synthetic Mixtral-shaped one written with random weights through the p
 (no ``transformers`` needed). Modes alternate in rounds; every round is kept in the results
 and each mode reports its median. On a CPU the decode phase computes with one thread fewer
 than the cores in every mode, leaving one to the queue's I/O threads.
+
+With a peer (``--peer accelerate``) the benchmark is :mod:`tierstore.bench.peers`' study
+instead: the same Hugging Face checkpoint through the peer and every mode, each run a fresh
+process, cold, optionally under a memory limit.
 """
 
 from __future__ import annotations
@@ -197,9 +201,34 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
               prefill_len: int = 128, decode_batch: int = 1, decode_tokens: int = 8,
               ring_slots: Sequence[int] = (2, 4), host_cache: int | None = None,
               expert_budget: float = 0.6, device: str | None = None, seed: int = 0,
-              repeats: int = 5, tier: str = "backing",
+              repeats: int = 5, tier: str = "backing", vocab: int | None = None,
+              peer: str | None = None, memory_limit: str | float | int | None = None,
+              cold: bool = True, device_budget: int | None = None,
+              threads: int | None = None,
               echo: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Run the benchmark (see the module docstring); returns (and writes) the results."""
+    """Run the benchmark (see the module docstring); returns (and writes) the results.
+
+    With ``peer`` (``"accelerate"``) it is the study of :mod:`tierstore.bench.peers`
+    instead: the checkpoint in ``model_dir`` (or a synthetic Mixtral-shaped one saved with
+    ``transformers``) through the peer and every tierstore mode, one fresh process per run,
+    ``repeats`` alternated rounds, one prompt of ``prefill_len`` tokens and
+    ``decode_tokens`` greedy tokens, ``cold`` (page cache dropped before every run) and
+    optionally under ``memory_limit`` (a size, or a fraction of the checkpoint's size)."""
+    if peer is not None:
+        if store_path is not None:
+            raise tierstore.StoreError("--peer needs a Hugging Face checkpoint the peer can "
+                                       "load: --model-dir, or none for a synthetic one (not "
+                                       "--store)")
+        from .peers import run_peer_study
+
+        return run_peer_study(
+            peer=peer, model_dir=model_dir, layers=layers, experts=experts, hidden=hidden,
+            ffn=ffn, vocab=vocab or 32000, prompt_len=prefill_len, new_tokens=decode_tokens,
+            rounds=repeats, memory_limit=memory_limit, cold=cold, host_cache=host_cache,
+            device_budget=device_budget, seed=seed, threads=threads, json_out=json_out,
+            echo=echo)
+    if memory_limit is not None:
+        raise tierstore.StoreError("--memory-limit applies to the fresh processes of --peer")
     if tier not in TIERS:
         raise tierstore.StoreError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
     if repeats < 1:
@@ -215,7 +244,7 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
 
                 import_hf(model_dir, store_path, progress=False)
             else:
-                cfg0 = synthetic_config(layers, experts, hidden, ffn)
+                cfg0 = synthetic_config(layers, experts, hidden, ffn, vocab=vocab or 512)
                 with tierstore.open(store_path, create=True, host_cache=0) as st:
                     write_synthetic_model(st, cfg0, seed)
         # tier "nvme"/"backing": no host cache, so every transfer reads the backing tier
@@ -234,7 +263,8 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
                 cache = 0
         else:
             cache = host_cache
-        with tierstore.open(store_path, host_cache=cache, device_budget="1TiB") as store:
+        with tierstore.open(store_path, host_cache=cache,
+                            device_budget=device_budget or "1TiB") as store:
             return _bench(store, dev, json_out=json_out, prefill_batch=prefill_batch,
                           prefill_len=prefill_len, decode_batch=decode_batch,
                           decode_tokens=decode_tokens, ring_slots=ring_slots,

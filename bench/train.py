@@ -9,6 +9,10 @@ stall fraction (time waiting for expert weights and moments over step time), hos
 rate and bytes read from and written to the backing tier. The headline is the ratio of the
 median step times (1.0: the store costs nothing; the target is at most 1.15 when the host
 cache holds a step's working set).
+
+With ``model_dir`` the model is a Hugging Face checkpoint instead of a preset: the store side
+fine-tunes a fresh import of it (``tierstore import-hf``, not timed) and the resident side
+trains the same weights, config and tokenized text in memory.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from typing import Any
 
 import torch
 from tierstore.trainer import TrainConfig, model_size, train_resident, train_store
+from tierstore.trainer.train.finetune import (
+    finetune_config,
+    imported_model,
+    imported_state,
+    tokenize_corpus,
+)
 from tierstore.trainer.train.resident import corpus_for, resolve_model_config
 
 import tierstore
@@ -64,33 +74,42 @@ def run_train_bench(
     overrides: dict[str, Any] | None = None,
     json_out: str | None = None,
     echo: Callable[[str], Any] = print,
+    model_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Run the comparison; returns (and optionally writes) the report."""
+    """Run the comparison; returns (and optionally writes) the report. ``model_dir``: a
+    Hugging Face checkpoint to fine-tune instead of the preset ``model``."""
     if steps < 1 or warmup < 0 or rounds < 1:
         raise ValueError("--steps and --rounds must be at least 1, --warmup at least 0")
     tc = TrainConfig(eval_every=0, **(overrides or {}))
-    cfg = resolve_model_config(model, tc)
-    size = model_size(cfg)
-    corpus = corpus_for(tc)
     total = warmup + steps
     scratch = store or tempfile.mkdtemp(prefix="tierstore-bench-train-", dir=".")
     os.makedirs(scratch, exist_ok=True)
-    resident: list[Metrics] = []
-    stored: list[Metrics] = []
-    echo(f"model {model}: {size.expert_state_bytes / 2**20:.1f} MiB of expert states, "
-         f"host cache {tierstore.format_size(tierstore.parse_size(host_cache))}, "
-         f"{rounds} round(s) of {warmup} warm-up + {steps} measured steps per side")
     try:
+        if model_dir is not None:
+            model = os.path.basename(os.path.normpath(model_dir))
+            cfg, init, corpus, state_bytes = _imported(model_dir, scratch, tc)
+        else:
+            cfg, init, corpus = resolve_model_config(model, tc), None, corpus_for(tc)
+            state_bytes = model_size(cfg).expert_state_bytes  # type: ignore[arg-type]
+        resident: list[Metrics] = []
+        stored: list[Metrics] = []
+        echo(f"model {model}: {state_bytes / 2**20:.1f} MiB of expert states, "
+             f"host cache {tierstore.format_size(tierstore.parse_size(host_cache))}, "
+             f"{rounds} round(s) of {warmup} warm-up + {steps} measured steps per side")
         for r in range(rounds):
             for side in (("resident", "store") if r % 2 == 0 else ("store", "resident")):
                 if side == "resident":
-                    hist = train_resident(cfg, total, 0, tc, corpus=corpus, device=device)
+                    hist = train_resident(cfg, total, 0, tc, init_state=init, corpus=corpus,
+                                          device=device)
                     resident += _measured(hist, warmup)
                 else:
                     path = os.path.join(scratch, f"round-{r}")
                     shutil.rmtree(path, ignore_errors=True)
-                    hist = train_store(cfg, total, 0, tc, store_path=path,
-                                       host_cache=host_cache, corpus=corpus, device=device)
+                    if model_dir is not None:
+                        _import(model_dir, path)
+                    hist = train_store(None if model_dir else cfg, total, 0, tc,
+                                       store_path=path, host_cache=host_cache, corpus=corpus,
+                                       device=device)
                     stored += _measured(hist, warmup)
                     shutil.rmtree(path, ignore_errors=True)
                 last = _measured(hist, warmup)
@@ -102,8 +121,9 @@ def run_train_bench(
     res, st = _side(resident), _side(stored)
     report = {
         "model": model,
+        "model_dir": model_dir,
         "config": cfg.to_dict(),
-        "expert_state_bytes": size.expert_state_bytes,
+        "expert_state_bytes": state_bytes,
         "host_cache_bytes": tierstore.parse_size(host_cache),
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
@@ -124,3 +144,29 @@ def run_train_bench(
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def _import(model_dir: str, path: str) -> None:
+    from tierstore.trainer.infer.hf_import import import_hf
+
+    import_hf(model_dir, path, progress=False)
+
+
+def _imported(model_dir: str, scratch: str, tc: TrainConfig
+              ) -> tuple[Any, dict[str, torch.Tensor], Any, int]:
+    """The fine-tune's config, the imported weights (fp32), the corpus in the model's
+    tokens and the bytes of its expert states (fp32 masters and two moments)."""
+    path = os.path.join(scratch, "imported")
+    shutil.rmtree(path, ignore_errors=True)
+    _import(model_dir, path)
+    try:
+        with tierstore.open(path, host_cache=0) as st:
+            model = imported_model(st)
+            assert model is not None
+            cfg = finetune_config(model, tc)
+            init = imported_state(st, cfg)
+            corpus = tokenize_corpus(corpus_for(tc), model.tokenizer(), cfg)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    n_experts = len(cfg.moe_layers) * cfg.n_experts
+    return cfg, init, corpus, n_experts * 3 * cfg.expert_bytes("float32")

@@ -1,6 +1,13 @@
 """NVMe backing tier: copy-on-write slab files and the I/O engines that move their bytes."""
 
-from .buffers import ALIGNMENT, RecycledBuffers, StagingPool, aligned_empty, is_aligned
+from .buffers import (
+    ALIGNMENT,
+    IDLE_READ_BUFFER_BYTES,
+    RecycledBuffers,
+    StagingPool,
+    aligned_empty,
+    is_aligned,
+)
 from .engines import (
     ENGINES,
     HANDOFF_MIN_BYTES,
@@ -17,6 +24,7 @@ __all__ = [
     "ENGINES",
     "FileHandle",
     "HANDOFF_MIN_BYTES",
+    "IDLE_READ_BUFFER_BYTES",
     "KvikioEngine",
     "PosixEngine",
     "RecycledBuffers",

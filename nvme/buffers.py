@@ -5,6 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 ALIGNMENT = 4096
+# Idle read buffers a store keeps for reuse (:class:`RecycledBuffers`), at most: enough for
+# a steady stream of reads up to this size to land in mapped pages, small enough to be a
+# fixed part of a process's memory budget.
+IDLE_READ_BUFFER_BYTES = 64 << 20
 
 
 def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:

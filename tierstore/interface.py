@@ -34,6 +34,7 @@ from .keys import (
     read_keys,
     stage_entries,
 )
+from .sizes import parse_size
 
 if TYPE_CHECKING:
     from .prefetch import DeviceQueues
@@ -123,6 +124,13 @@ class Borrowed:
         self._releaser = release
         self._release: Callable[[], None] | None = release
         self._renew = renew
+
+    @property
+    def renewable(self) -> bool:
+        """Whether :meth:`renew` can ever succeed: every entry was lent from the host
+        cache. A borrow that is not holds buffers of its own, which live as long as
+        ``tensors``: drop it once released."""
+        return self._renew is not None
 
     def release(self) -> None:
         """Unpin the views' slots: the views must not be read after this."""
@@ -324,23 +332,30 @@ class Store(abc.ABC):
 
     def get_many(self, names: Iterable[str | Key], kind: str = "param", *,
                  device: Device = None,
-                 out: Mapping[str | Key, torch.Tensor] | None = None
-                 ) -> dict[str | Key, torch.Tensor]:
+                 out: Mapping[str | Key, torch.Tensor] | None = None,
+                 cache: bool = True) -> dict[str | Key, torch.Tensor]:
         """Several tensors with their reads overlapped, keyed as asked (name or (name, kind)).
 
         ``out`` maps some of those keys to tensors that receive the values in place (as
         ``get``'s ``out=``): a caller that reads the same shapes every step reuses its
-        buffers instead of paying for fresh allocations.
+        buffers instead of paying for fresh allocations. ``cache=False`` leaves the host
+        cache as it is: entries it holds are copied out of it, the others are read from the
+        backing tier without taking a slot (into ``out`` itself where that is page-aligned
+        host memory), for a reader that streams more than the cache holds into memory of
+        its own.
         """
         self._check_open()
         asked, keys = read_keys(names, kind)
         outs = [None] * len(keys) if not out else [out.get(a) for a in asked]
-        return dict(zip(asked, self._read(keys, device, outs)))
+        if cache:  # the plain call, which every implementation's _read takes
+            return dict(zip(asked, self._read(keys, device, outs)))
+        return dict(zip(asked, self._read(keys, device, outs, cache=False)))
 
     @abc.abstractmethod
-    def _read(self, keys: list[Key], device: Device, outs: list[torch.Tensor | None]
-              ) -> list[torch.Tensor]:
-        """The caller's own tensors of checked ``keys`` (``outs`` filled where given)."""
+    def _read(self, keys: list[Key], device: Device, outs: list[torch.Tensor | None],
+              cache: bool = True) -> list[torch.Tensor]:
+        """The caller's own tensors of checked ``keys`` (``outs`` filled where given;
+        ``cache=False``: see :meth:`get_many`)."""
 
     def borrow_many(self, names: Iterable[str | Key], kind: str = "param") -> Borrowed:
         """Read-only views of several entries' host bytes, keyed as asked, held until the
@@ -438,6 +453,15 @@ class Store(abc.ABC):
         lives. It applies to every user of that queue, and none may write into what
         :meth:`acquire` returns. On CUDA stage 2 always copies: returns False."""
         return self._device_queues().get(device).set_zero_copy(enabled)
+
+    def prefetch_budget(self, device: Device = None, nbytes: int | str | None = None) -> int:
+        """The byte budget of ``device``'s prefetch queue; with ``nbytes`` (bytes or a size
+        string), set it first. A caller that learns only after opening the store how much
+        of a memory budget the queue may have (an inferencer, once its KV cache is sized)
+        lowers it here; a lower budget holds new transfers back until what is held falls
+        below it, and a request for an entry larger than it fails."""
+        return self._device_queues().get(device).set_budget(
+            None if nbytes is None else parse_size(nbytes))
 
     # -- catalog queries --------------------------------------------------------------
     @abc.abstractmethod

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tierstore.cache import HostCache
-from tierstore.nvme import RecycledBuffers, StagingPool
+from tierstore.nvme import IDLE_READ_BUFFER_BYTES, RecycledBuffers, StagingPool
 
 from .alloc import ExtentAllocator
 from .borrow import BorrowStage
@@ -72,8 +72,9 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
         self._io_threads = io_threads
         self._staging = StagingPool(chunk_bytes, keep=2 * io_threads)
         # Uncached reads land in reused memory once callers drop earlier results, so a
-        # steady stream of reads does not fault fresh pages in for every entry.
-        self._results = RecycledBuffers(max(256 << 20, 4 * io_threads * chunk_bytes))
+        # steady stream of reads does not fault fresh pages in for every entry. What sits
+        # idle is part of the fixed overhead of the memory budget (docs/inference.md).
+        self._results = RecycledBuffers(IDLE_READ_BUFFER_BYTES)
         self._seg_lock = threading.Lock()
         # Every operation that changes entries or fills the cache holds this shared;
         # restore() holds it alone, so no write-back or cache fill straddles a restore.

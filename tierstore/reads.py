@@ -9,6 +9,7 @@ entry's key lock, and the slot is published only once every chunk has been verif
 
 from __future__ import annotations
 
+import collections
 import threading
 import warnings
 import weakref
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from tierstore.cache.pinned import cuda_consumer
-from tierstore.nvme import HANDOFF_MIN_BYTES, aligned_empty
+from tierstore.nvme import ALIGNMENT, HANDOFF_MIN_BYTES, aligned_empty
 
 from .catalog import Record
 from .devices import bytes_to_device
@@ -36,6 +37,31 @@ from .keys import Key
 from .local_state import LocalState
 from .tensors import dtype_from_name, from_bytes
 
+_DIRECT = object()  # found's bytes for a key read straight into the caller's out=
+
+
+def _readable_into(out: torch.Tensor | None) -> bool:
+    """Whether a read may land in ``out`` itself: CPU memory the caller owns, contiguous,
+    page-aligned (O_DIRECT), not part of an autograd graph."""
+    return (out is not None and out.device.type == "cpu" and out.is_contiguous()
+            and not out.requires_grad and out.numel() > 0
+            and out.data_ptr() % ALIGNMENT == 0)
+
+
+def _fits(out: torch.Tensor, rec: Record) -> bool:
+    """Whether ``out``'s storage runs on for the whole extent (the entry rounded up to
+    4 KiB, as O_DIRECT reads it) and ``out`` is exactly the entry's bytes."""
+    start = out.storage_offset() * out.element_size()
+    return (out.nbytes == rec.nbytes
+            and out.untyped_storage().nbytes() - start >= rec.length)
+
+
+def _widened(out: torch.Tensor, length: int) -> np.ndarray:
+    """``out``'s bytes widened to ``length`` (see :func:`_fits`)."""
+    wide = torch.empty(0, dtype=torch.uint8)
+    wide.set_(out.untyped_storage(), out.storage_offset() * out.element_size(), (length,))
+    return wide.numpy()
+
 
 def _slot_buffer(view: torch.Tensor, length: int) -> np.ndarray:
     """The cache slot under ``view`` widened to ``length`` bytes (the entry rounded up to
@@ -50,22 +76,35 @@ class ReadPath(LocalState):
     """The read path of :class:`tierstore.LocalStore` (see the module docstring)."""
 
     def _read(self, keys: list[Key], device: str | torch.device | None,
-              outs: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        found, handles = self._host_bytes(keys)
+              outs: list[torch.Tensor | None], cache: bool = True) -> list[torch.Tensor]:
+        # Without caching, a miss whose out= can take the read lands there with no copy.
+        if cache:
+            found, handles = self._host_bytes(keys)
+        else:
+            once = {k for k, n in collections.Counter(keys).items() if n == 1}
+            direct = {k: o for k, o in zip(keys, outs) if k in once and _readable_into(o)}
+            found, handles = self._host_bytes(keys, admit=False, direct=direct)
         try:
             return [
-                self._deliver(key, *found[key], out, device) for key, out in zip(keys, outs)
+                out if raw is _DIRECT else self._deliver(key, meta, raw, out, device)
+                for key, out in zip(keys, outs)
+                for meta, raw in (found[key],)
             ]
         finally:
             self._release_handles(handles)
 
     def _host_bytes(
-        self, keys: list[Key]
-    ) -> tuple[dict[Key, tuple[Meta, np.ndarray | torch.Tensor]], list[Any]]:
+        self, keys: list[Key], *, admit: bool = True,
+        direct: dict[Key, torch.Tensor] | None = None,
+    ) -> tuple[dict[Key, tuple[Meta, Any]], list[Any]]:
         """Every key's bytes in host memory, without a copy: a pinned cache slot (hit, or
         filled from the backing tier) or, where the cache holds no slot for it, a freshly
-        read buffer. Release the returned handles when done with the bytes."""
-        found: dict[Key, tuple[Meta, np.ndarray | torch.Tensor]] = {}
+        read buffer. Release the returned handles when done with the bytes.
+
+        ``admit=False`` leaves the cache as it is: hits are lent as usual, misses are read
+        into buffers of their own, or straight into ``direct``'s tensor for their key
+        (found then holds :data:`_DIRECT` for the bytes)."""
+        found: dict[Key, tuple[Meta, Any]] = {}
         handles: list[Any] = []
         try:
             if self._cache is None:
@@ -80,9 +119,9 @@ class ReadPath(LocalState):
                         handles.append(h)
                         found[key] = (h.meta, h.view)
             if misses:
-                with self._ops.shared(), \
-                        self._key_locks(misses if self._cache is not None else []):
-                    self._load(misses, found, handles)
+                fills = admit and self._cache is not None
+                with self._ops.shared(), self._key_locks(misses if fills else []):
+                    self._load(misses, found, handles, admit=admit, direct=direct or {})
             with self._stats_lock:
                 self._tier.reads += len(misses)
         except BaseException:
@@ -96,16 +135,31 @@ class ReadPath(LocalState):
             self._cache.release_many(handles)
 
     def _load(
-        self, keys: list[Key], found: dict[Key, Any], handles: list[Any]
+        self, keys: list[Key], found: dict[Key, Any], handles: list[Any], *,
+        admit: bool = True, direct: dict[Key, torch.Tensor] | None = None,
     ) -> None:
-        """Read missed entries from the backing tier, into cache slots where admitted."""
+        """Read missed entries from the backing tier, into cache slots where admitted
+        (``admit``), else into ``direct``'s tensor for the key or a buffer of their own."""
         recs = self._lookup(keys)
         try:
+            metas = [Meta(rec.dtype, tuple(rec.shape), rec.nbytes, rec.version) for rec in recs]
+            into_of: dict[Key, torch.Tensor] = {}
+            for key, rec, meta in zip(keys, recs, metas):
+                into = (direct or {}).get(key)
+                if into is not None and _fits(into, rec):
+                    self._check_out(key, meta, into)  # before any slot is taken
+                    into_of[key] = into
             todo_keys, todo_recs, bufs, new = [], [], [], []
-            for key, rec in zip(keys, recs):
-                meta = Meta(rec.dtype, tuple(rec.shape), rec.nbytes, rec.version)
+            for key, rec, meta in zip(keys, recs, metas):
+                into = into_of.get(key)
+                if into is not None:
+                    found[key] = (meta, _DIRECT)
+                    todo_keys.append(key)
+                    todo_recs.append(rec)
+                    bufs.append(_widened(into, rec.length))
+                    continue
                 h = None
-                if self._cache is not None and rec.nbytes:
+                if admit and self._cache is not None and rec.nbytes:
                     try:
                         h = self._cache.insert(key, rec.nbytes, meta)
                     except StoreFullError:

@@ -46,6 +46,44 @@ def import_hf_(model_dir: str, store: str, resume: bool) -> None:
     _run(go)
 
 
+@click.command(name="export-hf")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--store", "store", required=True, type=click.Path(file_okay=False),
+              help="Store holding the model (`tierstore import-hf`, or a `tierstore train` run).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="dtype of the written weights (default: the checkpoint's own; fp32 for a "
+                   "trainer run, whose weights are fp32 masters).")
+@click.option("--shard-size", type=SIZE, default="5GB", show_default=True,
+              help="Most bytes per safetensors shard (a larger tensor gets a shard of its own).")
+@click.option("--force", is_flag=True,
+              help="Write into a non-empty OUT_DIR, replacing the weight files in it.")
+def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, force: bool) -> None:
+    """Write the model in STORE to OUT_DIR as a Hugging Face checkpoint that
+    transformers' AutoModelForCausalLM.from_pretrained loads: config.json, sharded
+    safetensors with model.safetensors.index.json, and the tokenizer files. An imported
+    model goes back in its checkpoint's own layout (tensor names, per-expert or fused
+    experts) with its original config, and after a fine-tune with its trained fp32 masters
+    cast to --dtype; a `tierstore train` run becomes Mixtral (every layer MoE) or Qwen2-MoE
+    (dense layers in between), checked to compute what the run computes.
+
+    \b
+    tierstore export-hf ./mixtral-tuned --store mixtral
+    tierstore export-hf ./run-hf --store run --dtype bf16 --shard-size 2GB
+    """
+    from tierstore.trainer.infer.hf_export import export_hf as export
+
+    from tierstore import format_size
+
+    def go() -> None:
+        s = export(store, out_dir, dtype=dtype, shard_size=shard_size, force=force,
+                   progress=True)
+        click.echo(f"exported {s['source']} as {s['family']}: {s['tensors']} tensors in "
+                   f"{s['shards']} shard{'s' if s['shards'] != 1 else ''}, {s['dtype']}, "
+                   f"{format_size(s['bytes'])} -> {out_dir}")
+
+    _run(go)
+
+
 
 
 @click.command()
@@ -99,8 +137,9 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
 
 @click.command()
 @click.option("--store", "store", type=click.Path(file_okay=False),
-              help="Store directory holding the experts (created if missing). With --resident: "
-                   "the checkpoint directory (optional).")
+              help="Store directory holding the experts (created if missing). A store filled "
+                   "by `tierstore import-hf` is fine-tuned: its model is the one trained. With "
+                   "--resident: the checkpoint directory (optional).")
 @click.option("--connect", "connect", type=click.Path(dir_okay=False),
               help="Instead of --store: train over the store a `tierstore serve` daemon owns, "
                    "through its socket (the daemon's host cache and backing are used; "
@@ -109,7 +148,8 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Train the same model with everything in memory as plain torch modules "
                    "(the reference and the performance baseline).")
 @click.option("--model",
-              help="Model preset: tiny, small, medium, large, xl (see --list-models) [tiny].")
+              help="Model preset: tiny, small, medium, large, xl (see --list-models) [tiny; "
+                   "none for an imported model].")
 @click.option("--list-models", is_flag=True, is_eager=True, expose_value=False,
               callback=_list_models, help="Print the presets' sizes and exit.")
 @click.option("--steps", type=click.IntRange(min=0), required=True,
@@ -119,9 +159,12 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Where dense parameters and compute live: cpu, cuda, cuda:N (auto: cuda if "
                    "available).")
 @click.option("--device-budget", type=SIZE,
-              help="Bytes of expert weights the device may hold at once: the prefetch queue's "
-                   "budget (default: the store's, 1GiB on the CPU, half of a GPU); with "
-                   "get_many fetching, unbounded unless given.")
+              help="Memory for a step's working set on the device (host memory on a CPU): "
+                   "activations, one layer's AdamW moments, and the expert weights the step "
+                   "touches with their gradients; too small is an error naming what it needs. "
+                   "Peak RSS stays within the dense states + --host-cache + this + a fixed "
+                   "overhead (docs/trainer.md). Default: unbounded on the CPU, the store's "
+                   "share of a GPU.")
 @click.option("--host-cache", type=SIZE, default="1GiB", show_default=True,
               help="Host-memory cache in front of the backing tier (0: none).")
 @click.option("--backing", type=click.Choice(["nvme", "pmem"]),
@@ -147,10 +190,13 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
                    "cache --trace`).")
 @click.option("--corpus", multiple=True, type=click.Path(exists=True),
               help="Text files or directories to train on (repeatable; default: the Python "
-                   "standard library's sources).")
+                   "standard library's sources). Bytes for a preset; for an imported model, "
+                   "text encoded by its tokenizer, each file followed by end-of-sequence.")
+@click.option("--corpus-max-bytes", type=SIZE,
+              help="Read at most this much of the corpus (0: all of it) [8MiB].")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per micro-batch [8].")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence [128].")
-@click.option("--lr", type=float, help="Peak learning rate [3e-3].")
+@click.option("--lr", type=float, help="Peak learning rate [3e-3; fine-tunes want far less].")
 @click.option("--grad-accum", type=click.IntRange(min=1), help="Micro-batches per step [1].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]),
               help="Compute dtype (master weights and optimizer states stay fp32) [float32].")
@@ -162,18 +208,21 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
           device_budget: int | None, host_cache: int, backing: str | None,
           pmem_path: str | None, pmem_size: int | None, slab_size: int, fetch: str,
           checkpoint_every: int, resume: bool, metrics: str | None, trace: str | None,
-          corpus: tuple[str, ...], batch_size: int | None, seq_len: int | None,
-          lr: float | None, grad_accum: int | None, dtype: str | None,
+          corpus: tuple[str, ...], corpus_max_bytes: int | None, batch_size: int | None,
+          seq_len: int | None, lr: float | None, grad_accum: int | None, dtype: str | None,
           eval_every: int | None) -> None:
     """Train an MoE model whose experts live in a store: dense parameters on the device,
     expert weights and AdamW moments in STORE, fetched per step for the experts the routers
     picked and written back through the host cache. With --resident, the same model held in
-    memory.
+    memory. A STORE filled by `tierstore import-hf` (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE)
+    is fine-tuned in full: its experts become fp32 masters in the store, the losses are the
+    family's as transformers computes them, and `tierstore export-hf` writes the result.
 
     \b
     tierstore train --store run --model tiny --steps 200 --metrics m.jsonl
     tierstore train --store run --model tiny --steps 400 --resume
     tierstore train --resident --model tiny --steps 200
+    tierstore train --store mixtral --steps 100 --corpus notes/ --lr 1e-5 --host-cache 4GiB
     """
     if connect is not None and (store is not None or resident):
         raise click.UsageError("--connect replaces --store and cannot go with --resident")
@@ -187,6 +236,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
 
     given = {"batch_size": batch_size, "seq_len": seq_len, "lr": lr, "grad_accum": grad_accum,
              "dtype": dtype, "eval_every": eval_every}
+    overrides = {k: v for k, v in given.items() if v is not None}
+    if corpus_max_bytes is not None:
+        overrides["corpus_max_bytes"] = corpus_max_bytes or None
 
     def go() -> int:
         try:
@@ -195,8 +247,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                       pmem_path=pmem_path, pmem_size=pmem_size, slab_size=slab_size,
                       checkpoint_every=checkpoint_every, resume=resume, metrics=metrics,
                       trace=trace, corpus=corpus, device=device, fetch=fetch,
-                      overrides={k: v for k, v in given.items() if v is not None},
-                      echo=click.echo, connect=connect)
+                      overrides=overrides, echo=click.echo, connect=connect)
         except ValueError as e:  # bad configuration or corpus: one line, like store errors
             click.echo(f"tierstore train: {e}", err=True)
             return 2
@@ -226,8 +277,11 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                                       "reaches this.")
 @click.option("--seed", type=int, help="Sampling seed (the same seed gives the same tokens).")
 @click.option("--device-budget", type=SIZE,
-              help="Bytes of experts the device may hold (the prefetch queue's budget; default "
-                   "1GiB on the CPU, half of a GPU).")
+              help="Memory for the device side (host memory on a CPU): the KV cache, the "
+                   "activations and the experts the mode holds; too small is an error naming "
+                   "what it needs. Peak RSS stays within the dense weights + --host-cache + "
+                   "this + a fixed overhead (docs/inference.md). Default 1GiB on the CPU, half "
+                   "of a GPU.")
 @click.option("--ring-slots", default="auto", show_default=True,
               help="Ring mode: K layers of experts on the device, or auto (from the budget and "
                    "the measured transfer and compute times).")
@@ -249,7 +303,8 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                    "cache --trace`).")
 @click.option("--json", "as_json", is_flag=True,
               help='Print one line: {"tokens": [[...]] per prompt, "tokens_per_s", "stall_frac", '
-                   '"hit_rate", "spec_accuracy"}.')
+                   '"hit_rate", "spec_accuracy", "prefill_s", "decode_s", "bytes_read", '
+                   '"peak_rss_bytes"}.')
 def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
              prompt_ids: tuple[str, ...],
              max_new_tokens: int, greedy: bool, temperature: float, top_p: float,

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 QK_NORMS = ("none", "full", "head")  # OLMoE: over the whole projection; Qwen3: per head
+# "per_layer": the mean over MoE layers of each layer's Switch loss (tierstore's own runs);
+# "transformers": one Switch loss over every MoE layer's tokens at once, top-k slots summed,
+# as transformers' ``load_balancing_loss_func`` computes it for the Hugging Face families.
+AUX_FORMS = ("per_layer", "transformers")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 ExpertWeights = tuple[Tensor, Tensor, Tensor]  # (w1 gate, w2 down, w3 up)
@@ -118,11 +122,15 @@ class ModelConfig:
     dtype: str = "float32"
     router_aux_coef: float = 0.01  # training: Switch load-balancing loss weight
     router_z_coef: float = 0.001  # training: ST-MoE router z-loss weight
+    router_aux_form: str = "per_layer"  # training: how the load-balancing loss is taken
     init_std: float = 0.02  # training: std of the initial weights
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+        if self.router_aux_form not in AUX_FORMS:
+            raise ValueError(f"router_aux_form must be one of {AUX_FORMS}, "
+                             f"got {self.router_aux_form!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads "
                              f"{self.n_kv_heads}")
@@ -399,6 +407,7 @@ class Routing(NamedTuple):
     topk_weight: Tensor  # [T, k] fp32 mixing weights (rows sum to 1 when renormalised)
     aux_loss: Tensor | None  # Switch load-balancing loss (1.0 when perfectly balanced)
     z_loss: Tensor | None  # mean squared log-sum-exp of the router logits
+    probs: Tensor | None = None  # [T, n_experts] fp32 softmax over every expert (with losses)
 
 
 def route(x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = True,
@@ -431,7 +440,25 @@ def route(x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = T
         frac = counts / topk_idx.numel()
         aux = n_experts * torch.sum(frac * probs.mean(dim=0))
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-    return Routing(topk_idx, topk_weight, aux, z)
+    return Routing(topk_idx, topk_weight, aux, z, probs)
+
+
+def load_balancing_loss(routings: Sequence[Routing], n_experts: int) -> Tensor:
+    """transformers' ``load_balancing_loss_func`` over the MoE layers' routings (no padding):
+    ``n_experts * sum_e f_e * P_e`` with ``f_e`` the top-k assignments to expert ``e`` over
+    every layer's tokens divided by the number of token rows (so the k slots add up, unlike
+    the per-layer form) and ``P_e`` its mean router probability over those rows."""
+    first = routings[0].probs
+    assert first is not None, "routing without losses"
+    counts = torch.zeros(n_experts, device=first.device, dtype=torch.float32)
+    prob_sum = torch.zeros(n_experts, device=first.device, dtype=torch.float32)
+    rows = 0
+    for r in routings:
+        assert r.probs is not None
+        counts = counts + torch.bincount(r.topk_idx.reshape(-1), minlength=n_experts).float()
+        prob_sum = prob_sum + r.probs.sum(dim=0)
+        rows += r.probs.shape[0]
+    return n_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 
 def moe_combine(x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
@@ -670,8 +697,10 @@ class MoEModel(nn.Module):
                 ) -> tuple[Tensor, Tensor | None, dict[str, Any]]:
         """Training: ``idx`` ``[B, T]`` int64 -> ``(logits [B, T, V] fp32, loss, aux)``.
 
-        ``loss`` (when ``targets`` is given) is cross-entropy + ``router_aux_coef`` x mean
-        load-balancing loss + ``router_z_coef`` x mean z-loss over MoE layers. ``aux`` holds
+        ``loss`` (when ``targets`` is given) is cross-entropy + ``router_aux_coef`` x the
+        load-balancing loss (the mean over MoE layers, or with ``router_aux_form``
+        ``transformers`` :func:`load_balancing_loss`) + ``router_z_coef`` x mean z-loss over
+        MoE layers. ``aux`` holds
         the detached parts (``ce``, ``aux_loss``, ``z_loss``) and ``routing``: ``{layer:
         topk_idx [B*T, k]}``. ``experts``, when given, supplies expert weights for every MoE
         layer instead of the resident banks.
@@ -697,7 +726,10 @@ class MoEModel(nn.Module):
         zero = logits.new_zeros(())
         aux_terms = [r.aux_loss for r in routed.values() if r.aux_loss is not None]
         z_terms = [r.z_loss for r in routed.values() if r.z_loss is not None]
-        aux_loss = torch.stack(aux_terms).mean() if aux_terms else zero
+        if cfg.router_aux_form == "transformers" and routed:
+            aux_loss = load_balancing_loss(list(routed.values()), cfg.n_experts)
+        else:
+            aux_loss = torch.stack(aux_terms).mean() if aux_terms else zero
         z_loss = torch.stack(z_terms).mean() if z_terms else zero
         info: dict[str, Any] = {"aux_loss": aux_loss.detach(), "z_loss": z_loss.detach(),
                                 "routing": {i: r.topk_idx.detach() for i, r in routed.items()},

@@ -119,9 +119,20 @@ PRESETS: dict[str, MoEConfig] = {
 }
 
 
-def with_dtype(cfg: MoEConfig, dtype: str | None) -> MoEConfig:
+# What a trainer trains: a preset's shape, or (fine-tuning an imported Hugging Face model)
+# the model's own config.
+TrainModel = MoEConfig | ModelConfig
+
+
+def with_dtype(cfg: TrainModel, dtype: str | None) -> TrainModel:
     """``cfg`` with its compute dtype replaced (unchanged for ``None``)."""
     return cfg if dtype is None else replace(cfg, dtype=dtype)
+
+
+def config_from_dict(d: Mapping[str, Any]) -> TrainModel:
+    """The config a run record holds: a :class:`ModelConfig` (it names a ``family``: a
+    fine-tuned import) or a :class:`MoEConfig` (a preset's shape)."""
+    return ModelConfig.from_dict(d) if "family" in d else MoEConfig.from_dict(d)
 
 
 # --------------------------------------------------------------------------- sizes

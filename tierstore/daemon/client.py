@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore.nvme import RecycledBuffers
+from tierstore.nvme import IDLE_READ_BUFFER_BYTES, RecycledBuffers
 
 from .. import errors
 from ..devices import bytes_to_device
@@ -78,7 +78,7 @@ class RemoteStore(Store):
         self._closed = False
         # Results land in reused memory once callers drop earlier ones: faulting fresh pages
         # in (on a VM that returns freed memory to its host) costs more than the copy.
-        self._results = RecycledBuffers(256 << 20)
+        self._results = RecycledBuffers(IDLE_READ_BUFFER_BYTES)
         first = Connection(self.socket_path, self.client_id, want_arena=True)
         if first.arena_fd < 0:
             first.close()
@@ -313,10 +313,11 @@ class RemoteStore(Store):
             out.append((meta, raw))
         return out, lease
 
-    def _read(self, keys: list[Key], device: Any, outs: list[torch.Tensor | None]
-              ) -> list[torch.Tensor]:
+    def _read(self, keys: list[Key], device: Any, outs: list[torch.Tensor | None],
+              cache: bool = True) -> list[torch.Tensor]:
         """Copies once out of the daemon's cache (checksums were verified when the daemon
-        read the entries from the backing tier)."""
+        read the entries from the backing tier). ``cache`` is the daemon's to decide: its
+        host cache serves every client."""
         results: list[torch.Tensor | None] = [None] * len(keys)
         if self._rows and (device is None or torch.device(device).type == "cpu"):
             for i, key in enumerate(keys):

@@ -100,12 +100,20 @@ class OpHandlers:
                              f"of shape {list(shape)}")
         return name, kind, dtype, shape, nbytes
 
-    def _get(self, conn: Conn, f: P.Fields, _p: Any) -> Any:
+    def _get(self, conn: Conn, f: P.Fields, req: Request) -> Any:
         keys = f.keys()
         for name, kind in keys:
             check_name(name)
             check_kind(kind)
+        # An entry the cache does not hold may be read into a buffer of its own that the
+        # answer carries: its bytes count against --max-inflight (held before reading,
+        # given back as the cache takes them or once the answer is sent).
+        cache = self.store.internals.cache
+        unsure = list(dict.fromkeys(k for k in keys if cache is None or k not in cache))
+        sizes = {k: self.store.info(*k).nbytes for k in unsure}
+        req.hold(sum(sizes.values()))
         found, handles = self.store.internals.host_bytes(keys)
+        req.let_go(sum(n for k, n in sizes.items() if isinstance(found[k][1], torch.Tensor)))
         by_key = {h.key: h for h in handles}
         items, parts, at = [], [], 0
         try:

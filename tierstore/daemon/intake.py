@@ -118,6 +118,16 @@ class Request:
         self.fields_left = self.payload_left = 0
         return True
 
+    def hold(self, n: int) -> None:
+        """Count ``n`` more bytes this request keeps in memory (an answer's) against the
+        daemon's budget until :meth:`release`; waits, then refuses, as a payload does."""
+        if n:
+            self._hold(min(n, self.budget.limit))
+
+    def let_go(self, n: int) -> None:
+        """Give back ``n`` of the bytes :meth:`hold` took."""
+        self._let_go(min(n, self.held))
+
     def release(self) -> None:
         self._let_go(self.held)
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import StoreError
+from ..sizes import format_size
 
 Key = tuple[str, str]
 # ``load(keys) -> ({key: (meta, raw bytes)}, handles to release)``: the store's _host_bytes.
@@ -46,6 +47,12 @@ def settle(future: Future[Any], result: Any = None, error: BaseException | None 
             future.set_result(result)
     except InvalidStateError:
         pass  # cancelled: the cancel callback has dropped the entry
+
+def over_budget(key: Key, nbytes: int, device: Any, budget: int) -> StoreError:
+    """The error of a request for an entry larger than the whole budget."""
+    return StoreError(f"entry {key[0]!r} (kind {key[1]!r}) is {format_size(nbytes)}, more "
+                      f"than the whole prefetch budget of {device} ({format_size(budget)})")
+
 
 def normalize_priority(priority: Any) -> tuple[float, ...]:
     """Priorities as tuples so that ``3`` and ``(0, 3)`` compare (lexicographically) in one

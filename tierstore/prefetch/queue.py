@@ -38,6 +38,7 @@ from .entries import (
     SizeOf,
     layer_of,
     normalize_priority,
+    over_budget,
     settle,
 )
 
@@ -116,6 +117,19 @@ class PrefetchQueue(DeviceStage):
             self.zero_copy = bool(on) and self._copier is None and self.device.type == "cpu"
             return self.zero_copy
 
+    def set_budget(self, nbytes: int | None = None) -> int:
+        """The byte budget, set to ``nbytes`` first if given (Store.prefetch_budget)."""
+        with self._cv:
+            self.budget = self.budget if nbytes is None else max(0, int(nbytes))
+            stuck = [e for e in self._entries.values()  # queued, but could never start now
+                     if e.state == QUEUED and e.nbytes > self.budget]
+            for e in stuck:
+                e.state = LOADING  # its heap item is stale; _fail retires it
+            self._cv.notify_all()
+        for e in stuck:
+            self._fail(e, over_budget(e.key, e.nbytes, self.device, self.budget))
+        return self.budget
+
     # -- requests -------------------------------------------------------------------
     def request(self, keys: Iterable[Key], priority: Any = 0) -> list[Future[torch.Tensor]]:
         """Futures of the device copies of ``keys``, queued at ``priority`` (or shared with
@@ -155,9 +169,7 @@ class PrefetchQueue(DeviceStage):
             return self._failed(key, prio, layer, e)
         self._remember(key, nbytes)
         if nbytes > self.budget:
-            return self._failed(key, prio, layer, StoreError(
-                f"entry {key[0]!r} (kind {key[1]!r}) is {format_size(nbytes)}, more than the "
-                f"whole prefetch budget of {self.device} ({format_size(self.budget)})"))
+            return self._failed(key, prio, layer, over_budget(key, nbytes, self.device, self.budget))
         with self._cv:
             found = self._join(key, prio, layer, urgent)
             if found is not None:

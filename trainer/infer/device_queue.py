@@ -66,3 +66,9 @@ def queue_bytes_moved(store: tierstore.Store, device: torch.device,
         dev = torch.device("cuda", torch.cuda.current_device())
     stats = (store.stats().get("prefetch") or {}).get(str(dev)) or {}
     return int(stats.get(counter, 0))
+
+
+def host_cache_bytes(store: tierstore.Store) -> int:
+    """The capacity of the host cache the store reads through (0 without one)."""
+    cache = store.stats().get("cache") or {}
+    return int(cache.get("capacity_bytes", 0))

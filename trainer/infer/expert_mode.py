@@ -24,7 +24,7 @@ Three parts, all on the store's device prefetch queue (:meth:`tierstore.Store.pr
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ import tierstore
 from tierstore.lab import make_policy
 
 from ..model import ExpertSource, ExpertWeights, expert_names
+from .budget import too_small
 from .device_queue import lend_views, queue_budget, queue_bytes_moved
 
 Key = tuple[int, int]  # (layer, expert)
@@ -110,10 +111,8 @@ class ExpertModeSource(ExpertSource):
         self.expert_bytes = sum(self.store.info(n).nbytes
                                 for n in expert_names(layers[0], 0))
         if self.budget < self.expert_bytes * model.cfg.top_k:
-            raise tierstore.StoreError(
-                f"the device budget ({tierstore.format_size(self.budget)}) cannot hold the "
-                f"{model.cfg.top_k} experts one token routes to "
-                f"({tierstore.format_size(self.expert_bytes * model.cfg.top_k)})")
+            raise too_small(f"the {model.cfg.top_k} experts one token routes to",
+                            self.expert_bytes * model.cfg.top_k, self.budget)
         self.top_k = int(model.cfg.top_k)
         self._size_cache(1)
         self.policy.attach(self.cache_bytes)
@@ -175,9 +174,10 @@ class ExpertModeSource(ExpertSource):
             victim = self.policy.victim(None, lambda k: k not in pinned
                                         and self._state.get(k) == _CACHED)
             if victim is None:
-                raise tierstore.StoreError(
-                    f"the device budget ({tierstore.format_size(self.budget)}) cannot hold "
-                    f"the experts one MoE layer routes to; raise --device-budget")
+                held = sum(1 for k in self._state if k in pinned)
+                raise too_small(f"the {held + nbytes // self.expert_bytes} experts one MoE "
+                                "layer routes to", held * self.expert_bytes + nbytes,
+                                self.budget)
             self._evict(victim)
 
     def _request(self, keys: Sequence[Key], state: str) -> None:
@@ -201,6 +201,16 @@ class ExpertModeSource(ExpertSource):
 
     def experts(self, layer: int, ids: Sequence[int], x: Tensor) -> Mapping[int, ExpertWeights]:
         keys = [(layer, int(e)) for e in ids]
+        self._resolve_guess(layer, keys)
+        group = self.budget // self.expert_bytes
+        if len(keys) <= group:
+            return self._serve(layer, keys, x, self.speculate)
+        # More routed experts than the budget holds (a long prefill on a small budget):
+        # served in groups as the model reaches them, no guess made for the next layer.
+        return _Groups(self, layer, keys, group, x)
+
+    def _resolve_guess(self, layer: int, keys: list[Key]) -> None:
+        """Score the guess made for ``layer`` and cancel what it got wrong."""
         wanted = set(keys)
         # Predictions for this layer that missed: cancel them, their room is needed.
         guessed = self._predicted.pop(layer, None)
@@ -216,6 +226,11 @@ class ExpertModeSource(ExpertSource):
                 self._spec_read = SPEC_MEMORY * self._spec_read + len(fetched)
             self._drop([(layer, e) for e in guessed
                         if (layer, e) not in wanted and self._state.get((layer, e)) == _PREDICTED])
+
+    def _serve(self, layer: int, keys: list[Key], x: Tensor, speculate: bool
+               ) -> dict[int, ExpertWeights]:
+        """``keys``' weights on the device (``speculate``: guess the next layer's too)."""
+        wanted = set(keys)
         # This layer's missing experts first, so that they lead the queue.
         missing = [k for k in keys if k not in self._state]
         self._make_room(len(missing) * self.expert_bytes, wanted)
@@ -223,7 +238,7 @@ class ExpertModeSource(ExpertSource):
         for k in keys:
             if self._state[k] == _PREDICTED:
                 self._set(k, _TRANSIENT)
-        if self.speculate:
+        if speculate:
             self._speculate(layer, x, wanted)
         t0 = time.perf_counter()
         out: dict[int, ExpertWeights] = {}
@@ -340,3 +355,37 @@ class ExpertModeSource(ExpertSource):
             "bytes_read": (queue_bytes_moved(self.store, self.device, "bytes_read")
                            - self._read_start if self.model is not None else 0),
         }
+
+
+class _Groups(Mapping[int, ExpertWeights]):
+    """A layer's routed experts when they are more than the budget holds: looked up in
+    ascending id order (as the model does), they are fetched ``group`` at a time, the group
+    before let go of first (the ones the cache took stay, evictable)."""
+
+    def __init__(self, source: ExpertModeSource, layer: int, keys: list[Key], group: int,
+                 x: Tensor) -> None:
+        self._source, self._layer, self._keys, self._group, self._x = (
+            source, layer, keys, group, x)
+        self._index = {k[1]: i for i, k in enumerate(keys)}
+        self._got: dict[int, ExpertWeights] = {}
+        self._current: list[Key] = []
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        weights = self._got.get(e)
+        if weights is None:
+            i = self._index[e]  # KeyError for an expert not routed to
+            src = self._source
+            src._drop([k for k in self._current if src._state.get(k) == _TRANSIENT])
+            self._current = self._keys[i:i + self._group]
+            self._got = src._serve(self._layer, self._current, self._x, False)
+            weights = self._got[e]
+        return weights
+
+    def __contains__(self, e: object) -> bool:
+        return e in self._index
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(k[1] for k in self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

@@ -29,7 +29,8 @@ from torch import Tensor
 import tierstore
 
 from ..model import ExpertSource, ExpertWeights, MoEModel
-from .device_queue import DeviceClock
+from .budget import BudgetError, generation_budget, peak_rss_bytes
+from .device_queue import DeviceClock, queue_budget
 from .loading import stop_tokens
 from .sources import OnDemandSource, ResidentSource
 
@@ -79,6 +80,7 @@ class GenerationResult:
     new_tokens: int  # generated tokens over all sequences
     stall_s: float  # blocked waiting for experts
     source: dict[str, Any] = field(default_factory=dict)  # the source's own statistics
+    peak_rss_bytes: int = 0  # the process's peak resident memory when generation ended
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,7 +94,11 @@ class GenerationResult:
         """The ``tierstore generate --json`` object."""
         return {"tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
                 "stall_frac": self.stall_frac, "hit_rate": self.source.get("hit_rate"),
-                "spec_accuracy": self.source.get("spec_accuracy")}
+                "spec_accuracy": self.source.get("spec_accuracy"),
+                # the phases apart, for benchmarks that run `tierstore generate` per process
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "bytes_read": self.source.get("bytes_read"),
+                "peak_rss_bytes": self.peak_rss_bytes}
 
 
 class _Instrumented(ExpertSource):
@@ -131,7 +137,8 @@ def make_source(mode: str, store: tierstore.Store, model: MoEModel, *,
                 policy_args: Mapping[str, Any] | None = None) -> ExpertSource:
     """An expert source by name: ``ring`` (``ring_slots`` K or ``"auto"``), ``expert``
     (routed experts, speculative prefetch, device expert cache), ``resident`` (every expert
-    loaded first) or ``on-demand`` (synchronous reads of the routed experts)."""
+    loaded first) or ``on-demand`` (synchronous reads of the routed experts). ``budget``:
+    bytes of experts the source may hold (resident mode holds them all)."""
     if mode == "ring":
         from .ring import RingSource
 
@@ -145,7 +152,7 @@ def make_source(mode: str, store: tierstore.Store, model: MoEModel, *,
     if mode == "resident":
         return ResidentSource(store, model)
     if mode == "on-demand":
-        return OnDemandSource(store, model)
+        return OnDemandSource(store, model, budget=budget)
     raise tierstore.StoreError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
@@ -258,7 +265,7 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
     return GenerationResult(tokens=tokens, seconds=seconds, prefill_s=prefill_s,
                             decode_s=seconds - prefill_s,
                             new_tokens=sum(len(s) for s in tokens), stall_s=stall,
-                            source=stats)
+                            source=stats, peak_rss_bytes=peak_rss_bytes())
 
 
 def _trim(rows: list[list[int]], eos: set[int]) -> list[list[int]]:
@@ -289,6 +296,21 @@ def decode_tokens(tok: Any, ids: Sequence[int]) -> str:
     if tok is not None:
         return str(tok.decode(list(ids), skip_special_tokens=False))
     return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def _least(mode: str, model: MoEModel, resident_bounded: bool) -> tuple[str, int]:
+    """What ``mode`` must hold at the least, and its bytes: the ring streams a layer one
+    expert at a time at the least, expert mode needs the experts one token routes to, on
+    demand one expert at a time; resident mode holds every expert (under a budget only
+    where one was given)."""
+    cfg = model.cfg
+    one = cfg.expert_bytes(model.dtype)
+    if mode == "expert":
+        return f"the {cfg.top_k} experts one token routes to", cfg.top_k * one
+    if mode == "resident":
+        every = len(cfg.moe_layers) * cfg.layer_expert_bytes(model.dtype)
+        return "every expert (resident mode)", every if resident_bounded else 0
+    return f"one expert ({mode} mode)", one
 
 
 def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Sequence[str],
@@ -347,7 +369,14 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
             else:
                 ids, tok = encode_prompts(st, family, prompts)
             model = load_model(st, dev)
-            source = make_source(mode, st, model, ring_slots=slots)
+            plan = generation_budget(
+                model.cfg, device_budget if device_budget is not None
+                else queue_budget(st, torch.device(dev)), len(ids),
+                max((len(p) for p in ids), default=0), max_new_tokens, model.dtype)
+            plan.check(*_least(mode, model, device_budget is not None))
+            # What the queue holds (transfers cancelled in flight included) is the experts'.
+            st.prefetch_budget(torch.device(dev), plan.experts)
+            source = make_source(mode, st, model, ring_slots=slots, budget=plan.experts)
             recorder = None
             if trace is not None:
                 recorder = TraceRecorder(trace, comment=f"tierstore generate --mode {mode}: "
@@ -355,6 +384,9 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
             try:
                 res = generate(model, source, ids, max_new_tokens, greedy=greedy,
                                temperature=temperature, top_p=top_p, seed=seed, trace=recorder)
+            except BudgetError as e:  # the source's share was too small: name the whole
+                plan.check(e.what, e.need)
+                raise
             finally:
                 if recorder is not None:
                     recorder.close()
@@ -369,7 +401,10 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
         rate = f"{s['tokens_per_s']:.1f} tokens/s"
         parts = [f"{res.new_tokens} tokens in {res.seconds:.2f} s ({rate})", f"mode {mode}",
                  f"stall {s['stall_frac']:.1%}"]
-        if res.source.get("slots") is not None:
+        if res.source.get("own_slots"):
+            parts.append(f"ring slots {res.source['part_slots']} parts of "
+                         f"{res.source['experts_per_part']} experts")
+        elif res.source.get("slots") is not None:
             parts.append(f"ring slots {res.source['slots']}")
         if s["hit_rate"] is not None:
             parts.append(f"hit rate {s['hit_rate']:.1%}")

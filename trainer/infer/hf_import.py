@@ -6,7 +6,9 @@ tokenizer files, and writes the layout :mod:`trainer.infer.loading` loads: every
 ``layers.{i}.experts.{e}.w1|w2|w3`` in ONE ``put_many`` (its three tensors commit
 together), the dense weights under ``dense.`` with the model's names, the tokenizer files
 under ``tokenizer.``, and ``model.json`` last, so a store whose import was interrupted holds
-no model rather than half of one.
+no model rather than half of one. ``model.json`` keeps the original ``config.json`` and the
+checkpoint's layout (its tensor names, per-expert or fused experts:
+:mod:`trainer.infer.hf_layout`), from which ``tierstore export-hf`` writes it back.
 
 An import first records where it comes from (``import.json``: the HF config and the weight
 files' names and sizes). ``resume=True`` (``--resume``) continues an interrupted import of
@@ -51,6 +53,7 @@ from .hf_config import (
     generation_eos,
     read_hf_config,
 )
+from .hf_layout import record_layout
 from .loading import (
     DENSE_PREFIX,
     MODEL_ENTRY,
@@ -98,6 +101,8 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
         cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys((*cfg.eos_token_ids, *eos))))
     dense, per_expert, fused = plan(cfg, sorted(heads))
     check_complete(cfg, dense, per_expert, fused, heads, hf_path)
+    layout = record_layout(cfg, dense, per_expert, fused,
+                           {k: h.shape for k, h in heads.items()}, sorted(heads))
     reader = CheckpointReader(heads)
     files = sorted({h.path for h in heads.values()})
 
@@ -148,7 +153,8 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
                               if raw else torch.zeros(0, dtype=torch.uint8), kind=TOKENIZER_KIND)
                     toks.append(fname)
             info = {"format": MODEL_FORMAT, "family": cfg.family, "config": cfg.to_dict(),
-                    "hf_config": hf, "dense_prefix": DENSE_PREFIX, "tokenizer": toks}
+                    "hf_config": hf, "hf_layout": layout, "dense_prefix": DENSE_PREFIX,
+                    "tokenizer": toks}
             store.put(MODEL_ENTRY[0], json_entry(info), kind=MODEL_ENTRY[1])
             store.delete(IMPORT_ENTRY[0], IMPORT_ENTRY[1], missing_ok=True)
             store.flush()

@@ -4,8 +4,9 @@ Store layout of a model (written by :mod:`trainer.infer.hf_import`; a trainer ru
 experts under the same names and its dense state in its latest checkpoint):
 
 * ``model.json`` (kind ``meta``): UTF-8 JSON as a uint8 tensor, ``{"format": 1, "family",
-  "config": ModelConfig fields, "hf_config", "dense_prefix": "dense.", "tokenizer":
-  [file names]}``;
+  "config": ModelConfig fields, "hf_config", "hf_layout", "dense_prefix": "dense.",
+  "tokenizer": [file names]}`` (``hf_layout``: the checkpoint's tensor names and expert
+  layout, :mod:`trainer.infer.hf_layout`; absent in stores imported before it was recorded);
 * ``layers.{i}.experts.{e}.w1|w2|w3`` (kind ``param``): gate ``[ffn, hidden]``, down
   ``[hidden, ffn]``, up ``[ffn, hidden]``, in the checkpoint's dtype;
 * ``dense.{name}`` (kind ``param``): the model's own state-dict names;

@@ -16,18 +16,24 @@ or on the CPU a pin (the experts are views of their host-cache slots, never copi
 still cached as they were when its slot was last released is pinned again by renewing that
 borrow (:meth:`tierstore.Borrowed.renew`), which costs a third of a new one. A layer that
 must be read from the backing tier is borrowed in parts of consecutive experts, and the
-model starts on it once its first part has landed (:class:`_Streamed`).
+model starts on it once its first part has landed (:class:`~.ring_loans.Streamed`).
 
 ``slots="auto"`` runs the first pass with as many slots as the budget holds, timing the
 first layer's transfer through the queue as it goes (without waiting for it), then picks K
 before each pass from that and the per-layer compute time measured in the previous one.
+
+On the CPU, where the host cache cannot hold the K layers the budget allows (or the budget
+not one layer), pinning them there would evict everything else or spill into buffers the
+store allocates per read. The ring then owns its slots (:mod:`trainer.infer.ring_parts`):
+as many parts of consecutive experts as the budget holds, each read straight into memory
+allocated once, so what the ring holds is bounded by the budget and K follows from it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -37,7 +43,16 @@ from torch import Tensor
 import tierstore
 
 from ..model import ExpertSource, ExpertWeights, expert_names
-from .device_queue import DeviceClock, lend_views, queue_budget, queue_bytes_moved
+from .budget import BudgetError
+from .device_queue import (
+    DeviceClock,
+    host_cache_bytes,
+    lend_views,
+    queue_budget,
+    queue_bytes_moved,
+)
+from .ring_loans import Done, Loan, Streamed, release_when_done
+from .ring_parts import PartRing, PartsOfLayer
 
 INLINE_BORROW_S = 1e-3  # a layer's borrow faster than this read nothing: see RingSource
 STREAM_PARTS = 4  # a layer read from the backing tier is borrowed in this many parts
@@ -55,10 +70,10 @@ def max_slots(layer_bytes: int, budget: int, n_layers: int) -> int:
         raise ValueError("layer_bytes and n_layers must be positive")
     cap = min(budget // layer_bytes, n_layers)
     if cap < 1:
-        raise tierstore.StoreError(
+        raise BudgetError(
             f"the device budget ({tierstore.format_size(budget)}) cannot hold one MoE layer's "
             f"experts ({tierstore.format_size(layer_bytes)}); raise --device-budget or use "
-            "--mode expert")
+            "--mode expert", need=layer_bytes, what="one MoE layer's experts (the ring)")
     return cap
 
 
@@ -108,21 +123,24 @@ class RingSource(ExpertSource):
         # the misses, one batched release when the layer is done.
         self._layerwise = self.views and self.device.type == "cpu"
         self._worker: ThreadPoolExecutor | None = None  # made on first use, ended by close()
-        self._lent: dict[int, _Loan] = {}  # layer -> its borrows, while its slot holds it
+        self._lent: dict[int, Loan] = {}  # layer -> its borrows, while its slot holds it
         # layer -> its last loan, released, and the expert tuples made from it: where the
         # layer's entries are still cached as they were, renewing it pins them again for a
         # fraction of a new borrow's cost (decoding from host memory, every token).
-        self._spent: dict[int, tuple[_Loan, dict[int, ExpertWeights]]] = {}
+        self._spent: dict[int, tuple[Loan, dict[int, ExpertWeights]]] = {}
         # A borrow that finds every entry cached is a few hundred microseconds of Python;
         # handed to the worker it would contend with the compute for the interpreter, so it
         # runs in line while the last borrow was that cheap (see _borrow).
         self._inline = False
         # A borrow that reads is split into parts of consecutive experts, read in order:
         # the model applies experts in ascending id order, so it starts on a layer once
-        # its first part has landed (see _Streamed). In one pass (a prefill) the last
+        # its first part has landed (see ring_loans.Streamed). In one pass (a prefill) the last
         # layer's compute then hides behind its own reads, and every layer gives its slot
         # back sooner, so the next layer's read starts sooner.
         self._per_part = 1
+        # Where the host cache cannot hold the ring, its slots are memory of its own,
+        # filled part by part (see ring_parts); None while the slots are cache pins.
+        self._parts_ring: PartRing | None = None
         self._lent_bytes = 0
         self.peak_bytes = 0  # most layer bytes lent and requested at once (layer by layer)
         self.layers: list[int] = []
@@ -167,6 +185,9 @@ class RingSource(ExpertSource):
                        for layer in self.layers}
         self._moved_start = queue_bytes_moved(self.store, self.device)
         self._read_start = self._bytes_read()
+        if self._layerwise and not self._fits_host_cache():
+            self._own_slots()
+            return
         cap = max_slots(self.layer_bytes, self.budget, len(self.layers))
         if self.auto:
             self._calibrate()
@@ -174,12 +195,39 @@ class RingSource(ExpertSource):
         else:
             self.slots = min(self.fixed or 1, cap)
 
+    def _fits_host_cache(self) -> bool:
+        """Whether the host cache holds the K layers the budget (or a fixed K) asks for:
+        then the ring's slots are pins of its slots; else the ring reads into its own."""
+        k = min(self.budget // self.layer_bytes, len(self.layers))
+        if self.fixed is not None:
+            k = min(k, self.fixed)
+        return k >= 1 and host_cache_bytes(self.store) >= k * self.layer_bytes
+
+    def _own_slots(self) -> None:
+        """Slots of the ring's own, as many parts as the budget holds (after room for one
+        layer's experts converted to the model's dtype, where they are stored in another)."""
+        budget = self.budget
+        stored = self.store.info(expert_names(self.layers[0], 0)[0]).dtype
+        if self.dtype is not None and stored != self.dtype:
+            per = torch.empty(0, dtype=self.dtype).element_size()
+            budget -= self.layer_bytes // torch.empty(0, dtype=stored).element_size() * per
+        parts = PartRing(self.store, self.layers, self.n_experts, max(budget, 0),
+                         per_part=self._per_part, layers_held=self.fixed)
+        self._parts_ring = parts
+        self.slots = parts.slots // parts.n_parts
+
+    def _parts_end(self) -> int:
+        """The position past the last part the ring may read now: the running pass's end
+        on the last pass, else none."""
+        assert self._parts_ring is not None
+        return self._parts_ring.position(self._pass_end) if self._final else 1 << 62
+
     def _layer_at(self, pos: int) -> int:
         return self.layers[pos % len(self.layers)]
 
     def _bytes_read(self) -> int:
         """Bytes read from the backing tier so far: the queue's count, or, where the ring
-        borrows whole layers, the store's."""
+        borrows whole layers or reads into its own slots, the store's."""
         if not self._layerwise:
             return queue_bytes_moved(self.store, self.device, "bytes_read")
         return int(sum(t.get("bytes_read", 0) for t in self.store.stats()["tiers"].values()))
@@ -198,13 +246,13 @@ class RingSource(ExpertSource):
             renewed = spent is not None and spent[0].renew()
             parts: list[Any]
             if renewed and len(spent[0].parts) == 1:
-                parts = [_Done(spent[0].parts[0].result())]
+                parts = [Done(spent[0].parts[0].result())]
                 self._held[layer] = spent[1]
             elif renewed or self._inline:
                 # In line: a Future (a lock and a condition) would cost a tenth of this
                 # borrow. A layer borrowed in parts whose parts are all still cached is
                 # borrowed whole now, and renewed once per turn from then on.
-                done = _Done()
+                done = Done()
                 try:
                     done.value = self._borrow(names)
                 except Exception as e:  # noqa: BLE001 (raised where the layer asks for it)
@@ -270,6 +318,9 @@ class RingSource(ExpertSource):
             # from the first MoE layer with an empty ring.
             self.close()
             self._pos += len(self.layers) - self._pos % len(self.layers)
+        if self._parts_ring is not None:
+            self._begin_owned_pass()
+            return
         if self.auto and self.t_compute > 0 and self._calibrating is None:
             self.slots = choose_slots(self.t_transfer, self.t_compute, self.layer_bytes,
                                       self.budget, len(self.layers))
@@ -282,11 +333,26 @@ class RingSource(ExpertSource):
         self._pass_end = (self._pos // len(self.layers) + 1) * len(self.layers)
         self._top_up()
 
+    def _begin_owned_pass(self) -> None:
+        parts = self._parts_ring
+        assert parts is not None
+        if parts.closed or parts.position(self._pos) != parts.freed:
+            parts.restart(parts.position(self._pos))
+        self.slot_history.append(self.slots)
+        self._pass_start = time.perf_counter()
+        self._pass_stall = 0.0
+        self._final, self._final_next = self._final_next, False
+        self._pass_end = (self._pos // len(self.layers) + 1) * len(self.layers)
+        parts.top_up(self._parts_end())
+
     def experts(self, layer: int, ids: Sequence[int], x: Tensor) -> Mapping[int, ExpertWeights]:
         expected = self._layer_at(self._pos)
         if layer != expected:
             raise tierstore.StoreError(f"the ring expected MoE layer {expected} next, "
                                        f"the model asked for layer {layer}")
+        if self._parts_ring is not None:
+            return PartsOfLayer(self, self._parts_ring.position(self._pos),
+                                self._names[layer], ids, self._held.setdefault(layer, {}))
         if self._layerwise:
             return self._lent_experts(layer, ids)
         self._request(self._pos)
@@ -336,11 +402,11 @@ class RingSource(ExpertSource):
         landed = loan is not None
         if loan is None:
             self._request(self._pos)
-            loan = self._lent[layer] = _Loan(list(self._requested[self._pos].values()))
+            loan = self._lent[layer] = Loan(list(self._requested[self._pos].values()))
             self._lent_bytes += self.layer_bytes
         held = self._held.setdefault(layer, {})
         if len(loan.parts) > 1:
-            return _Streamed(self, loan, held, self._names[layer], ids)
+            return Streamed(self, loan, held, self._names[layer], ids)
         if not landed:
             landed = loan.parts[0].done()
             self._stalled(loan.parts[0])
@@ -380,6 +446,8 @@ class RingSource(ExpertSource):
         if loan is None:
             return
         loan.release()
+        if not loan.renewable():
+            return  # buffers of its own, not cache slots: kept, they would outlive the slot
         # Converted experts are copies, made again from the bytes on the next turn.
         self._spent[layer] = (loan, held if held is not None and self.dtype is None else {})
 
@@ -387,6 +455,12 @@ class RingSource(ExpertSource):
         return t if self.dtype is None or t.dtype == self.dtype else t.to(self.dtype)
 
     def layer_done(self, layer: int) -> None:
+        if self._parts_ring is not None:
+            self._held.pop(layer, None)
+            self._pos += 1
+            self._parts_ring.release_below(self._parts_ring.position(self._pos))
+            self._parts_ring.top_up(self._parts_end())
+            return
         pos = self._pos
         self._requested.pop(pos, None)
         self._pos += 1
@@ -416,17 +490,26 @@ class RingSource(ExpertSource):
         self.busy_s += elapsed
         self.passes += 1
         self.t_compute = max(elapsed - self._pass_stall, 0.0) / len(self.layers)
+        if self._parts_ring is not None:
+            reads = list(self._parts_ring.read_s)
+            if reads:  # a layer's transfer: its parts one after another
+                self.t_transfer = sum(reads) / len(reads) * self._parts_ring.n_parts
+            return
         self._calibrated()
 
     def close(self) -> None:
         """Give every slot back to the device budget."""
+        if self._parts_ring is not None:
+            self._parts_ring.close()
+            self._held.clear()
+            return
         names = [n for layer in self.layers for trio in self._names[layer] for n in trio]
         if names and not self._layerwise:
             self.store.cancel(names, device=self.device)
         for futures in self._requested.values():
             for f in futures.values():
                 if self._layerwise:  # a borrow still running is given back when it ends
-                    f.add_done_callback(_release_when_done)
+                    f.add_done_callback(release_when_done)
         for layer in list(self._lent):
             self._unlend(layer)
         self._requested.clear()
@@ -436,9 +519,17 @@ class RingSource(ExpertSource):
             self._worker = None
 
     def stats(self) -> dict[str, Any]:
+        parts = self._parts_ring
+        if parts is not None:
+            self.peak_bytes = max(self.peak_bytes, parts.arena_bytes)
         return {
             "mode": "ring",
             "slots": self.slots,
+            # the slots are the ring's own memory (the host cache cannot hold them), in
+            # parts of experts_per_part experts, part_slots of them
+            "own_slots": parts is not None,
+            "part_slots": parts.slots if parts is not None else None,
+            "experts_per_part": parts.per_part if parts is not None else None,
             "slot_history": list(self.slot_history),
             "moe_layers": len(self.layers),
             "layer_bytes": self.layer_bytes,
@@ -453,112 +544,9 @@ class RingSource(ExpertSource):
             "spec_accuracy": None,
             # bytes landed on the device (on the CPU: pinned, not copied), and the part of
             # them read from the backing tier (the rest were host-cache hits)
-            "bytes_moved": ((self._lent_bytes if self._layerwise else
+            "bytes_moved": ((parts.bytes_moved if parts is not None else
+                             self._lent_bytes if self._layerwise else
                              queue_bytes_moved(self.store, self.device) - self._moved_start)
                             if self.layers else 0),
             "bytes_read": self._bytes_read() - self._read_start if self.layers else 0,
         }
-
-
-class _Loan:
-    """A layer's experts as lent: the borrows (futures of :class:`tierstore.Borrowed`) of
-    its parts, consecutive experts each (one part when the layer was borrowed whole)."""
-
-    __slots__ = ("parts", "settled")
-
-    def __init__(self, parts: list[Any]) -> None:
-        self.parts = parts
-        self.settled = False  # every part had landed (or failed) when it was released
-
-    def release(self) -> None:
-        """Give back every part: those landed now, one still being read when it lands."""
-        self.settled = True
-        for f in self.parts:
-            if f.done():
-                _release_when_done(f)
-            else:
-                # Released by the reading thread, maybe after a renewal was tried: such a
-                # loan is never renewed (see renew).
-                self.settled = False
-                f.add_done_callback(_release_when_done)
-
-    def renew(self) -> bool:
-        """Pin every part again (see :meth:`tierstore.Borrowed.renew`), or none."""
-        if not self.settled:
-            return False
-        renewed = []
-        for f in self.parts:
-            if f.cancelled() or f.exception() is not None or not f.result().renew():
-                for b in renewed:
-                    b.release()
-                return False
-            renewed.append(f.result())
-        return True
-
-
-class _Streamed(Mapping[int, ExpertWeights]):
-    """A layer's routed experts while its parts are still landing: looking an expert up
-    waits for its own part only. The model applies experts in ascending id order, so it
-    computes on the first part while the rest are read."""
-
-    def __init__(self, ring: RingSource, loan: _Loan, held: dict[int, ExpertWeights],
-                 names: list[tuple[str, str, str]], ids: Sequence[int]) -> None:
-        self._ring, self._loan, self._held, self._names = ring, loan, held, names
-        self._ids = ids
-        self._wanted = set(ids)
-
-    def __getitem__(self, e: int) -> ExpertWeights:
-        if e not in self._wanted:
-            raise KeyError(e)
-        ring = self._ring
-        weights = self._held.get(e)
-        if weights is None:
-            part = self._loan.parts[e // ring._per_part]
-            ring.hits += part.done()
-            tensors = ring._stalled(part).tensors
-            weights = self._held[e] = ring._weights(tensors, self._names[e])
-        else:
-            ring.hits += 1
-        ring.accesses += 1
-        return weights
-
-    def __contains__(self, e: object) -> bool:
-        return e in self._wanted
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids)
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-
-class _Done:
-    """The settled outcome of a borrow made in line: the part of a Future the ring uses."""
-
-    __slots__ = ("value", "error")
-
-    def __init__(self, value: Any = None) -> None:
-        self.value: Any = value
-        self.error: BaseException | None = None
-
-    def done(self) -> bool:
-        return True
-
-    def cancelled(self) -> bool:
-        return False
-
-    def exception(self) -> BaseException | None:
-        return self.error
-
-    def result(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
-        fn(self)
-
-
-def _release_when_done(future: Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().release()

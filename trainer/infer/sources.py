@@ -4,7 +4,7 @@ its layer asks. The prefetching ones are :mod:`trainer.infer.ring` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from torch import Tensor
 import tierstore
 
 from ..model import ExpertSource, ExpertWeights, MoEModel, expert_names
+from .budget import too_small
 
 
 def _expert_tensors(got: Mapping[Any, Tensor], layer: int, e: int, device: torch.device,
@@ -43,18 +44,26 @@ class ResidentSource(ExpertSource):
 
 class OnDemandSource(ExpertSource):
     """The synchronous baseline: each call reads exactly the routed experts from the store
-    (``get_many``), moves them to the device and keeps nothing afterwards."""
+    (``get_many``), moves them to the device and keeps nothing afterwards.
 
-    def __init__(self, store: tierstore.Store, model: MoEModel | None = None) -> None:
+    ``budget``: bytes of experts it may hold at once (None: a layer's routed experts,
+    whatever they come to). Where a layer routes to more, they are read in groups that
+    fit, each when the model reaches its first expert (experts are applied in ascending
+    id order), the group before it let go first."""
+
+    def __init__(self, store: tierstore.Store, model: MoEModel | None = None, *,
+                 budget: int | None = None) -> None:
         self.store = store
         self.model = model
+        self.budget = budget
         self.loaded_bytes = 0  # bytes moved to the device, for the bandwidth arithmetic
         self.loads = 0  # experts loaded
+        self._expert_bytes: int | None = None
 
     def begin_pass(self, model: MoEModel, n_tokens: int) -> None:
         self.model = model
 
-    def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
+    def _load(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
         assert self.model is not None, "begin_pass was not called"
         dev, dt = self.model.device, self.model.dtype
         names = [n for e in ids for n in expert_names(layer, e)]
@@ -63,3 +72,46 @@ class OnDemandSource(ExpertSource):
         self.loads += len(ids)
         self.loaded_bytes += sum(t.numel() * t.element_size() for t in got.values())
         return out
+
+    def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
+        if self.budget is None:
+            return self._load(layer, ids)
+        if self._expert_bytes is None:
+            assert self.model is not None, "begin_pass was not called"
+            one = self.model.cfg.expert_bytes(self.model.dtype)
+            stored = sum(self.store.info(n).nbytes for n in expert_names(layer, 0))
+            self._expert_bytes = max(one, stored)  # a converted copy is the larger
+            if self.budget < self._expert_bytes:
+                raise too_small("one expert (on-demand mode)", self._expert_bytes,
+                                self.budget)
+        group = max(1, self.budget // self._expert_bytes)
+        if len(ids) <= group:
+            return self._load(layer, ids)
+        return _Grouped(self, layer, list(ids), group)
+
+
+class _Grouped(Mapping[int, ExpertWeights]):
+    """A layer's routed experts read ``group`` at a time, as the model reaches them."""
+
+    def __init__(self, source: OnDemandSource, layer: int, ids: list[int], group: int) -> None:
+        self._source, self._layer, self._ids, self._group = source, layer, ids, group
+        self._index = {e: i for i, e in enumerate(ids)}
+        self._loaded: dict[int, ExpertWeights] = {}
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        weights = self._loaded.get(e)
+        if weights is None:
+            i = self._index[e]  # KeyError for an expert not routed to
+            self._loaded = {}  # the group before goes before the next is read
+            self._loaded = self._source._load(self._layer, self._ids[i:i + self._group])
+            weights = self._loaded[e]
+        return weights
+
+    def __contains__(self, e: object) -> bool:
+        return e in self._index
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)

@@ -7,6 +7,8 @@
 - :mod:`.expert_states`: the experts' states as the model's expert provider during training.
 - :mod:`.fetch`: how expert states reach the device and go back (queue, direct, zero-copy).
 - :mod:`.checkpoint`: the on-store format: entry names, run record, checkpoints, resume.
+- :mod:`.finetune`: fine-tuning a model ``tierstore import-hf`` imported: its config and
+  losses, its tokenizer's text.
 - :mod:`.metrics`: per-step store figures and the JSON-lines metrics file.
 - :mod:`.cli_train`: what ``tierstore train`` runs.
 - :mod:`.demo`: the training half of ``tierstore demo``.

@@ -13,6 +13,34 @@ Layout
   checkpoint, ``torch.save`` bytes.
 - snapshots ``step-{n}`` (:func:`checkpoint_tag`): the checkpoints.
 
+Fine-tuning an imported model
+A store that ``tierstore import-hf`` filled keeps the import's layout (``model.json``,
+``dense.{name}``, ``tokenizer.{file}``: :mod:`trainer.infer.loading`), and a fine-tune
+(:mod:`trainer.train.finetune`; its run record holds a :class:`trainer.model.ModelConfig`)
+makes its entries the trained model's:
+
+- ``layers.{l}.experts.{e}.{w1,w2,w3}`` kind ``param`` become the experts' fp32 master
+  weights when the run starts (:func:`initialise_imported`: bf16 or fp16 imports are cast
+  up, exactly), with ``exp_avg``/``exp_avg_sq`` beside them; every step updates them in
+  place, as in a run of a preset.
+- ``dense.{name}`` kind ``param``, the model's own state-dict names, hold the dense weights
+  as fp32 masters, rewritten at every checkpoint right before its snapshot. The dense
+  entry (:data:`DENSE_ENTRY`) then holds the optimizer state, sampler and RNG states but no
+  weights (``"dense": "entries"`` in it says so).
+- ``model.json`` and the tokenizer are left as imported: the config's ``dtype`` is still
+  the checkpoint's (what inference computes in and an export writes by default).
+- Before the first step the run takes checkpoint ``step-0``, the imported weights as fp32
+  masters, so that resuming a run that never reached a checkpoint of its own starts over
+  from the imported weights, not from experts a lost step already updated.
+
+So the trained model is always: every ``layers.*.experts.*.w*`` and ``dense.*`` entry of
+kind ``param`` (fp32; the ``exp_avg``/``exp_avg_sq`` and ``step`` kinds beside them are
+optimizer state). A run that finished leaves the live entries equal to its last checkpoint
+(the last step always takes one). After an interruption the live expert entries may be some
+steps ahead of the live dense ones (those of the latest checkpoint); restoring that
+checkpoint's snapshot (``tierstore restore STORE step-{n}``) or resuming the run to its end
+makes them one model again.
+
 Checkpoints
 A checkpoint is one store snapshot, ``step-{n}``. The dense part (model and optimizer state,
 sampler position, RNG states, configs) is serialised into :data:`DENSE_ENTRY` right before
@@ -48,8 +76,9 @@ from torch import Tensor
 import tierstore
 from tierstore import StoreError
 
-from ..model import EXPERT_WEIGHTS, MoEModel, expert_name, init_expert
-from ..presets import MoEConfig
+from ..infer.loading import DENSE_PREFIX, MODEL_ENTRY
+from ..model import EXPERT_WEIGHTS, ModelConfig, MoEModel, expert_name, init_expert
+from ..presets import TrainModel, config_from_dict
 from .data import BatchSampler
 from .resident import Metrics, TrainConfig, rng_state, set_rng_state
 
@@ -115,7 +144,12 @@ def _read_entry(store: tierstore.Store, entry: tuple[str, str]) -> Tensor | None
 # --------------------------------------------------------------------------- the run record
 
 
-def _run_identity(cfg: MoEConfig, tc: TrainConfig, seed: int) -> dict[str, Any]:
+def is_finetune(cfg: TrainModel) -> bool:
+    """Whether a run trains an imported model (its config is the model's own)."""
+    return isinstance(cfg, ModelConfig)
+
+
+def _run_identity(cfg: TrainModel, tc: TrainConfig, seed: int) -> dict[str, Any]:
     return {"version": CHECKPOINT_VERSION, "model_config": cfg.to_dict(),
             "train_config": tc.to_dict(), "seed": seed}
 
@@ -125,13 +159,13 @@ def _differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
             for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
 
 
-def _check_identity(saved: dict[str, Any], cfg: MoEConfig, tc: TrainConfig, seed: int,
+def _check_identity(saved: dict[str, Any], cfg: TrainModel, tc: TrainConfig, seed: int,
                     where: str) -> None:
     """Refuse to continue a run with other configs or another seed than it started with."""
     if saved.get("version") != CHECKPOINT_VERSION:
         raise TrainerError(f"{where} holds a training run of format {saved.get('version')!r}, "
                            f"this trainer writes {CHECKPOINT_VERSION}")
-    if MoEConfig.from_dict(saved["model_config"]) != cfg:
+    if config_from_dict(saved["model_config"]) != cfg:
         diff = _differences(saved["model_config"], cfg.to_dict())
         raise TrainerError(f"{where} holds a run of a different model: {', '.join(diff)}")
     saved_tc = json.loads(json.dumps(saved["train_config"]))
@@ -160,7 +194,7 @@ def saved_run(store_path: PathLike | tierstore.Store) -> dict[str, Any] | None:
     return None if raw is None else json.loads(raw.numpy().tobytes())
 
 
-def initialise_experts(store: tierstore.Store, cfg: MoEConfig, seed: int) -> None:
+def initialise_experts(store: tierstore.Store, cfg: TrainModel, seed: int) -> None:
     """Write every expert's initial weights, zero moments and zero step counts.
 
     Writes are flushed whenever about half the host cache has been filled, so that making
@@ -189,21 +223,71 @@ def initialise_experts(store: tierstore.Store, cfg: MoEConfig, seed: int) -> Non
     store.flush()
 
 
+def initialise_imported(store: tierstore.Store, cfg: ModelConfig) -> None:
+    """Make an imported model's experts trainable: each weight as an fp32 master (cast up
+    from the imported dtype; left alone when it is fp32 already), zero moments and zero
+    step counts. Done again after an interruption it changes nothing it had done (the cast
+    is exact), so an interrupted start is simply started again."""
+    zeros = {w: torch.zeros(shape) for w, shape in cfg.expert_shapes().items()}
+    cache = store.stats()["cache"]
+    flush_every = cache["capacity_bytes"] // 2 if cache else 0
+    pending = 0
+    for layer in cfg.moe_layers:
+        for e in range(cfg.n_experts):
+            names = [expert_name(layer, e, w) for w in EXPERT_WEIGHTS]
+            got = store.get_many(names)
+            items: list[tuple[str, str, Tensor]] = []
+            for w, name in zip(EXPERT_WEIGHTS, names):
+                if got[name].dtype != torch.float32:
+                    items.append((name, "param", got[name].to(torch.float32)))
+                items += [(name, MOMENTS[0], zeros[w]), (name, MOMENTS[1], zeros[w])]
+            store.put_many(items)
+            pending += sum(t.numel() * 4 for _, _, t in items)
+            if flush_every and pending >= flush_every:
+                store.flush()
+                pending = 0
+        store.put(step_counts_name(layer), torch.zeros(cfg.n_experts, dtype=torch.int64),
+                  kind=STEP_KIND)
+    store.flush()
+
+
+def load_dense_entries(store: tierstore.Store, net: MoEModel) -> None:
+    """Load the dense weights of an imported (or fine-tuned) model from its ``dense.``
+    entries into ``net``, as fp32."""
+    names = store.names(DENSE_PREFIX, kind="param")
+    state = {n[len(DENSE_PREFIX):]: t for n, t in store.get_many(names).items()}
+    expected = set(net.state_dict())
+    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or extra:
+        raise TrainerError(f"store {store.path}: the dense weights do not fit the model "
+                           f"(missing {missing[:5]}, unexpected {extra[:5]})")
+    net.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+
+
+def _write_dense_entries(store: tierstore.Store, net: MoEModel) -> None:
+    store.put_many([(DENSE_PREFIX + k, "param", v.detach().to("cpu", torch.float32))
+                    for k, v in net.state_dict().items()])
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
-def start_run(store: tierstore.Store, cfg: MoEConfig, tc: TrainConfig, seed: int,
+def start_run(store: tierstore.Store, cfg: TrainModel, tc: TrainConfig, seed: int,
               resume: bool, net: MoEModel, opt: torch.optim.Optimizer,
               sampler: BatchSampler) -> tuple[int, Metrics | None]:
     """Bring the store, ``net``, ``opt``, ``sampler`` and the RNGs to the state training
     starts from: the latest checkpoint when resuming a run that has one, else the initial
-    weights (written to the store here). Returns the first step to run and, when resuming,
-    the checkpoint step's own metrics."""
+    weights (written to the store here; for a fine-tune, the imported ones, made trainable
+    and checkpointed as ``step-0``). Returns the first step to run and, when resuming, the
+    checkpoint step's own metrics."""
     where = f"store {store.path}"
+    finetune = is_finetune(cfg)
     raw = _read_entry(store, RUN_ENTRY)
     saved = None if raw is None else json.loads(raw.numpy().tobytes())
     if saved is None:
-        if store.names("layers.") or checkpoint_steps(store):
+        if finetune and MODEL_ENTRY not in store:
+            raise TrainerError(f"{where} holds no imported model to fine-tune")
+        if checkpoint_steps(store) or (not finetune and store.names("layers.")):
             raise TrainerError(f"{where} holds expert entries or checkpoints that no training "
                                "run of this trainer wrote; train in a new store")
     else:
@@ -223,34 +307,51 @@ def start_run(store: tierstore.Store, cfg: MoEConfig, tc: TrainConfig, seed: int
             if payload.get("step") != ckpts[-1]:
                 raise TrainerError(f"{where}: checkpoint step-{ckpts[-1]} holds the dense state "
                                    f"of step {payload.get('step')}")
-            net.load_state_dict(payload["model"])
+            if payload.get("dense") == "entries":
+                load_dense_entries(store, net)
+            else:
+                net.load_state_dict(payload["model"])
             opt.load_state_dict(payload["optimizer"])
             sampler.load_state_dict(payload["sampler"])
             set_rng_state(payload["rng"])
-            return int(payload["step"]), payload.get("metrics")
+            step = int(payload["step"])
+            return step, (payload.get("metrics") if step else None)
     # A new run, or one that crashed before its first checkpoint: start from scratch. The
     # run record goes first, so an interrupted initialisation is recognised as this run.
     store.put(RUN_ENTRY[0], _json_entry(_run_identity(cfg, tc, seed)), kind=RUN_ENTRY[1])
-    initialise_experts(store, cfg, seed)
+    if finetune:
+        assert isinstance(cfg, ModelConfig)
+        initialise_imported(store, cfg)
+        load_dense_entries(store, net)
+        write_checkpoint(store, 0, seed=seed, cfg=cfg, tc=tc, net=net, opt=opt,
+                         sampler=sampler, metrics={"step": 0})
+    else:
+        initialise_experts(store, cfg, seed)
     return 0, None
 
 
-def write_checkpoint(store: tierstore.Store, step: int, *, seed: int, cfg: MoEConfig,
+def write_checkpoint(store: tierstore.Store, step: int, *, seed: int, cfg: TrainModel,
                      tc: TrainConfig, net: MoEModel, opt: torch.optim.Optimizer,
                      sampler: BatchSampler, metrics: Metrics) -> str:
-    """Checkpoint the run after ``step`` steps: the dense entry, then the snapshot that makes
-    the checkpoint (see the module docstring), then drop what is no longer among the latest
-    :data:`KEEP_CHECKPOINTS`. ``metrics`` are the step's own, kept with the checkpoint; the
-    snapshot's tag is added to them as ``checkpoint`` first (if the snapshot never commits,
-    neither does that claim) and returned."""
+    """Checkpoint the run after ``step`` steps: the dense entry (and for a fine-tune the
+    ``dense.`` weights), then the snapshot that makes the checkpoint (see the module
+    docstring), then drop what is no longer among the latest :data:`KEEP_CHECKPOINTS`.
+    ``metrics`` are the step's own, kept with the checkpoint; the snapshot's tag is added
+    to them as ``checkpoint`` first (if the snapshot never commits, neither does that
+    claim) and returned."""
     tag = checkpoint_tag(step)
     metrics["checkpoint"] = tag
     payload = {
         "version": CHECKPOINT_VERSION, "kind": "store", "step": step, "seed": seed,
         "model_config": cfg.to_dict(), "train_config": asdict(tc),
-        "model": net.state_dict(), "optimizer": opt.state_dict(),
+        "optimizer": opt.state_dict(),
         "sampler": sampler.state_dict(), "rng": rng_state(), "metrics": dict(metrics),
     }
+    if is_finetune(cfg):
+        _write_dense_entries(store, net)
+        payload["dense"] = "entries"
+    else:
+        payload["model"] = net.state_dict()
     store.put(DENSE_ENTRY[0], pack(payload), kind=DENSE_ENTRY[1])
     if step in checkpoint_steps(store):
         # Training only moves past the latest checkpoint, so this is a snapshot someone
@@ -265,6 +366,8 @@ def write_checkpoint(store: tierstore.Store, step: int, *, seed: int, cfg: MoECo
 def latest_dense_state(store: tierstore.Store) -> dict[str, Any] | None:
     """The dense state of the store's latest checkpoint (``step``, ``model_config``,
     ``model``, ...), for reading a trained model back; ``None`` if the store holds none.
+    A fine-tune's has no ``model`` (``"dense": "entries"``: the weights are the ``dense.``
+    entries).
 
     The live dense entry is the latest checkpoint's: it is written right before the
     snapshot, and training only moves forward from there.

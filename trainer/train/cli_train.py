@@ -13,24 +13,28 @@ import torch
 
 import tierstore
 
-from ..presets import MoEConfig
-from .checkpoint import saved_run
+from ..presets import TrainModel, config_from_dict
+from .checkpoint import is_finetune, saved_run
+from .finetune import imported_model
 from .metrics import MetricsLog
 from .resident import Metrics, TrainConfig, load_checkpoint, train_resident
 from .store_trainer import train_store
 
 
 def run_settings(store: str | tierstore.Store | None, resident: bool, resume: bool
-                 ) -> tuple[MoEConfig | str, TrainConfig, int]:
+                 ) -> tuple[TrainModel | str | None, TrainConfig, int]:
     """The model, hyperparameters and seed options start from: those the run in ``store``
-    was started with when resuming it, else the preset ``tiny``, defaults and seed 0."""
+    was started with when resuming it, else the preset ``tiny``, defaults and seed 0. The
+    model is ``None`` where the store holds an imported model (which is what it trains)."""
     saved = None
     if resume and store is not None:
         saved = load_checkpoint(store) if resident else saved_run(store)
     if saved is None:
-        return "tiny", TrainConfig(), 0
-    return (MoEConfig.from_dict(saved["model_config"]),
-            TrainConfig.from_dict(saved["train_config"]), int(saved["seed"]))
+        imported = None if resident else imported_model(store)
+        return (None if imported is not None else "tiny"), TrainConfig(), 0
+    cfg = config_from_dict(saved["model_config"])
+    return (None if is_finetune(cfg) else cfg, TrainConfig.from_dict(saved["train_config"]),
+            int(saved["seed"]))
 
 
 def resolve_device(device: str) -> str:
@@ -109,6 +113,9 @@ def _run_train(*, store: str | None, resident: bool, model: str | None, steps: i
                where: str) -> list[Metrics]:
     from tqdm import tqdm
 
+    if resident and imported_model(store) is not None:
+        raise ValueError(f"{where} holds an imported model, which trains over the store: "
+                         "drop --resident")
     base_model, base_tc, base_seed = run_settings(remote or store, resident, resume)
     model_arg = base_model if model is None else model
     seed = base_seed if seed is None else seed

@@ -20,7 +20,7 @@ import hashlib
 import os
 import sysconfig
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +38,25 @@ class CorpusError(ValueError):
 
 @dataclass
 class Corpus:
-    """Byte tokens of the two splits and the files each came from (relative to its root)."""
+    """Tokens of the two splits and the files each came from (relative to its root).
 
-    train: np.ndarray  # uint8
-    val: np.ndarray  # uint8
+    As read, the tokens are bytes (``uint8``); :func:`trainer.train.finetune.tokenize_corpus`
+    turns them into a model tokenizer's ids (``int32``). ``train_lengths`` and
+    ``val_lengths`` are the byte lengths of the documents the splits join, in order (a
+    tokenizer encodes each on its own)."""
+
+    train: np.ndarray  # uint8 bytes, or int32 token ids
+    val: np.ndarray
     train_files: list[str]
     val_files: list[str]
     roots: list[str]
+    train_lengths: list[int] = field(default_factory=list)
+    val_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def is_bytes(self) -> bool:
+        """Whether the splits are bytes (not yet a model tokenizer's ids)."""
+        return self.train.dtype == np.uint8
 
     @property
     def n_bytes(self) -> int:
@@ -144,21 +156,21 @@ def load_corpus(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     if not chunks:
         what = f" matching {', '.join(suffixes)}" if suffixes else ""
         raise CorpusError(f"no non-empty text files{what} found under {where}")
-    train, val, train_files, val_files = _split(chunks, val_fraction)
+    train, val, train_files, val_files, lengths = _split(chunks, val_fraction)
     if not train.size or not val.size:
         raise CorpusError(f"corpus under {where} is too small to split ({total} bytes)")
-    return Corpus(train, val, train_files, val_files, [str(r) for r in roots])
+    return Corpus(train, val, train_files, val_files, [str(r) for r in roots], *lengths)
 
 
 def _split(chunks: list[tuple[str, bytes]], val_fraction: float
-           ) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+           ) -> tuple[np.ndarray, np.ndarray, list[str], list[str], tuple[list[int], list[int]]]:
     total = sum(len(d) for _, d in chunks)
     target = max(1, int(total * val_fraction))
     if len(chunks) == 1:
         label, data = chunks[0]
         cut = len(data) - target
         arr = np.frombuffer(data, dtype=np.uint8)
-        return arr[:cut].copy(), arr[cut:].copy(), [label], [label]
+        return arr[:cut].copy(), arr[cut:].copy(), [label], [label], ([cut], [target])
     # Whole files from the end of the order until the target is reached, keeping at least
     # one file for training.
     n_val, val_bytes = 0, 0
@@ -171,7 +183,8 @@ def _split(chunks: list[tuple[str, bytes]], val_fraction: float
         return np.frombuffer(b"".join(d for _, d in cs), dtype=np.uint8).copy()
 
     return (join(train_chunks), join(val_chunks),
-            [label for label, _ in train_chunks], [label for label, _ in val_chunks])
+            [label for label, _ in train_chunks], [label for label, _ in val_chunks],
+            ([len(d) for _, d in train_chunks], [len(d) for _, d in val_chunks]))
 
 
 def encode(text: str | bytes) -> torch.Tensor:

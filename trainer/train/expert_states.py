@@ -40,7 +40,7 @@ from torch import Tensor
 import tierstore
 
 from ..model import ExpertWeights
-from ..presets import MoEConfig
+from ..presets import TrainModel
 from .checkpoint import MOMENTS, STEP_KIND, step_counts_name
 from .fetch import ExpertFetch, Moments, RoutingPredictor, make_fetch
 from .resident import TrainConfig
@@ -58,7 +58,7 @@ class ExpertStates:
     serves it; ``budget`` and ``zero_copy`` go there).
     """
 
-    def __init__(self, store: tierstore.Store, cfg: MoEConfig, device: torch.device,
+    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
                  fetch: str, tokens_per_step: int, read_ahead: bool | None = None,
                  budget: int | str | None = None, zero_copy: bool | None = None) -> None:
         self.store, self.cfg, self.device = store, cfg, device

@@ -31,7 +31,7 @@ import tierstore
 from tierstore.devices import normalize_device
 
 from ..model import EXPERT_WEIGHTS, ExpertWeights, expert_name
-from ..presets import MoEConfig
+from ..presets import TrainModel
 from .checkpoint import MOMENTS, STEP_KIND, TrainerError, step_counts_name
 from .optim import adamw_step
 from .resident import Metrics, TrainConfig
@@ -163,14 +163,16 @@ class ExpertFetch(ABC):
     run on a reader thread; everything else runs on the training thread.
     """
 
-    def __init__(self, store: tierstore.Store, cfg: MoEConfig, device: torch.device,
+    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
                  worst_step_bytes: int, budget: int | None) -> None:
         self.store, self.cfg, self.device = store, cfg, device
         self.shapes = cfg.expert_shapes()
         self.expert_bytes = sum(4 * a * b for a, b in self.shapes.values())  # fp32 w1+w2+w3
         self.worst_step_bytes = worst_step_bytes
-        # Bytes of expert weights the device may hold (None: unbounded).
+        # Bytes of expert weights the device may hold (None: unbounded), and the device
+        # budget they are a share of (a trainer.train.budget.TrainBudget, or None).
         self.budget = budget
+        self.plan: Any = None
 
     def names(self, layer: int, e: int) -> list[str]:
         return [expert_name(layer, e, w) for w in EXPERT_WEIGHTS]
@@ -178,6 +180,8 @@ class ExpertFetch(ABC):
     def check_budget(self, layer: int, need: int) -> None:
         """Fail now rather than wait for budget that only the end of the step frees."""
         if self.budget is not None and need > self.budget:
+            if self.plan is not None:
+                raise self.plan.step_error(layer, need, self.worst_step_bytes)
             raise TrainerError(
                 f"layer {layer}'s experts do not fit the device budget: this step needs "
                 f"{tierstore.format_size(need)} of expert weights on {self.device}, the budget "
@@ -255,7 +259,7 @@ class CopyingFetch(ExpertFetch):
     """Moments read into pooled buffers with ``get_many``, new states written with
     ``put_many``: what the queue and direct modes share."""
 
-    def __init__(self, store: tierstore.Store, cfg: MoEConfig, device: torch.device,
+    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
                  worst_step_bytes: int, budget: int | None) -> None:
         super().__init__(store, cfg, device, worst_step_bytes, budget)
         self.pool = BufferPool()
@@ -291,7 +295,7 @@ class DirectFetch(CopyingFetch):
     """Expert weights read with ``get_many`` into pooled buffers, kept until their new
     values are in the store."""
 
-    def __init__(self, store: tierstore.Store, cfg: MoEConfig, device: torch.device,
+    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
                  worst_step_bytes: int, budget: int | None) -> None:
         super().__init__(store, cfg, device, worst_step_bytes, budget)
         self._bufs: dict[Key, list[Tensor]] = {}
@@ -321,7 +325,7 @@ class QueueFetch(CopyingFetch):
     what the device holds; the next MoE layer's experts are requested ahead, as
     ``predictor`` guesses them."""
 
-    def __init__(self, store: tierstore.Store, cfg: MoEConfig, device: torch.device,
+    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
                  worst_step_bytes: int, predictor: RoutingPredictor) -> None:
         super().__init__(store, cfg, device, worst_step_bytes, None)
         self.budget = self._queue_budget()
@@ -434,7 +438,7 @@ class ZeroCopyFetch(ExpertFetch):
     host cache's slots (``borrow_many``) and the update writes the new states straight into
     staged slots (``stage_many``). The views pin their slots for the step."""
 
-    def __init__(self, store: tierstore.Store, cfg: MoEConfig, device: torch.device,
+    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
                  worst_step_bytes: int, budget: int | None) -> None:
         super().__init__(store, cfg, device, worst_step_bytes, budget)
         self._borrows: dict[Key, Any] = {}
@@ -487,7 +491,7 @@ class ZeroCopyFetch(ExpertFetch):
         self.release(list(self._borrows))
 
 
-def make_fetch(mode: str, store: tierstore.Store, cfg: MoEConfig, device: torch.device,
+def make_fetch(mode: str, store: tierstore.Store, cfg: TrainModel, device: torch.device,
                worst_step_bytes: int, predictor: RoutingPredictor,
                budget: int | str | None = None, zero_copy: bool | None = None) -> ExpertFetch:
     """The fetch for ``mode`` (``queue`` or ``direct``, see :func:`resolve_fetch_mode`).

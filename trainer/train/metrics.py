@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 from pathlib import Path
 
 import tierstore
@@ -48,8 +47,11 @@ class MetricsLog:
 
 
 def peak_rss() -> int:
-    """The process's peak resident set so far, in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The process's peak resident set so far, in bytes (see
+    :func:`trainer.infer.budget.peak_rss_bytes`)."""
+    from ..infer.budget import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 def store_counters(store: tierstore.Store) -> dict[str, int]:

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..model import ExpertProvider, MoEModel
-from ..presets import PRESETS, MoEConfig, with_dtype
+from ..model import ExpertProvider, ModelConfig, MoEModel
+from ..presets import PRESETS, TrainModel, config_from_dict, with_dtype
 from .data import BatchSampler, Corpus, load_corpus
 from .optim import clip_grads_, grad_norms, lr_at, total_norm
 
@@ -69,7 +69,7 @@ class TrainConfig:
         return cls(**d)
 
 
-def resolve_model_config(model: MoEConfig | str, train: TrainConfig) -> MoEConfig:
+def resolve_model_config(model: TrainModel | str, train: TrainConfig) -> TrainModel:
     """A preset name or a config, with the training dtype override applied."""
     if isinstance(model, str):
         try:
@@ -77,9 +77,9 @@ def resolve_model_config(model: MoEConfig | str, train: TrainConfig) -> MoEConfi
         except KeyError:
             raise ValueError(f"unknown model preset {model!r}; "
                              f"choose from {', '.join(PRESETS)}") from None
-    if train.seq_len > model.max_seq_len:
-        raise ValueError(f"seq_len {train.seq_len} exceeds the model's max_seq_len "
-                         f"{model.max_seq_len}")
+    limit = model.max_position if isinstance(model, ModelConfig) else model.max_seq_len
+    if train.seq_len > limit:
+        raise ValueError(f"seq_len {train.seq_len} exceeds the model's {limit} positions")
     return with_dtype(model, train.dtype)
 
 
@@ -192,11 +192,12 @@ def step_metrics(
 
 
 def train_resident(
-    model: MoEConfig | str,
+    model: TrainModel | str,
     steps: int,
     seed: int = 0,
     train: TrainConfig | None = None,
     *,
+    init_state: dict[str, torch.Tensor] | None = None,
     corpus: Corpus | None = None,
     corpus_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -213,6 +214,10 @@ def train_resident(
     Returns the metrics of the steps this call ran, each ``{step, loss, aux_loss, z_loss,
     grad_norm, lr, tokens, step_time_s, tokens_per_s}`` plus ``val_loss`` on evaluation
     steps; ``on_step`` sees each as it is produced.
+
+    ``init_state`` (every weight, experts included, by :class:`MoEModel`'s names) replaces
+    the seeded initial weights: fine-tuning an imported model in memory
+    (:func:`trainer.train.finetune.imported_state`; pass its tokenized ``corpus``).
     """
     tc = train or TrainConfig()
     cfg = resolve_model_config(model, tc)
@@ -223,7 +228,13 @@ def train_resident(
 
     sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
 
-    net = MoEModel(cfg, seed=seed).to(dev)
+    if init_state is None:
+        net = MoEModel(cfg, seed=seed).to(dev)
+    else:
+        with torch.device("meta"):
+            net = MoEModel(cfg, seed=None)
+        net = net.to_empty(device=dev)
+        net.load_state_dict(init_state)
     net.train()
     params = list(net.named_parameters())
     opt = torch.optim.AdamW(param_groups(params, tc.weight_decay), lr=tc.lr, betas=tc.betas,
@@ -283,10 +294,11 @@ def train_resident(
     return history
 
 
-def _check_compatible(ckpt: dict[str, Any], cfg: MoEConfig, tc: TrainConfig, seed: int) -> None:
+def _check_compatible(ckpt: dict[str, Any], cfg: TrainModel, tc: TrainConfig,
+                      seed: int) -> None:
     if ckpt.get("kind") != "resident" or ckpt.get("version") != CHECKPOINT_VERSION:
         raise ValueError("checkpoint is not a resident-trainer checkpoint of this version")
-    if MoEConfig.from_dict(ckpt["model_config"]) != cfg:
+    if config_from_dict(ckpt["model_config"]) != cfg:
         raise ValueError("checkpoint was written for a different model configuration")
     saved = TrainConfig.from_dict(ckpt["train_config"])
     if saved != tc:

@@ -14,6 +14,10 @@ What lives where
 A checkpoint is one store snapshot, ``step-{n}``, holding the dense state and every expert
 entry; ``resume=True`` restores the latest and continues to ``steps`` total. A store is only
 reused to resume the run it holds (see :mod:`trainer.train.checkpoint`).
+
+A store that holds a model imported by ``tierstore import-hf`` is fine-tuned: the model is
+the imported one (:mod:`trainer.train.finetune`), its experts' entries become the fp32
+masters, and the text is encoded by its own tokenizer.
 """
 
 from __future__ import annotations
@@ -32,17 +36,20 @@ import tierstore
 from tierstore.devices import normalize_device
 from tierstore.prefetch import DEFAULT_CUDA_FRACTION
 
-from ..model import MoEModel
-from ..presets import MoEConfig
-from .checkpoint import start_run, write_checkpoint
+from ..model import ModelConfig, MoEModel
+from ..presets import TrainModel
+from .budget import train_budget
+from .checkpoint import TrainerError, start_run, write_checkpoint
 from .data import BatchSampler, Corpus
 from .expert_states import ExpertStates
 from .fetch import resolve_fetch_mode
+from .finetune import finetune_config, imported_model, tokenize_corpus
 from .metrics import MetricsLog, peak_rss, store_counters, store_metrics
 from .optim import clip_grads_, grad_norms, total_norm
 from .resident import (
     Metrics,
     TrainConfig,
+    corpus_for,
     param_groups,
     resolve_model_config,
     step_metrics,
@@ -78,7 +85,7 @@ def _seed_everything(seed: int) -> None:
 
 
 def train_store(
-    model: MoEConfig | str,
+    model: TrainModel | str | None,
     steps: int,
     seed: int = 0,
     train: TrainConfig | None = None,
@@ -105,6 +112,10 @@ def train_store(
 ) -> list[Metrics]:
     """Train ``model`` (a config or preset name) over the store at ``store_path`` until
     ``steps`` optimizer steps are done; returns the metrics of the steps this call ran.
+    ``model=None`` fine-tunes the model the store holds (imported by ``tierstore
+    import-hf``; a store holding one accepts nothing else): ``corpus`` or ``corpus_paths``
+    is then text encoded by the model's tokenizer (:mod:`trainer.train.finetune`), and
+    ``seed`` fixes the batch order.
 
     The store is created if missing (``backing``: ``nvme`` by default, or ``pmem`` with
     ``pmem_path`` and ``pmem_size``; ``slab_size`` sizes NVMe slab files) and opened with a
@@ -136,16 +147,41 @@ def train_store(
     moments); steps are numbered as in the metrics.
     """
     tc = train or TrainConfig()
-    cfg = resolve_model_config(model, tc)
     if steps < 0 or checkpoint_every < 0:
         raise ValueError("steps and checkpoint_every must be >= 0")
+    imported = imported_model(store if store is not None else store_path)
+    cfg: TrainModel
+    if imported is not None:
+        if model is not None and not (isinstance(model, ModelConfig)
+                                      and model == finetune_config(imported, tc)):
+            raise TrainerError(f"{imported.where} holds an imported {imported.family} model, "
+                               "which is what it trains: drop --model")
+        cfg = finetune_config(imported, tc)
+        if corpus is None:
+            corpus = corpus_for(tc, corpus_paths)
+        if corpus.is_bytes:
+            corpus = tokenize_corpus(corpus, imported.tokenizer(), cfg)
+    elif model is None:
+        where = f"store {store.path}" if store is not None else f"store {store_path}"
+        raise TrainerError(f"{where} holds no imported model to fine-tune; name a model "
+                           "preset (--model) or import one with `tierstore import-hf`")
+    else:
+        cfg = resolve_model_config(model, tc)
     # Indexed ("cuda:0"), as tensors report it: devices are compared and used as keys.
     dev = normalize_device(device)
     mode = resolve_fetch_mode(fetch, dev)
+    # The device budget's split (trainer.train.budget): checked before anything is made.
+    plan = train_budget(cfg, tc, device_budget,
+                        read_ahead if read_ahead is not None else dev.type != "cpu")
     _seed_everything(seed)
     sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
 
-    net = MoEModel(cfg, seed=seed, resident_experts=False).to(dev)
+    if imported is None:
+        net = MoEModel(cfg, seed=seed, resident_experts=False).to(dev)
+    else:  # the weights come from the store (start_run): nothing to initialise
+        with torch.device("meta"):
+            net = MoEModel(cfg, seed=None, resident_experts=False)
+        net = net.to_empty(device=dev)
     net.train()
     dense = list(net.named_parameters())
     opt = torch.optim.AdamW(param_groups(dense, tc.weight_decay), lr=tc.lr, betas=tc.betas,
@@ -164,8 +200,11 @@ def train_store(
     experts: ExpertStates | None = None
     try:
         tokens = tc.grad_accum * tc.batch_size * tc.seq_len
-        experts = ExpertStates(store, cfg, dev, mode, tokens, read_ahead, device_budget,
-                               zero_copy)
+        if plan is not None:  # the step's expert weights (their gradients match them)
+            store.prefetch_budget(dev, plan.fetch_bytes)
+        experts = ExpertStates(store, cfg, dev, mode, tokens, read_ahead,
+                               plan.fetch_bytes if plan is not None else None, zero_copy)
+        experts.fetch.plan = plan
         start, start_metrics = start_run(store, cfg, tc, seed, resume, net, opt, sampler)
         run = _Run(store, experts, net, opt, sampler, val_batches, cfg, tc, seed, dev,
                    checkpoint_every, metrics_path, trace_path, start, start_metrics, on_step)
@@ -179,7 +218,7 @@ def train_store(
                 store.close()
 
 
-def cuda_budget(cfg: MoEConfig, tc: TrainConfig, device: torch.device) -> int:
+def cuda_budget(cfg: TrainModel, tc: TrainConfig, device: torch.device) -> int:
     """The prefetch budget the trainer asks for on a CUDA device when none is given: the
     expert weights one step can touch (what :class:`ExpertStates` checks against), capped
     at the store's default share of the device's memory. The store's own default (half the
@@ -198,7 +237,7 @@ class _Run:
 
     def __init__(self, store: tierstore.Store, experts: ExpertStates, net: MoEModel,
                  opt: torch.optim.Optimizer, sampler: BatchSampler,
-                 val_batches: list[tuple[Tensor, Tensor]], cfg: MoEConfig, tc: TrainConfig,
+                 val_batches: list[tuple[Tensor, Tensor]], cfg: TrainModel, tc: TrainConfig,
                  seed: int, device: torch.device, checkpoint_every: int,
                  metrics_path: PathLike | None, trace_path: PathLike | None, start: int,
                  start_metrics: Metrics | None,

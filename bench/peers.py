@@ -1,0 +1,555 @@
+"""tierstore's inference against a peer system: Hugging Face accelerate's disk offload.
+
+One Hugging Face checkpoint, run by accelerate (``from_pretrained`` with a ``device_map``
+that puts every MoE layer's experts on ``"disk"`` and the rest on the CPU, then greedy
+``generate``) and, imported into a store, by every tierstore mode (``tierstore generate
+--mode resident|ring|expert|on-demand``). Every run is a fresh process, started after the
+page cache was dropped (where permitted), and optionally in a memory cgroup whose limit
+counts the page cache (:mod:`tierstore.bench.memlimit`). Each reports its tokens, its
+prefill (the prompt up to the first token's logits) and decode (every later token) times
+and its peak RSS. Rounds alternate the order of the runs; each system reports its median
+and its ratio to accelerate per round.
+
+The ring's prefill is also held against its physical limit: a cold first pass reads every
+MoE layer's experts from the backing tier, so it can take no less than the longer of the
+compute (the resident mode's prefill) and those bytes over the tier's bandwidth, measured
+by a fresh process before and after every round's runs (the fastest of ``get_many`` of
+whole layers, two layers at once, and the prefetch queue; the faster of the two moments).
+A synchronous loader such as accelerate's pays the sum of the two. Decoding, a ring that
+reads every layer for every token is held against that bandwidth over its bytes per token.
+
+The modules' command line, one run per call, prints one line of JSON::
+
+    python -m tierstore.bench.peers accelerate --model-dir D --offload-dir O \\
+        --prompt-ids 1,2,3 --max-new-tokens 16
+    python -m tierstore.bench.peers bandwidth --store S
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import tierstore
+
+from .memlimit import LimitedRun, drop_page_cache, run_limited
+
+PEERS = ("accelerate",)
+TIERSTORE_MODES = ("resident", "ring", "expert", "on-demand")
+MiB = 1 << 20
+
+
+# --- the peer's run (in its own process) -------------------------------------------------
+
+def offload_device_map(model: Any) -> dict[str, str]:
+    """A ``device_map`` for ``model`` (built on the meta device) with every module under an
+    ``experts`` module (Mixtral, Qwen-MoE, OLMoE: ``...mlp.experts`` or
+    ``...block_sparse_moe.experts``) on ``"disk"`` and everything else on ``"cpu"``."""
+    device_map = {}
+    for name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is None and \
+                next(module.buffers(recurse=False), None) is None:
+            continue
+        device_map[name] = "disk" if "experts" in name.split(".") else "cpu"
+    if "disk" not in device_map.values():
+        raise tierstore.StoreError("the checkpoint's model has no `experts` modules to offload")
+    return device_map
+
+
+def run_accelerate(model_dir: str, offload_dir: str, prompt: Sequence[int],
+                   max_new_tokens: int, *, drop_after_load: bool = False,
+                   threads: int | None = None) -> dict[str, Any]:
+    """Greedy generation through accelerate's disk offload; what the runner prints."""
+    import resource
+
+    import accelerate
+    import torch
+    import transformers
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    with accelerate.init_empty_weights():
+        meta = transformers.AutoModelForCausalLM.from_config(cfg)
+    device_map = offload_device_map(meta)
+    del meta
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, device_map=device_map, offload_folder=offload_dir, dtype="auto")
+    model.eval()
+    load_s = time.perf_counter() - t0
+    # transformers re-saves fused experts into the offload folder while loading, which
+    # leaves them in the page cache: a cold run drops it again, so that generation reads
+    # the experts from the disk as a cold tierstore run does.
+    cache = drop_page_cache() if drop_after_load else None
+    marks: list[float] = []
+
+    class FirstLogits(transformers.LogitsProcessor):
+        """Notes when each step's logits are ready: the first after the prefill."""
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            marks.append(time.perf_counter())
+            return scores
+
+    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=False,
+                             logits_processor=transformers.LogitsProcessorList([FirstLogits()]))
+        end = time.perf_counter()
+    tokens = out[0, ids.shape[1]:].tolist()
+    prefill_s = marks[0] - start if marks else end - start
+    return {"tokens": [tokens], "prefill_s": prefill_s, "decode_s": end - start - prefill_s,
+            "load_s": load_s,
+            "cache_after_load": (cache or "dropped") if drop_after_load else "as loaded",
+            "self_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "accelerate": accelerate.__version__, "transformers": transformers.__version__,
+            "offloaded_modules": sum(v == "disk" for v in device_map.values()),
+            "threads": torch.get_num_threads()}
+
+
+def run_bandwidth(store_path: str) -> dict[str, Any]:
+    """Bytes per second of whole MoE layers' experts read from the store's backing tier
+    (no host cache): by ``get_many`` one layer at a time (the median layer), two layers at a
+    time on two threads, and through the prefetch queue (four layers requested at once)."""
+    import torch
+    from tierstore.trainer.infer.loading import model_info
+    from tierstore.trainer.model import ModelConfig, expert_names
+
+    from .infer import measure_bandwidth, measure_queue_bandwidth
+
+    dev = torch.device("cpu")
+    with tierstore.open(store_path, host_cache=0, device_budget="1TiB") as store:
+        cfg = ModelConfig.from_dict(model_info(store)["config"])
+        got = measure_bandwidth(store, cfg, dev, repeats=1)
+        layers = list(cfg.moe_layers)
+
+        def read(layer: int) -> int:
+            names = [n for e in range(cfg.n_experts) for n in expert_names(layer, e)]
+            return sum(t.numel() * t.element_size() for t in store.get_many(names).values())
+
+        # Two layers in flight at once, as the ring's two borrowing threads keep them.
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(2) as pool:
+            nbytes = sum(pool.map(read, layers))
+        two = nbytes / (time.perf_counter() - t0)
+        store.prefetch_views(dev)
+        queue, _ = measure_queue_bandwidth(store, cfg, dev)
+    # The fastest way found sets the limit (the conservative choice: the higher the
+    # bandwidth, the lower a run's ratio to it).
+    return {"get_many_bytes_per_s": got["bytes_per_s"], "two_streams_bytes_per_s": two,
+            "queue_bytes_per_s": queue, "bytes_per_s": max(got["bytes_per_s"], two, queue),
+            "layer_bytes": got["layer_bytes"]}
+
+
+# --- the study ----------------------------------------------------------------------------
+
+def write_hf_mixtral(model_dir: str, *, layers: int, experts: int, hidden: int, ffn: int,
+                     vocab: int, seed: int = 0) -> None:
+    """A Mixtral-shaped ``transformers`` checkpoint with random fp32 weights (``save_pretrained``
+    in its default format). Weights are drawn with a standard deviation of 1/sqrt(fan-in),
+    norms near 1, so activations stay O(1) and greedy tokens are far from ties."""
+    import torch
+    import transformers
+
+    heads = max(1, hidden // 64)
+    cfg = transformers.MixtralConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+        num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        shell = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = shell.to_empty(device="cpu")
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    model.eval()
+    model.save_pretrained(model_dir)
+    del model, shell
+
+
+def checkpoint_bytes(model_dir: str) -> int:
+    """Bytes of the checkpoint's weight files."""
+    return sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
+               if f.endswith(".safetensors"))
+
+
+def resolve_limit(spec: str | float | int | None, model_bytes: int) -> int | None:
+    """A limit given as a size (``1.4GiB``, bytes) or, as a number below 64, a fraction of
+    the checkpoint's size (``0.75``)."""
+    if spec is None or spec == "":
+        return None
+    text = str(spec).strip()
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and 0 < value < 64:
+        return int(value * model_bytes)
+    try:
+        return tierstore.parse_size(text)
+    except ValueError:
+        raise tierstore.StoreError(f"--memory-limit takes a size (1.4GiB) or a fraction of "
+                                   f"the model's size (0.75), got {spec!r}") from None
+
+
+def _prompt(vocab: int, length: int, seed: int) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=g).tolist()
+
+
+def _json_line(text: str) -> dict[str, Any] | None:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
+def _median_or_none(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
+                   layers: int = 8, experts: int = 8, hidden: int = 1024, ffn: int = 2048,
+                   vocab: int = 32000, prompt_len: int = 16, new_tokens: int = 16,
+                   rounds: int = 3, memory_limit: str | float | int | None = None,
+                   cold: bool = True, host_cache: int | None = None,
+                   device_budget: int | None = None, modes: Sequence[str] = TIERSTORE_MODES,
+                   timeout_s: float = 1800.0, seed: int = 0, threads: int | None = None,
+                   json_out: str | None = None,
+                   workdir: str = ".", echo: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Run the study (see the module docstring); returns (and writes) the results."""
+    if peer not in PEERS:
+        raise tierstore.StoreError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
+    bad = [m for m in modes if m not in TIERSTORE_MODES]
+    if bad:
+        raise tierstore.StoreError(f"unknown modes {bad}; choose from "
+                                   f"{', '.join(TIERSTORE_MODES)}")
+    if rounds < 1 or prompt_len < 1 or new_tokens < 2:
+        raise tierstore.StoreError("rounds and the prompt length must be at least 1, the new "
+                                   "tokens at least 2 (a prefill and a decode step)")
+    try:
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise tierstore.StoreError(f"--peer accelerate needs accelerate and transformers "
+                                   f"(pip install 'tierstore[peers]'): {e}") from None
+    from tierstore.trainer.infer.hf_import import import_hf
+    from tierstore.trainer.model import ModelConfig
+
+    tmp = tempfile.mkdtemp(prefix="tierstore-peer-", dir=workdir)
+    try:
+        if model_dir is None:
+            model_dir = os.path.join(tmp, "hf")
+            echo(f"writing a Mixtral-shaped checkpoint: {layers} layers x {experts} experts, "
+                 f"hidden {hidden}, FFN {ffn}, vocab {vocab}, fp32")
+            write_hf_mixtral(model_dir, layers=layers, experts=experts, hidden=hidden,
+                             ffn=ffn, vocab=vocab, seed=seed)
+        store = os.path.join(tmp, "store")
+        echo("importing it into a store (tierstore import-hf)")
+        info = import_hf(model_dir, store, progress=True)
+        cfg = ModelConfig.from_dict(info["config"])
+        return _study(peer, model_dir, store, tmp, cfg, prompt_len=prompt_len,
+                      new_tokens=new_tokens, rounds=rounds, memory_limit=memory_limit,
+                      cold=cold, host_cache=host_cache, device_budget=device_budget,
+                      modes=modes, timeout_s=timeout_s, seed=seed, threads=threads,
+                      json_out=json_out, echo=echo)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_len: int,
+           new_tokens: int, rounds: int, memory_limit: str | float | int | None, cold: bool,
+           host_cache: int | None, device_budget: int | None, modes: Sequence[str],
+           timeout_s: float, seed: int, threads: int | None, json_out: str | None,
+           echo: Callable[[str], Any]) -> dict[str, Any]:
+    model_bytes = checkpoint_bytes(model_dir)
+    n_moe = len(cfg.moe_layers)
+    layer_bytes = cfg.layer_expert_bytes()
+    limit = resolve_limit(memory_limit, model_bytes)
+    if host_cache is None:
+        # Under a limit the cache must fit in it; with memory to spare it holds every
+        # expert, as the page cache does for accelerate's offload folder.
+        host_cache = limit // 6 if limit else int(n_moe * layer_bytes * 1.25) + 64 * MiB
+    if device_budget is None and limit:
+        device_budget = limit // 4
+    prompt = _prompt(cfg.vocab_size, prompt_len, seed + 1)
+    py = sys.executable
+    offload = os.path.join(tmp, "offload")
+    runs_spec: list[tuple[str, list[str], bool]] = [(peer, [
+        py, "-m", "tierstore.bench.peers", "accelerate", "--model-dir", model_dir,
+        "--offload-dir", offload, "--prompt-ids", ",".join(map(str, prompt)),
+        "--max-new-tokens", str(new_tokens)] + (["--drop-cache-after-load"] if cold else [])
+        + (["--threads", str(threads)] if threads else []), True)]
+    # The resident mode holds every expert by definition: it runs without the limit, with
+    # a device budget for all of them (and room for the KV cache and activations), as the
+    # compute reference.
+    resident_budget = int(n_moe * layer_bytes * 1.25) + 256 * MiB
+    for mode in modes:
+        cmd = [py, "-m", "tierstore.cli", "generate", "--store", store, "--mode", mode,
+               "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens",
+               str(new_tokens), "--greedy", "--device", "cpu", "--json",
+               "--host-cache", str(host_cache)]
+        budget = resident_budget if mode == "resident" else device_budget
+        if budget is not None:
+            cmd += ["--device-budget", str(budget)]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        runs_spec.append((mode, cmd, mode != "resident"))
+    results: dict[str, Any] = {
+        "peer": peer, "model": {**cfg.to_dict(), "checkpoint_bytes": model_bytes,
+                                "expert_bytes_total": n_moe * layer_bytes,
+                                "layer_bytes": layer_bytes},
+        "prompt": prompt, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+        "rounds": rounds, "host_cache": host_cache, "device_budget": device_budget,
+        "threads": threads or "each system's default",
+        "memory_limit_bytes": limit,
+        "memory_limit_fraction": limit / model_bytes if limit else None,
+        "runs": [], "bandwidth_runs": []}
+    echo(f"checkpoint {model_bytes / 1e9:.2f} GB ({n_moe} MoE layers of "
+         f"{layer_bytes / 1e6:.0f} MB of experts); prompt {prompt_len} tokens, "
+         f"{new_tokens} greedy tokens; {rounds} rounds; host cache "
+         f"{tierstore.format_size(host_cache)}, device budget "
+         + (tierstore.format_size(device_budget) if device_budget else "the store's default")
+         + (f"; memory limit {limit / 1e9:.2f} GB ({limit / model_bytes:.2f} of the model)"
+            if limit else "; no memory limit"))
+    cache_notes: set[str] = set()
+    skipped: set[str] = set()
+
+    def probe(rnd: int, when: str) -> None:
+        bw = _fresh(run_limited([py, "-m", "tierstore.bench.peers", "bandwidth", "--store",
+                                 store], timeout=timeout_s))
+        results["bandwidth_runs"].append({"round": rnd, "when": when, **bw})
+        echo(f"round {rnd + 1}/{rounds}, {when}: backing tier "
+             + (f"{bw['bytes_per_s'] / 1e9:.2f} GB/s" if "bytes_per_s" in bw
+                else f"bandwidth not measured ({bw['outcome']})"))
+
+    for r in range(rounds):
+        # The tier's bandwidth wanders between moments on a shared machine: it is measured
+        # before and after each round's runs, and the faster of the two counts.
+        probe(r, "before")
+        order = runs_spec if r % 2 == 0 else runs_spec[::-1]
+        for name, cmd, limited in order:
+            note = drop_page_cache() if cold else "warm (--warm)"
+            if note:
+                cache_notes.add(note)
+            res = run_limited(cmd, limit if limited else None, timeout=timeout_s)
+            if res.limit_skipped:
+                skipped.add(res.limit_skipped)
+            row = _run_row(name, r, res, prompt_len, cmd)
+            results["runs"].append(row)
+            echo(f"  {name:10s} " + (
+                f"prefill {row['prefill_tokens_per_s']:8.1f} tok/s  decode "
+                f"{row['decode_tokens_per_s']:6.2f} tok/s" if row["ok"] else
+                f"{row['outcome']}".ljust(43))
+                + f"  peak RSS {row['peak_rss_bytes'] / 1e9:.2f} GB"
+                + (f", cgroup {row['cgroup_peak_bytes'] / 1e9:.2f} GB"
+                   if row.get("cgroup_peak_bytes") else "")
+                + ("" if not limit or limited else "  (no limit: compute reference)"))
+        probe(r, "after")
+    results["cold"] = cold and not cache_notes
+    results["cache"] = sorted(cache_notes) or ["page cache dropped before every run"]
+    results["limit_applied"] = bool(limit) and not skipped
+    results["limit_skipped"] = sorted(skipped)[0] if skipped else None
+    _summarise(results, [n for n, *_ in runs_spec], peer, n_moe, layer_bytes, echo)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+        echo(f"wrote {json_out}")
+    return results
+
+
+def _fresh(res: LimitedRun) -> dict[str, Any]:
+    got = _json_line(res.stdout) if res.ok else None
+    return {**(got or {}), "outcome": res.outcome()}
+
+
+def _run_row(name: str, rnd: int, res: LimitedRun, prompt_len: int, cmd: list[str]
+             ) -> dict[str, Any]:
+    got = _json_line(res.stdout) if res.returncode == 0 else None
+    row: dict[str, Any] = {"system": name, "round": rnd, **res.to_dict(),
+                           "command": " ".join(cmd[1:])}
+    row["ok"] = res.ok and got is not None
+    if not row["ok"]:
+        if res.ok:
+            row["outcome"] = "no JSON in the output"
+        return row
+    tokens = got["tokens"][0]
+    row.update(tokens=tokens, prefill_s=got["prefill_s"], decode_s=got["decode_s"],
+               prefill_tokens_per_s=prompt_len / got["prefill_s"],
+               decode_tokens_per_s=(len(tokens) - 1) / got["decode_s"]
+               if got["decode_s"] > 0 else 0.0)
+    for k in ("load_s", "bytes_read", "hit_rate", "spec_accuracy", "stall_frac",
+              "accelerate", "transformers", "cache_after_load", "offloaded_modules", "threads"):
+        if got.get(k) is not None:
+            row[k] = got[k]
+    return row
+
+
+def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
+               layer_bytes: int, echo: Callable[[str], Any]) -> None:
+    runs = results["runs"]
+    done = [r for r in runs if r["ok"]]
+    ref = next((r["tokens"] for r in done if r["system"] == peer), None)
+    if ref is None and done:
+        ref = done[0]["tokens"]
+    mismatches = [f"{r['system']} round {r['round'] + 1}" for r in done if r["tokens"] != ref]
+    results["reference_tokens"] = ref
+    results["tokens_equal"] = bool(done) and not mismatches
+    results["token_mismatches"] = mismatches
+    peer_by_round = {r["round"]: r for r in done if r["system"] == peer}
+    systems: dict[str, Any] = {}
+    for name in names:
+        mine = [r for r in runs if r["system"] == name]
+        ok = [r for r in mine if r["ok"]]
+        s: dict[str, Any] = {"completed": len(ok), "runs": len(mine),
+                             "outcomes": sorted({r["outcome"] for r in mine}),
+                             "limit_applied": any(r["limit_applied"] for r in mine),
+                             "peak_rss_bytes": max((r["peak_rss_bytes"] for r in mine),
+                                                   default=0),
+                             "cgroup_peak_bytes": max((r["cgroup_peak_bytes"] or 0
+                                                       for r in mine), default=0) or None}
+        for phase in ("prefill", "decode"):
+            key = f"{phase}_tokens_per_s"
+            rates = [r[key] for r in ok]
+            s[key] = _median_or_none(rates)
+            s[f"{key}_runs"] = rates
+            paired = [r[key] / peer_by_round[r["round"]][key] for r in ok
+                      if r["round"] in peer_by_round and peer_by_round[r["round"]][key] > 0]
+            s[f"{phase}_vs_{peer}"] = _median_or_none(paired)
+            base = [r[key] for r in peer_by_round.values()]
+            s[f"{phase}_vs_{peer}_of_medians"] = (s[key] / statistics.median(base)
+                                                  if rates and base else None)
+        systems[name] = s
+    results["systems"] = systems
+    per_round: dict[int, float] = {}
+    for b in results["bandwidth_runs"]:
+        if "bytes_per_s" in b:
+            per_round[b["round"]] = max(per_round.get(b["round"], 0.0), b["bytes_per_s"])
+    bw = _median_or_none(list(per_round.values()))
+    results["bandwidth_bytes_per_s"] = bw
+    results["bandwidth_per_round_bytes_per_s"] = [per_round.get(r) for r in
+                                                  range(results["rounds"])]
+    # Decoding, a ring that reads every layer for every token is bound by those reads: its
+    # limit is the round's bandwidth over the bytes it read per decode token.
+    ring_dec = []
+    for r in done:
+        if r["system"] != "ring" or not r.get("bytes_read") or r["round"] not in per_round:
+            continue
+        steps = len(r["tokens"]) - 1
+        per_token = (r["bytes_read"] - n_moe * layer_bytes) / steps if steps else 0
+        if per_token > layer_bytes / 2:
+            limit_tps = per_round[r["round"]] / per_token
+            ring_dec.append({"round": r["round"], "bytes_per_token": per_token,
+                             "limit_tokens_per_s": limit_tps,
+                             "vs_limit": r["decode_tokens_per_s"] / limit_tps})
+    if ring_dec:
+        results["ring_decode"] = {"runs": ring_dec, "vs_limit": statistics.median(
+            x["vs_limit"] for x in ring_dec)}
+    res_pre = [r["prefill_s"] for r in done if r["system"] == "resident"]
+    ring_pre = [r["prefill_s"] for r in done if r["system"] == "ring"]
+    if bw and res_pre:
+        # A cold first pass reads every MoE layer's experts once.
+        compute = statistics.median(res_pre)
+        transfer = n_moe * layer_bytes / bw
+        limit_s = max(compute, transfer)
+        rp: dict[str, Any] = {
+            "compute_s": compute, "bytes": n_moe * layer_bytes, "bytes_per_s": bw,
+            "transfer_s": transfer, "limit_s": limit_s, "sum_s": compute + transfer,
+            "basis": "max(resident prefill, experts' bytes / the tier's bandwidth); a "
+                     "synchronous loader pays the sum"}
+        if ring_pre:
+            rp["ring_prefill_s"] = statistics.median(ring_pre)
+            rp["ring_vs_limit"] = limit_s / rp["ring_prefill_s"]
+        peer_pre = [r["prefill_s"] for r in peer_by_round.values()]
+        if peer_pre:
+            rp[f"{peer}_prefill_s"] = statistics.median(peer_pre)
+            rp[f"{peer}_vs_limit"] = limit_s / rp[f"{peer}_prefill_s"]
+        results["ring_prefill"] = rp
+    echo(f"tokens equal across every completed run: {results['tokens_equal']}"
+         + (f" (differ: {', '.join(mismatches)})" if mismatches else ""))
+    for name in names:
+        s = systems[name]
+        if not s["completed"]:
+            echo(f"{name:10s} did not complete: {'; '.join(s['outcomes'])}")
+            continue
+        vs = "" if name == peer else (
+            f"  ({s[f'prefill_vs_{peer}']:.2f} / {s[f'decode_vs_{peer}']:.2f} x {peer})"
+            if s[f"prefill_vs_{peer}"] is not None and s[f"decode_vs_{peer}"] is not None
+            else "")
+        echo(f"{name:10s} prefill {s['prefill_tokens_per_s']:8.1f} tok/s, decode "
+             f"{s['decode_tokens_per_s']:6.2f} tok/s{vs}; {s['completed']}/{s['runs']} "
+             f"completed; peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB")
+    rp = results.get("ring_prefill")
+    if rp and "ring_vs_limit" in rp:
+        echo(f"ring prefill {rp['ring_prefill_s']:.2f} s against its limit "
+             f"{rp['limit_s']:.2f} s (compute {rp['compute_s']:.2f} s, reads "
+             f"{rp['transfer_s']:.2f} s at {rp['bytes_per_s'] / 1e9:.2f} GB/s): "
+             f"{rp['ring_vs_limit']:.2f} of the limit")
+    rd = results.get("ring_decode")
+    if rd:
+        echo(f"ring decode read {rd['runs'][0]['bytes_per_token'] / 1e9:.2f} GB per token: "
+             f"{rd['vs_limit']:.2f} of the bandwidth limit")
+
+
+# --- command line of the per-process runs -----------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tierstore.bench.peers",
+                                description="One measured run of `tierstore bench infer "
+                                            "--peer`, in this process; prints one JSON line.")
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("accelerate", help="Greedy generation through accelerate's disk "
+                                          "offload (experts on disk, the rest on the CPU).")
+    a.add_argument("--model-dir", required=True, help="A Hugging Face model directory.")
+    a.add_argument("--offload-dir", required=True, help="accelerate's offload folder.")
+    a.add_argument("--prompt-ids", required=True, metavar="1,2,3", help="The prompt.")
+    a.add_argument("--max-new-tokens", type=int, required=True)
+    a.add_argument("--drop-cache-after-load", action="store_true",
+                   help="Drop the page cache once the model is loaded (a cold run).")
+    a.add_argument("--threads", type=int, help="CPU compute threads (default: torch's).")
+    b = sub.add_parser("bandwidth", help="The backing tier's bandwidth for whole layers.")
+    b.add_argument("--store", required=True)
+    args = p.parse_args(argv)
+    try:
+        if args.what == "accelerate":
+            try:
+                prompt = [int(x) for x in args.prompt_ids.split(",") if x]
+            except ValueError:
+                p.error("--prompt-ids takes comma-separated integers")
+            out = run_accelerate(args.model_dir, args.offload_dir, prompt,
+                                 args.max_new_tokens, drop_after_load=args.drop_cache_after_load,
+                                 threads=args.threads)
+        else:
+            out = run_bandwidth(args.store)
+    except (tierstore.StoreError, OSError) as e:
+        print(f"tierstore.bench.peers: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

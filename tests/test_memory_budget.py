@@ -1,0 +1,235 @@
+"""One memory budget per process, honoured: ``tierstore generate`` (ring, expert mode, on
+demand) and ``tierstore train`` run as child processes with a host cache and a device
+budget far below the model's experts, and each child's peak resident memory (its own
+rusage, from ``wait4``) stays within the documented bound: the interpreter with torch and
+tierstore (measured here, by a child that only imports them), the dense weights, the host
+cache, the device budget and the fixed overhead. A budget too small for a token or a step
+is a one-line error naming the option and the number to raise it to (exit status 2), not a
+process killed for memory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tierstore.trainer.infer.budget import FIXED_OVERHEAD_BYTES
+from tierstore.trainer.infer.generate import generate, make_source
+from tierstore.trainer.infer.loading import load_model
+from tierstore.trainer.model import MoEModel, expert_names
+from tierstore.trainer.presets import PRESETS
+from tierstore.trainer.train.budget import dense_state_bytes
+
+import tierstore
+
+transformers = pytest.importorskip("transformers")
+from test_hf_models import imported_path, make_hf_model  # noqa: E402 (random HF models)
+
+MiB = 1 << 20
+HOST_CACHE = 16 * MiB
+DEVICE_BUDGET = 48 * MiB
+# Mixtral-shaped: 6 MoE layers of 8 experts of 6 MiB (fp32), 288 MiB of experts, four and a
+# half times the two budgets together and more than they and the fixed overhead come to, so
+# a source that held every expert would break the bound.
+SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_local_experts=8,
+             num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
+PROMPT = ",".join(str(i) for i in range(3, 35))  # 32 tokens: a prefill routes to every expert
+
+
+# Runs the command as a child of this small process and prints its own peak RSS: a child
+# forked straight from pytest would count pytest's memory too (Linux keeps the larger of
+# the forking process's peak and the child's own in the child's rusage).
+LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\\nmaxrss_kib={usage.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_child(args: list[str]) -> tuple[int, str, str, int]:
+    """Run ``args``; (exit status, stdout, stderr, its peak RSS in bytes from its rusage)."""
+    res = subprocess.run([sys.executable, "-S", "-c", LAUNCHER, *args], capture_output=True,
+                         text=True, timeout=600)
+    err, _, tail = res.stderr.rpartition("\nmaxrss_kib=")
+    return res.returncode, res.stdout, err, int(tail) * 1024
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tierstore.cli", *args]
+
+
+def imports_peak(code: str) -> int:
+    rc, out, err, peak = run_child([sys.executable, "-c", code])
+    assert rc == 0, err
+    return peak
+
+
+@pytest.fixture(scope="module")
+def baseline() -> int:
+    """Peak RSS of the interpreter with torch, tierstore and the applications imported, and
+    torch warmed up as a run warms it (building a module on the meta device, or a first
+    optimizer, makes it import its symbolic-shape machinery): what every child starts from."""
+    return imports_peak(
+        "import torch, tierstore, tierstore.trainer.infer.generate, "
+        "tierstore.trainer.train.store_trainer\n"
+        "with torch.device('meta'):\n    torch.nn.Embedding(2, 2)\n"
+        "torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])")
+
+
+@pytest.fixture(scope="module")
+def model_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int]]:
+    """The imported model's store and its dense weights' bytes."""
+    root = tmp_path_factory.mktemp("budget-model")
+    make_hf_model("mixtral", root / "hf", **SHAPE)
+    from tierstore.trainer.infer.hf_import import import_hf
+
+    import_hf(root / "hf", root / "store", progress=False)
+    shutil.rmtree(root / "hf")
+    with tierstore.open(root / "store", host_cache=0) as st:
+        sizes = {n: st.info(n).nbytes for n in st.names(kind="param")}
+    dense = sum(v for n, v in sizes.items() if ".experts." not in n)
+    experts = sum(v for n, v in sizes.items() if ".experts." in n)
+    assert experts >= 4 * (HOST_CACHE + DEVICE_BUDGET)
+    assert experts > HOST_CACHE + DEVICE_BUDGET + FIXED_OVERHEAD_BYTES
+    yield root / "store", dense
+    shutil.rmtree(root, ignore_errors=True)  # slab files are preallocated
+
+
+@pytest.mark.parametrize("mode", ["ring", "expert", "on-demand"])
+def test_generation_stays_within_its_budget(mode: str, model_store: tuple[Path, int],
+                                            baseline: int) -> None:
+    store, dense = model_store
+    rc, out, err, peak = run_child(cli(
+        "generate", "--store", str(store), "--mode", mode, "--prompt-ids", PROMPT,
+        "--max-new-tokens", "6", "--greedy", "--device", "cpu", "--json",
+        "--host-cache", str(HOST_CACHE), "--device-budget", str(DEVICE_BUDGET)))
+    assert rc == 0, err
+    got = json.loads(out.strip().splitlines()[-1])
+    assert len(got["tokens"][0]) == 6
+    bound = baseline + dense + HOST_CACHE + DEVICE_BUDGET + FIXED_OVERHEAD_BYTES
+    # its own high-water mark, as it reports it, and as its rusage has it
+    assert max(got["peak_rss_bytes"], peak) <= bound, (mode, peak / MiB, bound / MiB)
+
+
+def test_generation_budget_too_small_is_one_line(model_store: tuple[Path, int]) -> None:
+    store, _ = model_store
+    for mode in ("ring", "expert", "on-demand"):
+        rc, out, err, _ = run_child(cli(
+            "generate", "--store", str(store), "--mode", mode, "--prompt-ids", PROMPT,
+            "--max-new-tokens", "4", "--greedy", "--device", "cpu",
+            "--host-cache", str(HOST_CACHE), "--device-budget", "2MiB"))
+        assert rc == 2, (mode, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "--device-budget" in lines[0], (mode, err)
+        assert "raise it to at least" in lines[0], (mode, err)
+
+
+def test_training_stays_within_its_budget(tmp_path: Path, baseline: int) -> None:
+    """A few steps of `medium` (864 MiB of expert states) with a 32 MiB host cache and a
+    device budget that holds a small batch's experts, their gradients and one layer's
+    moments; then a budget too small for one token's experts, refused before any work."""
+    host, device = 32 * MiB, 240 * MiB
+    metrics = tmp_path / "m.jsonl"
+    rc, out, err, peak = run_child(cli(
+        "train", "--store", str(tmp_path / "run"), "--model", "medium", "--steps", "3",
+        "--batch-size", "1", "--seq-len", "8", "--eval-every", "0", "--device", "cpu",
+        "--host-cache", str(host), "--device-budget", str(device), "--metrics", str(metrics)))
+    assert rc == 0, err
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    dense = dense_state_bytes(MoEModel(PRESETS["medium"], seed=0, resident_experts=False))
+    bound = baseline + dense + host + device + FIXED_OVERHEAD_BYTES
+    reported = max(m["peak_rss_bytes"] for m in steps)
+    assert max(reported, peak) <= bound, (reported / MiB, peak / MiB, bound / MiB)
+    rc, out, err, _ = run_child(cli(
+        "train", "--store", str(tmp_path / "small"), "--model", "medium", "--steps", "1",
+        "--batch-size", "1", "--seq-len", "8", "--eval-every", "0", "--device", "cpu",
+        "--host-cache", str(host), "--device-budget", "8MiB"))
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--device-budget" in lines[0] and "at least" in lines[0], err
+    assert not (tmp_path / "small").exists()  # refused before the store was made
+
+
+# -- the pieces, in process --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("budget-tiny")
+    yield imported_path("mixtral", root, num_hidden_layers=4)[1]
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_small_budgets_give_the_resident_tokens(tiny: Path) -> None:
+    """Below one layer's experts: the ring streams parts through slots of its own, expert
+    mode serves a layer's routed experts in groups, on demand reads them in groups; every
+    mode generates exactly the resident model's tokens."""
+    with tierstore.open(tiny, host_cache="16KiB") as store:
+        model = load_model(store, "cpu")
+        cfg = model.cfg
+        one = sum(store.info(n).nbytes for n in expert_names(cfg.moe_layers[0], 0))
+        prompts = [list(range(3, 19)), list(range(40, 50))]  # a prefill routes to them all
+        want = generate(model, make_source("resident", store, model), prompts, 5).tokens
+        for mode, budget in (("ring", 2 * one), ("ring", one), ("expert", 3 * one),
+                             ("on-demand", 2 * one)):
+            src = make_source(mode, store, model, budget=budget)
+            try:
+                got = generate(model, src, prompts, 5)
+            finally:
+                src.close()
+            assert got.tokens == want, (mode, budget)
+            if mode == "ring":
+                st = got.source
+                assert st["own_slots"] and st["experts_per_part"] == 1
+                assert st["part_slots"] == budget // one and st["peak_bytes"] <= budget
+        with pytest.raises(tierstore.StoreError, match="raise it to at least"):
+            make_source("ring", store, model, budget=one - 1).begin_pass(model, 1)
+
+
+def test_get_many_without_caching_reads_into_out(tiny: Path) -> None:
+    """``cache=False``: a miss lands in the caller's page-aligned tensor itself and takes
+    no cache slot; an entry the cache holds is copied out of it."""
+    with tierstore.open(tiny, host_cache="1MiB") as store:
+        names = [n for e in range(2) for n in expert_names(0, e)]
+        want = {n: store.get(n) for n in names}
+        hit = names[0]
+        store.get(hit)  # cached now (the others too: a plain get caches)
+        cold = [n for n in names if n != hit]
+        for n in cold:
+            store._cache.invalidate((n, "param"))  # type: ignore[union-attr]
+        before = store.stats()["cache"]["entries"]
+        raw = torch.empty(sum(-(-want[n].nbytes // 4096) * 4096 for n in names) + 4096,
+                          dtype=torch.uint8)
+        at = -raw.data_ptr() % 4096
+        out = {}
+        for n in names:
+            out[n] = raw[at:at + want[n].nbytes].view(want[n].dtype).view(want[n].shape)
+            at += -(-want[n].nbytes // 4096) * 4096
+        got = store.get_many(names, out=out, cache=False)
+        assert all(got[n] is out[n] and torch.equal(out[n], want[n]) for n in names)
+        assert store.stats()["cache"]["entries"] == before  # nothing new cached
+        assert all((n, "param") not in store._cache for n in cold)  # type: ignore[union-attr]
+
+
+def test_prefetch_budget_is_lowered_after_opening(tiny: Path) -> None:
+    with tierstore.open(tiny, host_cache="1MiB", device_budget="1MiB") as store:
+        name = expert_names(0, 0)[0]
+        size = store.info(name).nbytes
+        assert store.prefetch_budget("cpu") == 1 << 20
+        assert store.prefetch_budget("cpu", size - 1) == size - 1
+        assert store.stats()["prefetch"]["cpu"]["budget_bytes"] == size - 1
+        with pytest.raises(tierstore.StoreError, match="whole prefetch budget"):
+            store.prefetch([name])[0].result(timeout=30)
+        store.prefetch_budget("cpu", size)
+        assert torch.equal(store.acquire(name), store.get(name))
+        store.release(name)

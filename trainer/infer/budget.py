@@ -1,0 +1,135 @@
+"""What generation holds besides the experts, and the part of the device budget left to them.
+
+A process's memory under a budget (docs/inference.md, "Memory budget"): the interpreter
+with torch, the dense weights, the host cache (``--host-cache``), the device budget
+(``--device-budget``) and a fixed overhead. The device budget bounds everything the
+device side holds: the KV cache, the activations of a pass and the experts of the source
+(the ring's slots, expert mode's cache and transfers, on-demand's routed experts). The KV
+cache's size is known before generating and the activations are bounded from the batch
+and the prompt length, so both come off the budget first, and what is left goes to the
+source. Too little left for what the mode needs is a :class:`BudgetError` naming the
+number to raise the budget to.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+
+import torch
+
+import tierstore
+
+from ..model import ModelConfig
+
+DEVICE_BUDGET = "--device-budget"
+# What a process holds besides the interpreter with torch, the dense weights and the two
+# budgets, at most: the store's idle read buffers (IDLE_READ_BUFFER_BYTES, 64 MiB) and up to
+# as much again of thread stacks, allocator slack, catalog pages and Python objects.
+FIXED_OVERHEAD_BYTES = 128 << 20
+
+
+class BudgetError(tierstore.StoreError):
+    """A memory budget too small for what a step or token needs: ``option`` is the
+    option that sets it, ``need`` the bytes it must be at least to hold ``what``."""
+
+    def __init__(self, message: str, option: str = DEVICE_BUDGET, need: int = 0,
+                 what: str = "") -> None:
+        super().__init__(message)
+        self.option, self.need, self.what = option, need, what
+
+
+def too_small(what: str, need: int, budget: int, option: str = DEVICE_BUDGET) -> BudgetError:
+    """The one-line error: ``option``'s ``budget`` cannot hold ``what`` (``need`` bytes)."""
+    fmt = tierstore.format_size
+    return BudgetError(f"{option} {fmt(budget)} is below {what} ({fmt(need)}); raise it to at "
+                       f"least {fmt(need)}", option, need, what)
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of :class:`trainer.model.KVCache` for ``batch`` sequences of ``max_len``."""
+    per = torch.empty(0, dtype=dtype).element_size()
+    kv = 2 * cfg.n_layers * batch * cfg.n_kv_heads * max_len * cfg.head_dim * per
+    return kv + batch * max_len  # and its mask
+
+
+def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, context: int,
+                     dtype: torch.dtype) -> int:
+    """A bound on the tensors one pass of ``tokens`` new tokens per sequence (over
+    ``context`` positions in all) holds at once, besides weights and the KV cache: the
+    residual stream, and the largest of a layer's attention (projections and their rotated
+    copies, keys and values repeated over the query heads, and the scores with their
+    softmax, as the math kernel keeps them), its MoE part (the gathered tokens, one
+    expert's intermediates over every token, the routed outputs in fp32) and the head's
+    fp32 logits."""
+    per = torch.empty(0, dtype=dtype).element_size()
+    n = batch * tokens
+    h, k = cfg.hidden_size, cfg.top_k
+    residual = 2 * n * h * per
+    attention = (3 * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * per
+                 + 2 * batch * cfg.n_heads * context * cfg.head_dim * per
+                 + 2 * batch * cfg.n_heads * tokens * context * 4)
+    ffn = max(cfg.moe_ffn, cfg.dense_ffn, cfg.shared_ffn)
+    moe = n * (3 * ffn + 4 * k * h + h) * 4
+    head = n * (cfg.vocab_size * 2 + h) * 4
+    return residual + max(attention, moe, head)
+
+
+@dataclass
+class GenerationBudget:
+    """The device budget of one generation, split: ``kv_cache`` and ``activations`` come
+    off ``device`` first, ``experts`` is what the source may hold."""
+
+    device: int
+    kv_cache: int
+    activations: int
+
+    @property
+    def reserved(self) -> int:
+        return self.kv_cache + self.activations
+
+    @property
+    def experts(self) -> int:
+        return self.device - self.reserved
+
+    def check(self, what: str, need: int) -> None:
+        """Raise :class:`BudgetError` unless the experts' share holds ``need`` bytes of
+        ``what`` (and is not negative); the number named is the whole device budget that
+        would."""
+        if self.experts < need or self.experts < 0:
+            fmt = tierstore.format_size
+            total = need + self.reserved
+            raise BudgetError(
+                f"{DEVICE_BUDGET} {fmt(self.device)} is below what this generation needs: "
+                f"{fmt(self.kv_cache)} of KV cache + {fmt(self.activations)} of activations "
+                f"+ {fmt(need)} for {what}; raise it to at least {fmt(total)}",
+                DEVICE_BUDGET, total, what)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"device_budget_bytes": self.device, "kv_cache_bytes": self.kv_cache,
+                "activation_bytes": self.activations, "expert_budget_bytes": self.experts}
+
+
+def generation_budget(cfg: ModelConfig, device_budget: int, batch: int, prompt_len: int,
+                      max_new_tokens: int, dtype: torch.dtype) -> GenerationBudget:
+    """The split of ``device_budget`` for generating ``max_new_tokens`` after prompts
+    padded to ``prompt_len`` (the prefill is the larger pass)."""
+    context = prompt_len + max_new_tokens
+    return GenerationBudget(
+        device=int(device_budget),
+        kv_cache=kv_cache_bytes(cfg, batch, context, dtype) if max_new_tokens else 0,
+        activations=activation_bytes(cfg, batch, prompt_len, context, dtype))
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set so far: its memory's high-water mark (``VmHWM``).
+    Not ``getrusage``: Linux counts there the peak of the process that forked this one
+    too, so a command started by a large process would report that process's memory."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
