@@ -31,6 +31,7 @@ Weight layouts follow ``nn.Linear`` (and Mixtral): ``w1``/``w3`` are ``[ffn, hid
 # Over 600 lines: the one model that training and inference both run, read best whole.
 from __future__ import annotations
 
+import abc
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -492,13 +493,14 @@ def moe_combine(x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
     return (y.float() * topk_weight.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
-class ExpertSource:
+class ExpertSource(abc.ABC):
     """Where a model gets expert weights from, one MoE layer at a time. A source implements
     :meth:`experts`; the other hooks do nothing unless it needs them to."""
 
-    def begin_pass(self, model: MoEModel, n_tokens: int) -> None:
+    def begin_pass(self, model: MoEModel, n_tokens: int) -> None:  # noqa: B027 (a hook; most sources need nothing here)
         """A forward pass over ``n_tokens`` tokens (batch x new positions) starts."""
 
+    @abc.abstractmethod
     def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
         """The experts in ``ids`` (sorted, unique) of MoE layer ``layer``, on the model's
         device. Looking one up blocks until it is there; the model looks them up in
@@ -507,22 +509,21 @@ class ExpertSource:
         those experts will be applied to (a source may apply the NEXT MoE layer's router to
         it to predict and prefetch that layer's experts: ``model.router_topk(next_layer,
         x)``)."""
-        raise NotImplementedError
 
-    def layer_done(self, layer: int) -> None:
+    def layer_done(self, layer: int) -> None:  # noqa: B027 (a hook; most sources need nothing here)
         """``layer``'s experts are no longer needed in this pass."""
 
-    def end_pass(self) -> None:
+    def end_pass(self) -> None:  # noqa: B027 (a hook; most sources need nothing here)
         """The forward pass is over."""
 
-    def final_pass(self) -> None:
+    def final_pass(self) -> None:  # noqa: B027 (a hook; most sources need nothing here)
         """The next pass is the last one (nothing needs loading beyond it)."""
 
     def stats(self) -> dict[str, Any]:
         """What the source measured (``stall_s``, ``hit_rate``, ...; empty: nothing)."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a hook; most sources need nothing here)
         """Give back whatever the source holds."""
 
 
