@@ -8,6 +8,7 @@
 
 from . import lab, probes
 from .daemon import RemoteStore, connect
+from .daemon.client import status as daemon_status
 from .errors import (
     CatalogError,
     CorruptEntryError,
@@ -57,6 +58,7 @@ __all__ = [
     "UnsupportedTensorError",
     "__version__",
     "connect",
+    "daemon_status",
     "format_size",
     "lab",
     "open",

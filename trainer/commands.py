@@ -202,6 +202,22 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Compute dtype (master weights and optimizer states stay fp32) [float32].")
 @click.option("--eval-every", type=click.IntRange(min=0),
               help="Validation loss every N steps and at the last (0: never) [50].")
+@click.option("--distributed", is_flag=True,
+              help="Train with expert parallelism across the ranks torchrun started (torchrun "
+                   "--nproc-per-node R -m tierstore train --distributed ...): --store is this "
+                   "node's store, served to the node's ranks by one daemon that local rank 0 "
+                   "starts; --batch-size is per rank. See the README's 'Training on several "
+                   "machines'.")
+@click.option("--paradigm", type=click.Choice(["auto", "token", "data"]), default="auto",
+              show_default=True,
+              help="--distributed: send tokens to the experts' owners (token), pull experts to "
+                   "the tokens (data, Janus), or choose per MoE block by Janus's ratio (auto).")
+@click.option("--credits", type=click.IntRange(min=1),
+              help="--distributed, data-centric blocks: the most pulled experts a rank holds at "
+                   "once; a block that would need more sends tokens instead [no bound].")
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="--distributed: this node's run directory (daemon socket and log, checkpoint "
+                   "manifests) [STORE.run].")
 def train(store: str | None, connect: str | None, resident: bool, model: str | None, steps: int,
           seed: int | None,
           device: str,
@@ -210,7 +226,8 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
           checkpoint_every: int, resume: bool, metrics: str | None, trace: str | None,
           corpus: tuple[str, ...], corpus_max_bytes: int | None, batch_size: int | None,
           seq_len: int | None, lr: float | None, grad_accum: int | None, dtype: str | None,
-          eval_every: int | None) -> None:
+          eval_every: int | None, distributed: bool, paradigm: str, credits: int | None,
+          run_dir: str | None) -> None:
     """Train an MoE model whose experts live in a store: dense parameters on the device,
     expert weights and AdamW moments in STORE, fetched per step for the experts the routers
     picked and written back through the host cache. With --resident, the same model held in
@@ -223,8 +240,18 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
     tierstore train --store run --model tiny --steps 400 --resume
     tierstore train --resident --model tiny --steps 200
     tierstore train --store mixtral --steps 100 --corpus notes/ --lr 1e-5 --host-cache 4GiB
+    torchrun --nproc-per-node 2 -m tierstore train --distributed --store node --steps 100
     """
-    if connect is not None and (store is not None or resident):
+    if distributed:
+        if resident or trace is not None:
+            raise click.UsageError("--distributed trains over the node stores: drop "
+                                   "--resident and --trace")
+        if store is None:
+            raise click.UsageError("--distributed needs --store (this node's store; with "
+                                   "--connect, the store that daemon serves)")
+    elif paradigm != "auto" or credits is not None or run_dir is not None:
+        raise click.UsageError("--paradigm, --credits and --run-dir go with --distributed")
+    if connect is not None and not distributed and (store is not None or resident):
         raise click.UsageError("--connect replaces --store and cannot go with --resident")
     if not resident and store is None and connect is None:
         raise click.UsageError("--store or --connect is required (or pass --resident)")
@@ -242,6 +269,16 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
 
     def go() -> int:
         try:
+            if distributed:
+                from tierstore.trainer.dist.cli import run_distributed
+
+                run_distributed(store=store, connect=connect, run_dir=run_dir, model=model,
+                                steps=steps, seed=seed, host_cache=host_cache,
+                                paradigm=paradigm, credits=credits,
+                                checkpoint_every=checkpoint_every, resume=resume,
+                                metrics=metrics, corpus=corpus, overrides=overrides,
+                                device=device, echo=click.echo)
+                return 0
             run_train(store=store, resident=resident, model=model, steps=steps, seed=seed,
                       device_budget=device_budget, host_cache=host_cache, backing=backing,
                       pmem_path=pmem_path, pmem_size=pmem_size, slab_size=slab_size,

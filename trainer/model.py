@@ -57,6 +57,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ExpertWeights = tuple[Tensor, Tensor, Tensor]  # (w1 gate, w2 down, w3 up)
 # provider(layer_index, sorted expert ids) -> {expert_id: (w1, w2, w3)}
 ExpertProvider = Callable[[int, list[int]], Mapping[int, ExpertWeights]]
+CountReducer = Callable[[Tensor], Tensor]  # sums per-expert counts over data-parallel ranks
 
 
 def dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -412,9 +413,10 @@ class Routing(NamedTuple):
 
 
 def route(x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = True,
-          losses: bool = True) -> Routing:
+          losses: bool = True, reduce: CountReducer | None = None) -> Routing:
     """Top-k softmax routing of tokens ``x`` ``[T, D]``; ``losses=False`` leaves the
-    router losses out (``None``).
+    router losses out (``None``). ``reduce`` sums the expert assignment counts over every
+    data-parallel rank (see :attr:`ExpertSource.count_reducer`).
 
     Logits are computed in the router weight's dtype outside autocast (fp32 for a trainer's
     master weights: small logit differences decide which experts a token gets, and bf16
@@ -438,13 +440,18 @@ def route(x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = T
         counts = torch.zeros(n_experts, device=x.device, dtype=torch.float32)
         counts.scatter_add_(0, topk_idx.reshape(-1),
                             torch.ones(topk_idx.numel(), device=x.device))
-        frac = counts / topk_idx.numel()
+        if reduce is None:
+            frac = counts / topk_idx.numel()
+        else:  # the global batch's shares: each rank's P_e is its own tokens' mean
+            counts = reduce(counts)
+            frac = counts / counts.sum()
         aux = n_experts * torch.sum(frac * probs.mean(dim=0))
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
     return Routing(topk_idx, topk_weight, aux, z, probs)
 
 
-def load_balancing_loss(routings: Sequence[Routing], n_experts: int) -> Tensor:
+def load_balancing_loss(routings: Sequence[Routing], n_experts: int,
+                        reduce: CountReducer | None = None) -> Tensor:
     """transformers' ``load_balancing_loss_func`` over the MoE layers' routings (no padding):
     ``n_experts * sum_e f_e * P_e`` with ``f_e`` the top-k assignments to expert ``e`` over
     every layer's tokens divided by the number of token rows (so the k slots add up, unlike
@@ -459,7 +466,12 @@ def load_balancing_loss(routings: Sequence[Routing], n_experts: int) -> Tensor:
         counts = counts + torch.bincount(r.topk_idx.reshape(-1), minlength=n_experts).float()
         prob_sum = prob_sum + r.probs.sum(dim=0)
         rows += r.probs.shape[0]
-    return n_experts * torch.sum((counts / rows) * (prob_sum / rows))
+    if reduce is None:
+        return n_experts * torch.sum((counts / rows) * (prob_sum / rows))
+    # Over ranks: f_e from the global counts and rows; P_e stays this rank's own mean, so
+    # that the mean of the ranks' losses is the global batch's loss.
+    all_rows = reduce(torch.tensor([float(rows)], device=first.device))
+    return n_experts * torch.sum((reduce(counts) / all_rows) * (prob_sum / rows))
 
 
 def moe_combine(x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
@@ -495,7 +507,15 @@ def moe_combine(x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
 
 class ExpertSource(abc.ABC):
     """Where a model gets expert weights from, one MoE layer at a time. A source implements
-    :meth:`experts`; the other hooks do nothing unless it needs them to."""
+    :meth:`experts`; the other hooks do nothing unless it needs them to.
+
+    An expert-parallel source also overrides :meth:`moe` (tokens go to the experts' owners
+    instead of weights coming here) and sets :attr:`count_reducer`."""
+
+    #: Sums a tensor of per-expert assignment counts over every data-parallel rank (no
+    #: gradient), so the load-balancing loss sees the global batch's routing; ``None``:
+    #: this process holds the whole batch.
+    count_reducer: CountReducer | None = None
 
     def begin_pass(self, model: MoEModel, n_tokens: int) -> None:  # noqa: B027 (a hook; most sources need nothing here)
         """A forward pass over ``n_tokens`` tokens (batch x new positions) starts."""
@@ -509,6 +529,13 @@ class ExpertSource(abc.ABC):
         those experts will be applied to (a source may apply the NEXT MoE layer's router to
         it to predict and prefetch that layer's experts: ``model.router_topk(next_layer,
         x)``)."""
+
+    def moe(self, layer: int, x: Tensor, routing: Routing) -> Tensor:
+        """MoE layer ``layer``'s routed experts applied to ``x`` ``[N, hidden]`` and mixed
+        by ``routing``'s weights (:func:`moe_combine` over :meth:`experts`' weights)."""
+        ids = torch.unique(routing.topk_idx).tolist()
+        return moe_combine(x, routing.topk_idx, routing.topk_weight,
+                           self.experts(layer, ids, x))
 
     def layer_done(self, layer: int) -> None:  # noqa: B027 (a hook; most sources need nothing here)
         """``layer``'s experts are no longer needed in this pass."""
@@ -573,19 +600,20 @@ class Block(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_ffn)
 
-    def route(self, x: Tensor, losses: bool = True) -> Routing:
+    def route(self, x: Tensor, losses: bool = True, reduce: CountReducer | None = None
+              ) -> Routing:
         """Routing of tokens ``x`` ``[T, D]`` (already normalised by ``ffn_norm``)."""
         if self.router is None:
             raise RuntimeError(f"layer {self.layer} is a dense layer and has no router")
-        return route(x, self.router.weight, self.cfg.top_k, self.cfg.norm_topk_prob, losses)
+        return route(x, self.router.weight, self.cfg.top_k, self.cfg.norm_topk_prob, losses,
+                     reduce)
 
     def moe(self, h: Tensor, experts: ExpertSource, losses: bool = True
             ) -> tuple[Tensor, Routing]:
         """The MoE FFN of normalised ``h``, with the routed experts ``experts`` supplies."""
         flat = h.reshape(-1, h.shape[-1])
-        r = self.route(flat, losses)
-        ids = torch.unique(r.topk_idx).tolist()
-        y = moe_combine(flat, r.topk_idx, r.topk_weight, experts.experts(self.layer, ids, flat))
+        r = self.route(flat, losses, experts.count_reducer)
+        y = experts.moe(self.layer, flat, r)
         experts.layer_done(self.layer)
         if self.shared is not None:
             assert self.shared_gate is not None
@@ -728,7 +756,8 @@ class MoEModel(nn.Module):
         aux_terms = [r.aux_loss for r in routed.values() if r.aux_loss is not None]
         z_terms = [r.z_loss for r in routed.values() if r.z_loss is not None]
         if cfg.router_aux_form == "transformers" and routed:
-            aux_loss = load_balancing_loss(list(routed.values()), cfg.n_experts)
+            aux_loss = load_balancing_loss(list(routed.values()), cfg.n_experts,
+                                           source.count_reducer)
         else:
             aux_loss = torch.stack(aux_terms).mean() if aux_terms else zero
         z_loss = torch.stack(z_terms).mean() if z_terms else zero

@@ -1,0 +1,50 @@
+"""A rank of a distributed training run for tests/test_dist_train.py, started by torchrun.
+
+``python tests/dist_child.py SPEC.json``: SPEC holds ``model`` (a preset name, or a model
+config dict), ``steps``, ``seed``, ``train`` (TrainConfig fields), ``corpus_bytes``,
+``store`` (a path with ``{node}`` for this node's index), ``paradigm``, ``credits``,
+``checkpoint_every``, ``resume``, ``metrics`` and ``out``, and optionally ``kill``:
+``[phase, step, rank]``, at which that rank SIGKILLs itself (a crash during a checkpoint).
+Rank 0 writes its metrics and final dense state to ``out``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+from tierstore.trainer.dist import train_distributed
+from tierstore.trainer.presets import config_from_dict
+from tierstore.trainer.train.data import load_corpus
+from tierstore.trainer.train.resident import TrainConfig
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    rank = int(os.environ["RANK"])
+    kill = spec.get("kill")
+
+    def on_phase(phase: str, step: int) -> None:
+        if kill and phase == kill[0] and step == kill[1] and rank == kill[2]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model = spec["model"]
+    if isinstance(model, dict):
+        model = config_from_dict(model)
+    history = train_distributed(
+        model, spec["steps"], spec.get("seed", 0), TrainConfig(**spec["train"]),
+        store_path=spec["store"].format(node=node), paradigm=spec.get("paradigm", "auto"),
+        credits=spec.get("credits"), checkpoint_every=spec.get("checkpoint_every", 0),
+        resume=spec.get("resume", False), metrics_path=spec.get("metrics"),
+        corpus=load_corpus(max_bytes=spec.get("corpus_bytes", 256 * 1024)),
+        on_phase=on_phase, host_cache=spec.get("host_cache", 64 << 20))
+    if rank == 0 and spec.get("out"):
+        torch.save({"history": history}, spec["out"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The collectives the expert-parallel layers use, and the byte counts they add up.
+
+Every exchange is one ``all_to_all_single`` with per-rank split sizes (rows of a 2-D tensor).
+:class:`AllToAll` makes it autograd-aware: the backward of a scatter of rows is the gather
+that sends each row's gradient back the way it came, i.e. the same call with the split
+sizes swapped. The forward and backward both run on every rank in the same order, because
+every rank builds the same chain of exchanges (one dispatch and one combine per MoE layer).
+
+:class:`Traffic` counts the bytes each exchange moves between ranks, split into what stays
+on a node and what crosses between nodes, by what it carries (tokens, experts, gradients):
+the exact figures a step reports, whatever the transport.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .world import World
+
+
+class Traffic:
+    """Bytes sent by this rank, per ``(what, 'intra' | 'cross')``, since :meth:`reset`."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+
+    def reset(self) -> None:
+        self.bytes.clear()
+
+    def add(self, what: str, rows_to: Sequence[int], row_bytes: int) -> None:
+        """``rows_to[r]`` rows of ``row_bytes`` each went to rank ``r`` (itself excluded)."""
+        me, node_of = self.world.rank, self.world.node_of
+        for r, n in enumerate(rows_to):
+            if n and r != me:
+                where = "intra" if node_of(r) == node_of(me) else "cross"
+                self.bytes[(what, where)] += n * row_bytes
+
+    def figures(self) -> dict[str, int]:
+        """``{'tokens_cross_bytes': ..., ...}``, with every kind present."""
+        out = {f"{what}_{where}_bytes": 0 for what in ("tokens", "experts", "grads")
+               for where in ("intra", "cross")}
+        for (what, where), n in self.bytes.items():
+            out[f"{what}_{where}_bytes"] = out.get(f"{what}_{where}_bytes", 0) + n
+        return out
+
+
+def exchange_counts(counts: Sequence[int], world: World) -> list[int]:
+    """Send ``counts[r]`` to rank ``r``; returns what each rank sent here."""
+    send = torch.tensor(list(counts), dtype=torch.int64, device=comm_device(world))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    return recv.tolist()
+
+
+def comm_device(world: World) -> torch.device:
+    return world.device if world.backend == "nccl" else torch.device("cpu")
+
+
+def all_to_all_rows(x: Tensor, send: Sequence[int], recv: Sequence[int],
+                    group: Any = None) -> Tensor:
+    """Rows ``x[sum(send[:r]) : sum(send[:r+1])]`` go to rank ``r`` of ``group``; returns the
+    rows received, ``recv[r]`` from rank ``r``, in rank order (no gradient)."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """:func:`all_to_all_rows` with a backward that sends the gradients back (and counts
+    them in ``traffic`` as ``what``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int],
+                traffic: Traffic | None, what: str) -> Tensor:
+        ctx.send, ctx.recv, ctx.traffic, ctx.what = send, recv, traffic, what
+        return all_to_all_rows(x, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.traffic is not None:
+            ctx.traffic.add(ctx.what, ctx.recv, grad[0].numel() * grad.element_size()
+                            if grad.shape[0] else 0)
+        return all_to_all_rows(grad.contiguous(), ctx.recv, ctx.send), None, None, None, None
+
+
+def all_to_all(x: Tensor, send: list[int], recv: list[int], traffic: Traffic | None = None,
+               what: str = "tokens") -> Tensor:
+    """The autograd-aware exchange (a plain one where no gradient is needed). ``traffic``
+    counts the rows this rank sends, forward and backward."""
+    if traffic is not None:
+        traffic.add(what, send, x[0].numel() * x.element_size() if x.shape[0] else 0)
+    if x.requires_grad:
+        return AllToAll.apply(x, send, recv, traffic, what)  # type: ignore[no-any-return]
+    return all_to_all_rows(x, send, recv)
+
+
+def all_reduce_sum_(tensors: Sequence[Tensor], group: Any = None) -> None:
+    """Sum ``tensors`` over the ranks, in place, as one flat message."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n

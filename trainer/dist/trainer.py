@@ -1,0 +1,312 @@
+"""Training across processes and machines: expert parallelism over one store per node.
+
+Run under torchrun (``env://``), one process per rank. With world size W:
+
+- every rank owns E/W experts of every MoE layer (:mod:`.world`); their fp32 masters, AdamW
+  moments and step counts live in the node's store, behind the node's daemon
+  (:mod:`.sidecar`), and only there;
+- dense parameters are replicated: every rank starts from the same seed, and after the
+  backward pass their gradients are summed over the ranks (one flat all-reduce), so every
+  replica takes the same AdamW step;
+- the data: every rank draws the same global batch of ``W x batch_size`` rows (the
+  sampler's position is global, so the data order does not depend on W) and trains on its
+  own ``batch_size`` rows, rank r the r-th slice;
+- MoE layers run token-centric or data-centric per block (:mod:`.exchange`).
+
+One step computes what :func:`trainer.train.store_trainer.train_store` computes on the
+global batch: the same losses (each rank's batch mean, averaged), the load-balancing loss
+from the global batch's routing (counts summed over ranks), the same gradients (each rank's
+loss divided by W, gradients summed), one global norm for clipping (dense norms plus the
+owned experts' norms summed over ranks) and the lazy AdamW of each expert at its owner.
+Only the order of floating-point sums differs.
+
+Checkpoints are all-or-nothing over the nodes (:mod:`.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import tierstore
+
+from ..model import MoEModel
+from ..presets import TrainModel, config_from_dict
+from ..train.data import Corpus
+from ..train.metrics import MetricsLog, peak_rss, store_counters, store_metrics
+from ..train.optim import clip_coef
+from ..train.resident import (
+    Metrics,
+    TrainConfig,
+    param_groups,
+    resolve_model_config,
+    training_batches,
+)
+from .checkpoint import PhaseHook, dense_payload, saved_identity, start_run, write_checkpoint
+from .collectives import all_reduce_sum_
+from .exchange import ExpertParallel, choose_paradigms, janus_ratio
+from .owned import OwnedExperts
+from .sidecar import default_run_dir, start_node_daemon
+from .world import DistributedError, World, check_divides, init_world, node_barrier
+
+PathLike = str | os.PathLike[str]
+
+
+def train_distributed(
+    model: TrainModel | str | None,
+    steps: int,
+    seed: int | None = 0,
+    train: TrainConfig | None = None,
+    *,
+    store_path: PathLike,
+    run_dir: PathLike | None = None,
+    connect: str | None = None,
+    host_cache: int = 256 << 20,
+    paradigm: str = "auto",
+    credits: int | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    metrics_path: PathLike | None = None,
+    corpus: Corpus | None = None,
+    corpus_paths: PathLike | Sequence[PathLike] | None = None,
+    device: str = "cpu",
+    overrides: dict[str, Any] | None = None,
+    on_step: Callable[[Metrics], None] | None = None,
+    on_phase: PhaseHook | None = None,
+) -> list[Metrics]:
+    """Train ``model`` on every rank of the torchrun world until ``steps`` steps are done;
+    returns this rank's metrics of the steps this call ran.
+
+    ``store_path`` is this node's store (created if missing) and ``run_dir`` its run
+    directory (default ``store_path + '.run'``): the daemon's socket and log, and the
+    checkpoint manifests. ``connect`` uses a daemon the user runs instead of starting one.
+    ``train.batch_size`` is the per-rank batch; the global batch is W times it.
+    ``model=None`` with ``resume`` continues the run the stores hold with its own model,
+    hyperparameters (the per-rank batch being its global batch over W) and seed
+    (``seed=None``); ``overrides`` are :class:`TrainConfig` fields set on top, which must
+    agree with the run's.
+    ``paradigm``: ``token``, ``data`` or ``auto`` (per block, by Janus's ratio).
+    ``credits``: the most pulled experts a rank may hold at once in data-centric blocks.
+    ``metrics_path``: one JSON object per step per rank, ``{path}.rank{r}``.
+    ``on_phase(phase, step)`` is called at the points of a checkpoint (``snapshot``,
+    ``manifest``).
+    """
+    if steps < 0 or checkpoint_every < 0:
+        raise ValueError("steps and checkpoint_every must be >= 0")
+    world = init_world(device)
+    run = Path(run_dir) if run_dir is not None else default_run_dir(store_path)
+    daemon = start_node_daemon(world, store_path, run, host_cache, connect)
+    store = tierstore.connect(daemon.socket)
+    finished = False
+    try:
+        cfg, tc, seed = _settings(world, store, model, train, seed, resume, overrides or {})
+        check_divides(cfg.n_experts, world.size)
+        global_tc = replace(tc, batch_size=tc.batch_size * world.size)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        sampler, val_batches = training_batches(global_tc, seed, corpus, corpus_paths)
+        net = MoEModel(cfg, seed=seed, resident_experts=False).to(world.device)
+        net.train()
+        opt = torch.optim.AdamW(param_groups(list(net.named_parameters()), tc.weight_decay),
+                                lr=tc.lr, betas=tc.betas, eps=tc.eps)
+        experts = OwnedExperts(store, cfg, world, world.device)
+        tokens = tc.batch_size * tc.seq_len
+        paradigms = choose_paradigms(cfg, paradigm, tokens, world)
+        source = ExpertParallel(world, cfg, experts, paradigms, credits)
+        start, number, resharded = start_run(world, store, run, experts, cfg, global_tc, seed,
+                                             resume, net, opt, sampler)
+        loop = _Loop(world, store, run, net, opt, source, sampler, val_batches, cfg, tc,
+                     global_tc, seed, checkpoint_every, metrics_path, on_step, on_phase,
+                     number)
+        if world.rank == 0:
+            ratio = janus_ratio(cfg, tokens, world)
+            print(f"distributed: {world.size} ranks on {world.n_nodes} node(s), "
+                  f"{cfg.n_experts // world.size} experts per rank per layer, Janus R = "
+                  f"{ratio:.2f}, paradigm per MoE layer: "
+                  + ", ".join(f"{k}={v}" for k, v in paradigms.items()), flush=True)
+        if resharded:
+            loop.checkpoint(start, {"step": start})
+        history = loop.train(start, steps)
+        finished = True
+        return history
+    finally:
+        store.close()
+        # After a failure the other ranks may be anywhere (torchrun stops them): no
+        # collective, and the daemon stays up for the run's resumption.
+        if finished:
+            node_barrier(world)
+            if world.is_node_leader:
+                daemon.stop()
+
+
+def _settings(world: World, store: tierstore.Store, model: TrainModel | str | None,
+              train: TrainConfig | None, seed: int | None, resume: bool,
+              overrides: dict[str, Any]) -> tuple[TrainModel, TrainConfig, int]:
+    """The model, per-rank hyperparameters and seed: as given, or (``model=None`` when
+    resuming) the run's own, read by rank 0 from node 0's store."""
+    if model is not None:
+        tc = replace(train or TrainConfig(), **overrides)
+        return resolve_model_config(model, tc), tc, 0 if seed is None else seed
+    box: list[Any] = [saved_identity(store) if world.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    saved = box[0]
+    if saved is None or not resume:
+        raise DistributedError("name the model to train (--model), or --resume a run these "
+                               "stores hold")
+    tc = TrainConfig.from_dict(saved["train_config"])
+    if tc.batch_size % world.size:
+        raise DistributedError(f"the run's global batch of {tc.batch_size} rows does not "
+                               f"split over {world.size} ranks")
+    tc = replace(tc, batch_size=tc.batch_size // world.size, **overrides)
+    return (resolve_model_config(config_from_dict(saved["model_config"]), tc), tc,
+            int(saved["seed"]) if seed is None else seed)
+
+
+class _Loop:
+    def __init__(self, world: World, store: tierstore.Store, run_dir: Path, net: MoEModel,
+                 opt: torch.optim.Optimizer, source: ExpertParallel, sampler: Any,
+                 val_batches: list[tuple[Tensor, Tensor]], cfg: TrainModel, tc: TrainConfig,
+                 global_tc: TrainConfig, seed: int, checkpoint_every: int,
+                 metrics_path: PathLike | None, on_step: Callable[[Metrics], None] | None,
+                 on_phase: PhaseHook | None, number: int) -> None:
+        self.world, self.store, self.run_dir = world, store, run_dir
+        self.net, self.opt, self.source, self.sampler = net, opt, source, sampler
+        self.val_batches, self.cfg, self.tc, self.global_tc = val_batches, cfg, tc, global_tc
+        self.seed, self.checkpoint_every = seed, checkpoint_every
+        self.metrics_path, self.on_step, self.on_phase = metrics_path, on_step, on_phase
+        self.number = number
+        self.dense = [p for _, p in net.named_parameters()]
+
+    def _mine(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        b, r = self.tc.batch_size, self.world.rank
+        dev = self.world.device
+        return x[r * b:(r + 1) * b].to(dev), y[r * b:(r + 1) * b].to(dev)
+
+    def train(self, start: int, steps: int) -> list[Metrics]:
+        path = (None if self.metrics_path is None
+                else f"{os.fspath(self.metrics_path)}.rank{self.world.rank}")
+        log = MetricsLog(path, start, None) if path is not None else None
+        history: list[Metrics] = []
+        try:
+            for step in range(start, steps):
+                m = self.step(step, steps)
+                history.append(m)
+                if log is not None:
+                    log.write(m)
+                if self.on_step is not None:
+                    self.on_step(m)
+        finally:
+            if log is not None:
+                log.close()
+        return history
+
+    def step(self, step: int, steps: int) -> Metrics:
+        tc, world, net, source = self.tc, self.world, self.net, self.source
+        before = store_counters(self.store)
+        t0 = time.perf_counter()
+        lr = tc.lr_for(step)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        source.begin(grad=True)
+        sums = torch.zeros(3, dtype=torch.float64)
+        for _ in range(tc.grad_accum):
+            x, y = self._mine(*self.sampler.next_batch())
+            _, loss, info = net(x, y, experts=source)
+            assert loss is not None
+            (loss / (tc.grad_accum * world.size)).backward()
+            sums += torch.tensor([float(info["ce"]), float(info["aux_loss"]),
+                                  float(info["z_loss"])], dtype=torch.float64)
+        source.reduce_grads()
+        dense_grads = []
+        for p in self.dense:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dense_grads.append(p.grad)
+        all_reduce_sum_(dense_grads)
+        norm = self._clip(dense_grads, source.owned.grads())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        touched = source.owned.update(lr, tc)
+        figures = source.step_figures()
+        source.end()
+        self.store.tick()
+        dist.all_reduce(sums)
+        sums /= tc.grad_accum * world.size
+        dt = time.perf_counter() - t0
+        n_tok = tc.grad_accum * self.global_tc.batch_size * tc.seq_len
+        m: Metrics = {
+            "step": step + 1, "loss": float(sums[0]), "aux_loss": float(sums[1]),
+            "z_loss": float(sums[2]), "grad_norm": float(norm), "lr": lr, "tokens": n_tok,
+            "step_time_s": dt, "tokens_per_s": n_tok / dt if dt > 0 else math.inf,
+            "rank": world.rank, "node": world.node, "world_size": world.size,
+            "experts_touched": touched, "peak_rss_bytes": peak_rss(),
+            **store_metrics(before, store_counters(self.store)), **figures,
+            "stall_s": figures["comm_s"], "stall_frac": figures["comm_s"] / dt if dt else 0.0,
+        }
+        m["moved_bytes_total"] = self._total_moved(figures)
+        done = step + 1
+        if tc.eval_every > 0 and (done % tc.eval_every == 0 or done == steps):
+            m["val_loss"] = self.evaluate()
+        if (self.checkpoint_every > 0 and done % self.checkpoint_every == 0) or done == steps:
+            self.checkpoint(done, m)
+        return m
+
+    def _clip(self, dense: list[Tensor], owned: list[Tensor]) -> Tensor:
+        """The global norm over dense (replicated) and expert (owned once) gradients, and
+        clipping by it, as one process would."""
+        dense_sq = sum((torch.linalg.vector_norm(g, 2) ** 2 for g in dense),
+                       torch.tensor(0.0, dtype=torch.float64)).double()
+        expert_sq = sum((torch.linalg.vector_norm(g, 2).double() ** 2 for g in owned),
+                        torch.tensor(0.0, dtype=torch.float64))
+        expert_sq = expert_sq.reshape(1).clone()
+        dist.all_reduce(expert_sq)
+        norm = torch.sqrt(dense_sq + expert_sq[0]).float()
+        if self.tc.clip is not None:
+            coef = clip_coef(norm, self.tc.clip)
+            with torch.no_grad():
+                for g in [*dense, *owned]:
+                    g.mul_(coef.to(g.device))
+        return norm
+
+    def _total_moved(self, figures: dict[str, Any]) -> int:
+        mine = sum(v for k, v in figures.items() if k.endswith("_bytes") and
+                   k.split("_")[0] in ("tokens", "experts", "grads"))
+        total = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(total)
+        return int(total[0])
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        was = self.net.training
+        self.net.eval()
+        total = torch.zeros(1, dtype=torch.float64)
+        try:
+            for x, y in self.val_batches:
+                self.source.begin(grad=False)
+                xb, yb = self._mine(x, y)
+                _, _, info = self.net(xb, yb, experts=self.source)
+                total += float(info["ce"])
+                self.source.end()
+        finally:
+            self.net.train(was)
+        dist.all_reduce(total)
+        return float(total[0]) / (self.world.size * max(1, len(self.val_batches)))
+
+    def checkpoint(self, step: int, m: Metrics) -> None:
+        payload = dense_payload(self.cfg, self.global_tc, self.seed, self.net, self.opt,
+                                self.sampler, m)
+        m["checkpoint"] = write_checkpoint(self.world, self.store, self.run_dir, self.number,
+                                           step, payload, self.on_phase)
+        self.number += 1
