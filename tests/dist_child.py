@@ -41,7 +41,8 @@ def main() -> None:
         credits=spec.get("credits"), checkpoint_every=spec.get("checkpoint_every", 0),
         resume=spec.get("resume", False), metrics_path=spec.get("metrics"),
         corpus=load_corpus(max_bytes=spec.get("corpus_bytes", 256 * 1024)),
-        on_phase=on_phase, host_cache=spec.get("host_cache", 64 << 20))
+        on_phase=on_phase, host_cache=spec.get("host_cache", 64 << 20),
+        device=spec.get("device", "cpu"))
     if rank == 0 and spec.get("out"):
         torch.save({"history": history}, spec["out"])
 

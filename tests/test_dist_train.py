@@ -50,14 +50,14 @@ def _port() -> int:
 
 def launch(tmp: Path, name: str, nodes: int, per_node: int, *, steps: int,
            paradigm: str = "token", resume: bool = False, checkpoint_every: int = 0,
-           kill: list[Any] | None = None) -> list[int]:
+           kill: list[Any] | None = None, device: str = "cpu") -> list[int]:
     """Run one distributed training: ``nodes`` torchrun agents of ``per_node`` ranks on this
     machine, node ``i``'s store ``tmp/node{i}``; returns the agents' exit codes."""
     spec = {"model": "tiny", "steps": steps, "seed": SEED, "corpus_bytes": CORPUS_BYTES,
             "train": {**TRAIN, "batch_size": GLOBAL_BATCH // (nodes * per_node)},
             "store": str(tmp / "node{node}"), "paradigm": paradigm, "resume": resume,
             "checkpoint_every": checkpoint_every, "metrics": str(tmp / f"{name}.jsonl"),
-            "kill": kill}
+            "kill": kill, "device": device}
     spec_path = tmp / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     port = _port()
@@ -252,3 +252,15 @@ def test_the_command_line_under_torchrun(tmp_path: Path) -> None:
     assert again.returncode != 0
     assert "already holds a training run; pass --resume" in again.stderr
     stop_daemons(tmp_path)
+
+
+@pytest.mark.gpu
+def test_one_rank_per_gpu_with_nccl(tmp_path: Path, reference: dict[str, Any]) -> None:
+    """NCCL on the machine's GPU (one rank per GPU, as many as there are, up to 2)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ranks = min(2, torch.cuda.device_count())
+    codes = launch(tmp_path, "run", 1, ranks, steps=4, paradigm="data", device="cuda")
+    assert codes == [0], (tmp_path / "run.node0.log").read_text()[-3000:]
+    for m, want in zip(metrics(tmp_path, "run", 0), reference["losses"][:4]):
+        assert abs(m["loss"] - want) <= 1e-4 * abs(want)

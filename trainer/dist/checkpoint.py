@@ -53,7 +53,7 @@ from ..presets import TrainModel, config_from_dict
 from ..train.checkpoint import DENSE_ENTRY, RUN_ENTRY, pack, unpack
 from ..train.data import BatchSampler
 from ..train.resident import TrainConfig, rng_state, set_rng_state
-from .collectives import all_to_all_rows
+from .collectives import all_to_all_rows, comm_device
 from .owned import OwnedExperts, state_keys
 from .world import DistributedError, World, barrier, owner
 
@@ -328,8 +328,9 @@ def reshard(world: World, store: tierstore.Store, cfg: TrainModel,
         in_ids.sort(key=lambda e: (old_node_of[owner(e, n, old_size)], e))
         width = 3 * sum(a * b for a, b in cfg.expert_shapes().values())
         floats, counts = _pack_states(store, layer, out_ids, width)
-        got_f = all_to_all_rows(floats, send, recv)
-        got_c = all_to_all_rows(counts, send, recv)
+        dev = comm_device(world)
+        got_f = all_to_all_rows(floats.to(dev), send, recv).cpu()
+        got_c = all_to_all_rows(counts.to(dev), send, recv).cpu()
         if in_ids:
             store.put_many(_unpack_states(cfg, layer, in_ids, got_f, got_c))
             received += len(in_ids)

@@ -101,6 +101,14 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], traffic: Traffic | N
     return all_to_all_rows(x, send, recv)
 
 
+def sum_over_ranks(t: Tensor, world: World) -> Tensor:
+    """``t`` (a host tensor of figures) summed over the ranks, back on the host: NCCL only
+    reduces device tensors."""
+    out = t.to(comm_device(world), copy=True)
+    dist.all_reduce(out)
+    return out.cpu()
+
+
 def all_reduce_sum_(tensors: Sequence[Tensor], group: Any = None) -> None:
     """Sum ``tensors`` over the ranks, in place, as one flat message."""
     if not tensors:

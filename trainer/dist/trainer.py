@@ -54,7 +54,7 @@ from ..train.resident import (
     training_batches,
 )
 from .checkpoint import PhaseHook, dense_payload, saved_identity, start_run, write_checkpoint
-from .collectives import all_reduce_sum_
+from .collectives import all_reduce_sum_, sum_over_ranks
 from .exchange import ExpertParallel, choose_paradigms, janus_ratio
 from .owned import OwnedExperts
 from .sidecar import default_run_dir, start_node_daemon
@@ -242,8 +242,7 @@ class _Loop:
         figures = source.step_figures()
         source.end()
         self.store.tick()
-        dist.all_reduce(sums)
-        sums /= tc.grad_accum * world.size
+        sums = sum_over_ranks(sums, world) / (tc.grad_accum * world.size)
         dt = time.perf_counter() - t0
         n_tok = tc.grad_accum * self.global_tc.batch_size * tc.seq_len
         m: Metrics = {
@@ -266,13 +265,12 @@ class _Loop:
     def _clip(self, dense: list[Tensor], owned: list[Tensor]) -> Tensor:
         """The global norm over dense (replicated) and expert (owned once) gradients, and
         clipping by it, as one process would."""
-        dense_sq = sum((torch.linalg.vector_norm(g, 2) ** 2 for g in dense),
-                       torch.tensor(0.0, dtype=torch.float64)).double()
-        expert_sq = sum((torch.linalg.vector_norm(g, 2).double() ** 2 for g in owned),
-                        torch.tensor(0.0, dtype=torch.float64))
-        expert_sq = expert_sq.reshape(1).clone()
-        dist.all_reduce(expert_sq)
-        norm = torch.sqrt(dense_sq + expert_sq[0]).float()
+        def squares(grads: list[Tensor]) -> Tensor:
+            return torch.tensor([sum(float(torch.linalg.vector_norm(g, 2)) ** 2
+                                     for g in grads)], dtype=torch.float64)
+
+        expert_sq = sum_over_ranks(squares(owned), self.world)
+        norm = torch.sqrt(squares(dense)[0] + expert_sq[0]).float()
         if self.tc.clip is not None:
             coef = clip_coef(norm, self.tc.clip)
             with torch.no_grad():
@@ -283,9 +281,7 @@ class _Loop:
     def _total_moved(self, figures: dict[str, Any]) -> int:
         mine = sum(v for k, v in figures.items() if k.endswith("_bytes") and
                    k.split("_")[0] in ("tokens", "experts", "grads"))
-        total = torch.tensor([mine], dtype=torch.int64)
-        dist.all_reduce(total)
-        return int(total[0])
+        return int(sum_over_ranks(torch.tensor([mine], dtype=torch.int64), self.world)[0])
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -301,7 +297,7 @@ class _Loop:
                 self.source.end()
         finally:
             self.net.train(was)
-        dist.all_reduce(total)
+        total = sum_over_ranks(total, self.world)
         return float(total[0]) / (self.world.size * max(1, len(self.val_batches)))
 
     def checkpoint(self, step: int, m: Metrics) -> None:
