@@ -38,7 +38,8 @@ def main() -> None:
     history = train_distributed(
         model, spec["steps"], spec.get("seed", 0), TrainConfig(**spec["train"]),
         store_path=spec["store"].format(node=node), paradigm=spec.get("paradigm", "auto"),
-        credits=spec.get("credits"), checkpoint_every=spec.get("checkpoint_every", 0),
+        credits=spec.get("credits"), hierarchical=spec.get("hierarchical", False),
+        checkpoint_every=spec.get("checkpoint_every", 0),
         resume=spec.get("resume", False), metrics_path=spec.get("metrics"),
         corpus=load_corpus(max_bytes=spec.get("corpus_bytes", 256 * 1024)),
         on_phase=on_phase, host_cache=spec.get("host_cache", 64 << 20),

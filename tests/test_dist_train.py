@@ -11,6 +11,8 @@ and store directory, launched as two torchrun agents with a static rendezvous).
   unchanged, and the resumed run equals the uninterrupted one.
 - SIGKILL of a rank during a checkpoint: the previous checkpoint is the latest on every
   node, every store is fsck-clean, and resuming from it gives the uninterrupted run.
+- The hierarchical (two-stage) all-to-all equals the flat one bit for bit.
+- `torchrun -m tierstore train --distributed`, credits, one-line refusals.
 """
 
 from __future__ import annotations
@@ -50,14 +52,15 @@ def _port() -> int:
 
 def launch(tmp: Path, name: str, nodes: int, per_node: int, *, steps: int,
            paradigm: str = "token", resume: bool = False, checkpoint_every: int = 0,
-           kill: list[Any] | None = None, device: str = "cpu") -> list[int]:
+           kill: list[Any] | None = None, device: str = "cpu",
+           hierarchical: bool = False) -> list[int]:
     """Run one distributed training: ``nodes`` torchrun agents of ``per_node`` ranks on this
     machine, node ``i``'s store ``tmp/node{i}``; returns the agents' exit codes."""
     spec = {"model": "tiny", "steps": steps, "seed": SEED, "corpus_bytes": CORPUS_BYTES,
             "train": {**TRAIN, "batch_size": GLOBAL_BATCH // (nodes * per_node)},
             "store": str(tmp / "node{node}"), "paradigm": paradigm, "resume": resume,
             "checkpoint_every": checkpoint_every, "metrics": str(tmp / f"{name}.jsonl"),
-            "kill": kill, "device": device}
+            "kill": kill, "device": device, "hierarchical": hierarchical}
     spec_path = tmp / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     port = _port()
@@ -252,6 +255,24 @@ def test_the_command_line_under_torchrun(tmp_path: Path) -> None:
     assert again.returncode != 0
     assert "already holds a training run; pass --resume" in again.stderr
     stop_daemons(tmp_path)
+
+
+def test_the_two_stage_all_to_all_equals_the_flat_one_bit_for_bit(tmp_path: Path) -> None:
+    """SE-MoE's hierarchical exchange (inside each node, then between ranks of equal local
+    rank) moves the same rows in the same order: the same losses and weights, bit for bit."""
+    flat, two = tmp_path / "flat", tmp_path / "two"
+    flat.mkdir()
+    two.mkdir()
+    assert launch(flat, "run", 2, 2, steps=2) == [0, 0]
+    assert launch(two, "run", 2, 2, steps=2, hierarchical=True) == [0, 0]
+    for r in range(4):
+        assert ([m["loss"] for m in metrics(flat, "run", r)]
+                == [m["loss"] for m in metrics(two, "run", r)])
+    for i in range(2):
+        a, b = expert_weights(flat / f"node{i}"), expert_weights(two / f"node{i}")
+        assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    stop_daemons(flat)
+    stop_daemons(two)
 
 
 @pytest.mark.gpu

@@ -215,6 +215,10 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
 @click.option("--credits", type=click.IntRange(min=1),
               help="--distributed, data-centric blocks: the most pulled experts a rank holds at "
                    "once; a block that would need more sends tokens instead [no bound].")
+@click.option("--hierarchical-a2a", "hierarchical", is_flag=True,
+              help="--distributed, token-centric blocks: all-to-all in two stages, inside each "
+                   "node first, then between ranks of equal local rank (SE-MoE; the same "
+                   "numbers, one message per node pair between nodes).")
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="--distributed: this node's run directory (daemon socket and log, checkpoint "
                    "manifests) [STORE.run].")
@@ -227,7 +231,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
           corpus: tuple[str, ...], corpus_max_bytes: int | None, batch_size: int | None,
           seq_len: int | None, lr: float | None, grad_accum: int | None, dtype: str | None,
           eval_every: int | None, distributed: bool, paradigm: str, credits: int | None,
-          run_dir: str | None) -> None:
+          hierarchical: bool, run_dir: str | None) -> None:
     """Train an MoE model whose experts live in a store: dense parameters on the device,
     expert weights and AdamW moments in STORE, fetched per step for the experts the routers
     picked and written back through the host cache. With --resident, the same model held in
@@ -249,8 +253,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
         if store is None:
             raise click.UsageError("--distributed needs --store (this node's store; with "
                                    "--connect, the store that daemon serves)")
-    elif paradigm != "auto" or credits is not None or run_dir is not None:
-        raise click.UsageError("--paradigm, --credits and --run-dir go with --distributed")
+    elif paradigm != "auto" or credits is not None or run_dir is not None or hierarchical:
+        raise click.UsageError("--paradigm, --credits, --hierarchical-a2a and --run-dir go "
+                               "with --distributed")
     if connect is not None and not distributed and (store is not None or resident):
         raise click.UsageError("--connect replaces --store and cannot go with --resident")
     if not resident and store is None and connect is None:
@@ -275,6 +280,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                 run_distributed(store=store, connect=connect, run_dir=run_dir, model=model,
                                 steps=steps, seed=seed, host_cache=host_cache,
                                 paradigm=paradigm, credits=credits,
+                                hierarchical=hierarchical,
                                 checkpoint_every=checkpoint_every, resume=resume,
                                 metrics=metrics, corpus=corpus, overrides=overrides,
                                 device=device, echo=click.echo)

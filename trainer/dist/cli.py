@@ -19,7 +19,8 @@ def _postfix(m: Metrics) -> str:
 
 def run_distributed(*, store: str | None, connect: str | None, run_dir: str | None,
                     model: str | None, steps: int, seed: int | None, host_cache: int,
-                    paradigm: str, credits: int | None, checkpoint_every: int, resume: bool,
+                    paradigm: str, credits: int | None, hierarchical: bool,
+                    checkpoint_every: int, resume: bool,
                     metrics: str | None, corpus: Sequence[str], overrides: dict[str, Any],
                     device: str, echo: Callable[[str], Any] = print) -> list[Metrics]:
     """``tierstore train --distributed`` on this rank (see :func:`train_distributed`)."""
@@ -41,7 +42,8 @@ def run_distributed(*, store: str | None, connect: str | None, run_dir: str | No
         history = train_distributed(
             model_arg, steps, seed if seed is not None or model_arg is None else 0,
             store_path=store, connect=connect, run_dir=run_dir, host_cache=host_cache,
-            paradigm=paradigm, credits=credits, checkpoint_every=checkpoint_every,
+            paradigm=paradigm, credits=credits, hierarchical=hierarchical,
+            checkpoint_every=checkpoint_every,
             resume=resume, metrics_path=metrics, corpus_paths=list(corpus) or None,
             device=resolve_device(device), overrides=overrides, on_step=on_step)
     if rank == 0:

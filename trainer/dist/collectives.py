@@ -72,6 +72,90 @@ def all_to_all_rows(x: Tensor, send: Sequence[int], recv: Sequence[int],
     return out
 
 
+def count_matrix(send: Sequence[int], world: World) -> list[list[int]]:
+    """Every rank's send counts: ``m[a][b]`` rows go from rank ``a`` to rank ``b``."""
+    mine = torch.tensor(list(send), dtype=torch.int64, device=comm_device(world))
+    rows = [torch.empty_like(mine) for _ in range(world.size)]
+    dist.all_gather(rows, mine)
+    return [r.tolist() for r in rows]
+
+
+def two_stage_rows(x: Tensor, m: list[list[int]], world: World,
+                   traffic: Traffic | None = None, what: str = "tokens") -> Tensor:
+    """The exchange :func:`all_to_all_rows` makes over the world, in SE-MoE's two stages
+    (its section 4.2): first inside the node, each rank gathering the rows bound for the
+    ranks of its own local rank on every node; then between the ranks of equal local rank,
+    one message per node pair instead of one per rank pair. The rows arrive in the same
+    order as the flat exchange's (source rank, then the source's order), so the result is
+    the same, bit for bit. ``m`` is :func:`count_matrix`'s; needs the same number of ranks
+    on every node. ``traffic`` counts what each stage sends."""
+    size, nodes = world.local_size, world.n_nodes
+    me, node, lr = world.rank, world.node, world.local_rank
+    send = m[me]
+    offsets = [0]
+    for c in send:
+        offsets.append(offsets[-1] + c)
+    # stage 1: to local rank l, what goes to local rank l of every node, by node
+    pieces, send1 = [], [0] * size
+    for lo in range(size):
+        for n in range(nodes):
+            d = n * size + lo
+            pieces.append(x[offsets[d]:offsets[d + 1]])
+            send1[lo] += send[d]
+    recv1 = [sum(m[node * size + s][n * size + lr] for n in range(nodes)) for s in range(size)]
+    row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
+    if traffic is not None:
+        traffic.add(what, [send1[r - node * size] if world.node_of(r) == node else 0
+                           for r in range(world.size)], row_bytes)
+    got = all_to_all_rows(torch.cat(pieces) if pieces else x[:0], send1, recv1,
+                          group=world.node_group) if size > 1 else torch.cat(pieces)
+    # stage 2: arrived by (local source, node); leaves by (node, local source)
+    where, pos = {}, 0
+    for s in range(size):
+        for n in range(nodes):
+            c = m[node * size + s][n * size + lr]
+            where[(n, s)] = (pos, c)
+            pos += c
+    parts = [got[p:p + c] for n in range(nodes) for s in range(size)
+             for p, c in [where[(n, s)]]]
+    buf = torch.cat(parts) if parts else got[:0]
+    send2 = [sum(m[node * size + s][n * size + lr] for s in range(size)) for n in range(nodes)]
+    recv2 = [sum(m[n * size + s][me] for s in range(size)) for n in range(nodes)]
+    if nodes == 1:
+        return buf
+    if traffic is not None:
+        traffic.add(what, [send2[world.node_of(r)] if r % size == lr else 0
+                           for r in range(world.size)], row_bytes)
+    return all_to_all_rows(buf, send2, recv2, group=world.peer_group)
+
+
+class TwoStage(torch.autograd.Function):
+    """:func:`two_stage_rows` with its backward: the transposed exchange, in two stages."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, m: list[list[int]], world: World,
+                traffic: Traffic | None, what: str) -> Tensor:
+        ctx.m, ctx.world, ctx.traffic, ctx.what = m, world, traffic, what
+        return two_stage_rows(x, m, world, traffic, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        transposed = [list(col) for col in zip(*ctx.m)]
+        out = two_stage_rows(grad.contiguous(), transposed, ctx.world, ctx.traffic, ctx.what)
+        return out, None, None, None, None
+
+
+def exchange(x: Tensor, send: list[int], recv: list[int], m: list[list[int]] | None,
+             world: World, traffic: Traffic | None = None, what: str = "tokens") -> Tensor:
+    """Rows to their ranks, autograd-aware: flat (:func:`all_to_all`), or in two stages
+    when the count matrix ``m`` is given (:func:`two_stage_rows`)."""
+    if m is None:
+        return all_to_all(x, send, recv, traffic, what)
+    if x.requires_grad:
+        return TwoStage.apply(x, m, world, traffic, what)  # type: ignore[no-any-return]
+    return two_stage_rows(x, m, world, traffic, what)
+
+
 class AllToAll(torch.autograd.Function):
     """:func:`all_to_all_rows` with a backward that sends the gradients back (and counts
     them in ``traffic`` as ``what``)."""

@@ -12,7 +12,9 @@ Token-centric (:meth:`ExpertParallel._token_centric`)
     the outputs back, and they are mixed with the routing weights. Both exchanges are
     autograd-aware (:class:`.collectives.AllToAll`), so the backward pass sends the
     gradients of the outputs to the owners and the gradients of the rows back, and every
-    owned expert's gradient is the sum over the global batch.
+    owned expert's gradient is the sum over the global batch. With ``hierarchical`` both
+    exchanges go in SE-MoE's two stages (:func:`.collectives.two_stage_rows`): the same rows
+    in the same order, in one message per node pair between nodes.
 
 Data-centric, after Janus (:meth:`ExpertParallel._data_centric`)
     The ranks tell each other which experts their tokens need (one all-gather of a mask);
@@ -58,9 +60,16 @@ from ..model import (
     moe_combine,
 )
 from ..presets import TrainModel
-from .collectives import Traffic, all_to_all, all_to_all_rows, comm_device, exchange_counts
+from .collectives import (
+    Traffic,
+    all_to_all_rows,
+    comm_device,
+    count_matrix,
+    exchange,
+    exchange_counts,
+)
 from .owned import OwnedExperts
-from .world import World, owner
+from .world import DistributedError, World, owner
 
 PARADIGMS = ("token", "data", "auto")
 
@@ -96,8 +105,13 @@ class ExpertParallel(ExpertSource):
     """The distributed trainer's expert source: MoE layers computed across the ranks."""
 
     def __init__(self, world: World, cfg: TrainModel, experts: OwnedExperts,
-                 paradigms: Mapping[int, str], credits: int | None = None) -> None:
+                 paradigms: Mapping[int, str], credits: int | None = None,
+                 hierarchical: bool = False) -> None:
+        if hierarchical and len({len(ranks) for ranks in world.nodes}) > 1:
+            raise DistributedError("the two-stage all-to-all needs the same number of ranks "
+                                   "on every node")
         self.world, self.cfg, self.owned = world, cfg, experts
+        self.hierarchical = hierarchical
         self.paradigms = dict(paradigms)
         self.credits = credits
         self.traffic = Traffic(world)
@@ -156,9 +170,16 @@ class ExpertParallel(ExpertSource):
         dest = sorted_ids * w // e_total
         send = torch.bincount(dest, minlength=w).tolist()
         t0 = time.perf_counter()
-        recv = exchange_counts(send, self.world)
-        rows = all_to_all(x[order // k], send, recv, self.traffic, "tokens")
-        got_ids = all_to_all_rows(sorted_ids[:, None], send, recv)[:, 0]
+        if self.hierarchical:
+            m: list[list[int]] | None = count_matrix(send, self.world)
+            assert m is not None
+            recv = [m[r][self.world.rank] for r in range(w)]
+            back: list[list[int]] | None = [list(col) for col in zip(*m)]
+        else:
+            m = back = None
+            recv = exchange_counts(send, self.world)
+        rows = exchange(x[order // k], send, recv, m, self.world, self.traffic)
+        got_ids = exchange(sorted_ids[:, None], send, recv, m, self.world)[:, 0]
         self.comm_s += time.perf_counter() - t0
         self.traffic.add("tokens", send, 8)  # the expert id of each row
         # The owner's work: each expert on its rows, in the global batch's order.
@@ -171,13 +192,13 @@ class ExpertParallel(ExpertSource):
             start += c
         if pieces:
             out_sorted = torch.cat(pieces)
-            back = torch.empty_like(by_expert)
-            back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-            out = out_sorted[back]
+            undo = torch.empty_like(by_expert)
+            undo[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+            out = out_sorted[undo]
         else:  # nothing routed here; still part of the graph, so the backward exchange runs
             out = rows[:0]
         t0 = time.perf_counter()
-        y_sorted = all_to_all(out, recv, send, self.traffic, "tokens")
+        y_sorted = exchange(out, recv, send, back, self.world, self.traffic)
         self.comm_s += time.perf_counter() - t0
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)

@@ -75,6 +75,7 @@ def train_distributed(
     host_cache: int = 256 << 20,
     paradigm: str = "auto",
     credits: int | None = None,
+    hierarchical: bool = False,
     checkpoint_every: int = 0,
     resume: bool = False,
     metrics_path: PathLike | None = None,
@@ -98,6 +99,8 @@ def train_distributed(
     agree with the run's.
     ``paradigm``: ``token``, ``data`` or ``auto`` (per block, by Janus's ratio).
     ``credits``: the most pulled experts a rank may hold at once in data-centric blocks.
+    ``hierarchical``: token-centric exchanges in two stages, inside each node first (the
+    same numbers; fewer, larger messages between nodes).
     ``metrics_path``: one JSON object per step per rank, ``{path}.rank{r}``.
     ``on_phase(phase, step)`` is called at the points of a checkpoint (``snapshot``,
     ``manifest``).
@@ -124,7 +127,7 @@ def train_distributed(
         experts = OwnedExperts(store, cfg, world, world.device)
         tokens = tc.batch_size * tc.seq_len
         paradigms = choose_paradigms(cfg, paradigm, tokens, world)
-        source = ExpertParallel(world, cfg, experts, paradigms, credits)
+        source = ExpertParallel(world, cfg, experts, paradigms, credits, hierarchical)
         start, number, resharded = start_run(world, store, run, experts, cfg, global_tc, seed,
                                              resume, net, opt, sampler)
         loop = _Loop(world, store, run, net, opt, source, sampler, val_batches, cfg, tc,
