@@ -287,23 +287,14 @@ class ExpertParallel(ExpertSource):
         """One all-to-all carrying ``moves``' expert weights; received ones become this
         step's pulled leaves."""
         world, me = self.world, self.world.rank
-        outgoing = sorted((dst, e) for e, src, dst, _ in moves if src == me)
-        incoming = sorted((src, e) for e, src, dst, _ in moves if dst == me)
-        send = [0] * world.size
-        recv = [0] * world.size
-        for dst, _ in outgoing:
-            send[dst] += 1
-        for src, _ in incoming:
-            recv[src] += 1
         if not moves:  # the same on every rank: nobody calls the collective
             return
-        rows = [self._flat(own[e] if e in own else self.pulled[(layer, e)]) for _, e in outgoing]
-        buf = (torch.stack(rows) if rows
-               else torch.empty((0, self.expert_numel), device=self.owned.device))
-        t0 = time.perf_counter()
-        got = all_to_all_rows(buf, send, recv)
-        self.comm_s += time.perf_counter() - t0
-        self.traffic.add("experts", send, self.expert_numel * 4)
+        outgoing = sorted((dst, e) for e, src, dst, _ in moves if src == me)
+        incoming = sorted((src, e) for e, src, dst, _ in moves if dst == me)
+        got = self._exchange_rows(
+            [dst for dst, _ in outgoing], [src for src, _ in incoming],
+            [self._flat(own[e] if e in own else self.pulled[(layer, e)]) for _, e in outgoing],
+            "experts")
         for dst, e in outgoing:
             if world.node_of(dst) != world.node:
                 self.cross_pulls.append((layer, e, world.node_of(dst)))
@@ -325,20 +316,12 @@ class ExpertParallel(ExpertSource):
                      for e, src, dst, st in plan if st == stage]
             outgoing = sorted((to, layer, e) for layer, e, frm, to in moves if frm == me)
             incoming = sorted((frm, layer, e) for layer, e, frm, to in moves if to == me)
-            send, recv = [0] * world.size, [0] * world.size
-            for to, _, _ in outgoing:
-                send[to] += 1
-            for frm, _, _ in incoming:
-                recv[frm] += 1
             if not moves:
                 continue
-            rows = [self._pulled_grad(layer, e) for _, layer, e in outgoing]
-            buf = (torch.stack(rows) if rows
-                   else torch.empty((0, self.expert_numel), device=self.owned.device))
-            t0 = time.perf_counter()
-            got = all_to_all_rows(buf, send, recv)
-            self.comm_s += time.perf_counter() - t0
-            self.traffic.add("grads", send, self.expert_numel * 4)
+            got = self._exchange_rows([to for to, _, _ in outgoing],
+                                      [frm for frm, _, _ in incoming],
+                                      [self._pulled_grad(layer, e) for _, layer, e in outgoing],
+                                      "grads")
             for i, (frm, layer, e) in enumerate(incoming):
                 if world.node_of(frm) != world.node:
                     self.cross_grads.append((layer, e, world.node_of(frm)))
@@ -347,6 +330,23 @@ class ExpertParallel(ExpertSource):
                 for w, g in zip(target, self._unflat(got[i])):
                     w.grad = g.clone() if w.grad is None else w.grad.add_(g)
         self.pulled.clear()
+
+    def _exchange_rows(self, to: list[int], frm: list[int], rows: list[Tensor],
+                       what: str) -> Tensor:
+        """One all-to-all of expert-sized rows: ``rows[i]`` to rank ``to[i]`` (ascending);
+        returns the rows from ranks ``frm`` (ascending), in that order."""
+        send, recv = [0] * self.world.size, [0] * self.world.size
+        for r in to:
+            send[r] += 1
+        for r in frm:
+            recv[r] += 1
+        buf = (torch.stack(rows) if rows
+               else torch.empty((0, self.expert_numel), device=self.owned.device))
+        t0 = time.perf_counter()
+        got = all_to_all_rows(buf, send, recv)
+        self.comm_s += time.perf_counter() - t0
+        self.traffic.add(what, send, self.expert_numel * 4)
+        return got
 
     def _pulled_grad(self, layer: int, e: int) -> Tensor:
         ws = self.pulled[(layer, e)]
