@@ -26,7 +26,7 @@ def bench() -> None:
 @click.option("--quick", is_flag=True,
               help="4 and 64 MiB entries, 8 threads, O_DIRECT only, 256 MiB per figure: about "
                    "a minute.")
-@click.option("--blocks", default="64KiB,1MiB,4MiB,16MiB,64MiB", show_default=True,
+@click.option("--blocks", default="256KiB,1MiB,4MiB,16MiB,64MiB", show_default=True,
               help="Comma-separated entry sizes.")
 @click.option("--threads", default="1,8", show_default=True,
               help="Comma-separated I/O thread counts (NVMe and PMem tiers).")
@@ -34,15 +34,17 @@ def bench() -> None:
               help="Bytes moved per measurement.")
 @click.option("--tiers", "tiers", default="nvme,pmem,host,gpu", show_default=True,
               help="Comma-separated tiers: nvme, pmem, host (cache hits), gpu (if CUDA).")
-@click.option("--engines", default="posix-direct,posix-buffered", show_default=True,
-              help="NVMe I/O engines. Add kvikio where CUDA and kvikio are present (reads "
+@click.option("--engines", default="auto,posix-direct", show_default=True,
+              help="NVMe I/O engines (auto: Linux AIO where it runs; posix-direct: the "
+                   "thread-pool fallback; posix-buffered). Add kvikio where CUDA and kvikio are present (reads "
                    "into host memory with its threads and direct I/O set from the store's; "
                    "the store's `auto` never picks it, as it is unmeasured).")
 @click.option("--pmem-dir", type=click.Path(file_okay=False),
               help="Directory for the PMem pool (a DAX mount such as /mnt/pmem0 in production; "
                    "default: the scratch directory).")
-@click.option("--repeat", "repeats", default=3, show_default=True,
-              help="NVMe: store and fio measured in turn this many times; medians reported.")
+@click.option("--repeat", "repeats", default=5, show_default=True,
+              help="NVMe: store and ceilings measured in turn this many times; medians "
+                   "reported.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
               help="Write a PNG: GB/s against entry size per tier, ceilings dashed.")
@@ -50,8 +52,8 @@ def bench_tiers(store: str | None, quick: bool, blocks: str, threads: str, total
                 tiers: str, engines: str, pmem_dir: str | None, repeats: int,
                 json_out: str | None, plot_out: str | None) -> None:
     """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
-    run: NVMe through the store's engines against fio on the same file with the same request
-    size, threads and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy; host cache
+    run: NVMe through the store's engines against fio (psync, and io_uring at queue depth 32)
+    and DeepNVMe on the same file with the same request size and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy; host cache
     hits against memcpy; host<->device against plain pinned copies."""
     from tierstore.bench.tiers import run_tiers
 
@@ -312,5 +314,75 @@ def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: str
     def go() -> None:
         run_daemon_bench(store, entry_bytes=entry_bytes, entries=entries, clients=counts,
                          gets=gets, repeat=repeat, json_out=json_out, echo=click.echo)
+
+    _run(go)
+
+
+@bench.command(name="dist")
+@click.option("--model", "presets", default="tiny", show_default=True,
+              help="Comma-separated model presets (tiny, small, ...).")
+@click.option("--batch-sizes", default="2,8,32", show_default=True,
+              help="Comma-separated per-rank batch sizes (sequences per rank per step).")
+@click.option("--seq-len", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per sequence.")
+@click.option("--steps", default=4, show_default=True, type=click.IntRange(min=2),
+              help="Steps per run; the first is not timed.")
+@click.option("--worlds", default="1,2,4", show_default=True,
+              help="Comma-separated worlds: W (1: one rank; even W: two nodes of W/2 ranks) "
+                   "or NODESxRANKS, e.g. 2x2.")
+@click.option("--paradigms", default="token,data", show_default=True,
+              help="Comma-separated paradigms: token, data, and token-2stage (token-centric "
+                   "with the two-stage all-to-all, --hierarchical-a2a; run on worlds of several "
+                   "nodes of several ranks only).")
+@click.option("--host-cache", type=SIZE, default="128MiB", show_default=True,
+              help="Each node daemon's host cache.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Compute threads per rank (OMP_NUM_THREADS).")
+@click.option("--peer", type=click.Choice(["deepspeed"]),
+              help="Also train the same MoE in DeepSpeed (one process, states on NVMe) and "
+                   "report it beside the W=1 rows, or why it cannot run.")
+@click.option("--peer-batch", type=click.IntRange(min=1),
+              help="The per-step batch of the --peer run [8 if among --batch-sizes, else the "
+                   "first].")
+@click.option("--store", "scratch", type=click.Path(file_okay=False),
+              help="Scratch directory for the node stores (default: a temporary directory "
+                   "here, removed afterwards).")
+@click.option("--timeout", default=600.0, show_default=True,
+              help="Seconds one configuration may run before it is stopped.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+def bench_dist(presets: str, batch_sizes: str, seq_len: int, steps: int, worlds: str,
+               paradigms: str, host_cache: int, threads: int, peer: str | None,
+               peer_batch: int | None, scratch: str | None, timeout: float,
+               json_out: str | None) -> None:
+    """Distributed training on this machine: bytes moved between ranks per step, token- and
+    data-centric, split intra-node/cross-node and tokens/experts/gradients, beside Janus's
+    formula (R, and its cross-node volumes, an upper bound for data-centric), and step time
+    and peak RSS at each world size.
+
+    Every configuration is a real run: one torchrun agent per "node" (127.0.0.1, gloo), each
+    node with its own store and daemon. The byte counts are exact; the step times share this
+    machine's cores between every rank and daemon, so they show overhead, not scaling.
+
+    \b
+    tierstore bench dist --model tiny,small --batch-sizes 2,8,32 --worlds 1,2,4 \\
+        --paradigms token,data,token-2stage --steps 4 --peer deepspeed --json dist.json"""
+    from tierstore.bench.dist import run_dist_bench
+
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",") if b]
+    except ValueError:
+        raise click.UsageError("--batch-sizes is a comma-separated list of integers") from None
+
+    def go() -> int:
+        try:
+            result = run_dist_bench(
+                [p for p in presets.split(",") if p], sizes, seq_len, steps,
+                [w for w in worlds.split(",") if w], [p for p in paradigms.split(",") if p],
+                host_cache=host_cache, threads=threads, scratch=scratch, peer=peer,
+                peer_batch=peer_batch, json_out=json_out, timeout=timeout, echo=click.echo)
+        except ValueError as e:
+            click.echo(f"tierstore bench dist: {e}", err=True)
+            return 2
+        return 1 if any("error" in r for r in result["rows"]) else 0
 
     _run(go)

@@ -10,11 +10,14 @@ PMem tier: the same ``put_many``/``get_many`` on a pmem-backed store, beside
 
 NVMe tier: the store writes ``n`` entries of a block size with ``put_many`` (copy-on-write,
 fdatasync, one commit) and reads them back with ``get_many`` (crc32c-verified). Beside each,
-fio runs on the same slab file with the request size the store issues (the entry, cut into
-the store's chunks), the same number of threads and the same O_DIRECT flag: fio reads the
-region the entries occupy and writes a never-written part of the slab, ending with an fsync
-as the store does. Both sides are timed in their steady state (see :func:`measure_nvme`).
-The ratio store/fio is the figure of merit. Where CUDA, kvikio and ``gdsio`` are present,
+in the same run and on the same slab file, three ceilings: fio ``psync`` with a job per I/O
+thread, fio ``io_uring`` (``libaio`` where io_uring is unavailable) at queue depth 32, both
+with the request size the store issues (the entry, cut into the store's chunks) and the same
+O_DIRECT flag, and DeepSpeed's DeepNVMe ``aio_handle`` (1 MiB blocks, queue depth 32, page-
+locked buffers; :mod:`bench.deepnvme`) where deepspeed is installed. They read the region the
+entries occupy and write never-written parts of the slab, ending with an fsync as the store
+does. All sides are timed in their steady state (see :func:`measure_nvme`). The store's
+ratio to the best ceiling is the figure of merit. Where CUDA, kvikio and ``gdsio`` are present,
 the same measurement runs with the kvikio engine against gdsio (GPUDirect Storage) as the
 ``gds`` rows. Those rows are not like for like, and say so: the store reads into host
 memory (it never hands the medium a device buffer, see :mod:`nvme.engines`), gdsio reads
@@ -44,15 +47,20 @@ import tierstore
 CHUNK = 8 << 20
 
 
-def _fio(path: str, op: str, bs: int, threads: int, offset: int, span: int, direct: bool) -> float:
-    """fio bandwidth in GB/s over ``span`` bytes of ``path`` from ``offset``: ``threads`` jobs,
-    each reading (or writing) its own contiguous share in ``bs`` requests with ``psync``: as
-    many requests in flight as the store's I/O threads issue. fio's bandwidth counts from its first request to the last
-    job's last one; its buffers are allocated (and faulted in) before that."""
-    per_job = max(bs, span // threads // bs * bs)
+def _fio(path: str, op: str, bs: int, threads: int, offset: int, span: int, direct: bool,
+         ioengine: str = "psync") -> float:
+    """fio bandwidth in GB/s over ``span`` bytes of ``path`` from ``offset``. With ``psync``:
+    ``threads`` jobs, each reading (or writing) its own contiguous share in ``bs`` requests,
+    as many in flight as the store's I/O threads issue. With ``libaio`` or ``io_uring``: one
+    job at queue depth 32. fio's bandwidth counts from its first request to the last job's
+    last one; its buffers are allocated (and faulted in) before that."""
+    jobs = threads if ioengine == "psync" else 1
+    per_job = max(bs, span // jobs // bs * bs)
+    depth = [] if ioengine == "psync" else ["--iodepth=32", "--iodepth_batch_submit=8",
+                                              "--iodepth_batch_complete_min=1"]
     cmd = [
         "fio", "--name=ceiling", f"--filename={path}", f"--rw={op}", f"--bs={bs}",
-        f"--direct={int(direct)}", "--ioengine=psync", f"--numjobs={threads}",
+        f"--direct={int(direct)}", f"--ioengine={ioengine}", f"--numjobs={jobs}", *depth,
         f"--offset={offset}", f"--size={per_job}", f"--offset_increment={per_job}",
         "--group_reporting", "--output-format=json", "--allow_file_create=0",
         # Buffered reads start cold on both sides: the store's are preceded by
@@ -100,10 +108,10 @@ def gds_unavailable() -> str | None:
 
 def engine_reads_direct(engine: str, described: str = "") -> bool:
     """Whether the store's reads through ``engine`` bypass the page cache: POSIX O_DIRECT
-    does; kvikio does only if the installed version took ``auto_direct_io_read``, which the
-    store's ``describe()`` (``described``) reports."""
-    if engine == "posix-direct":
-        return True
+    and AIO (``auto`` is one of them) do; kvikio does only if the installed version took
+    ``auto_direct_io_read``, which the store's ``describe()`` (``described``) reports."""
+    if engine in ("posix-direct", "aio", "auto"):
+        return "refused by the filesystem" not in described
     return engine == "kvikio" and "reads direct I/O" in described
 
 
@@ -183,77 +191,145 @@ def _row(tier: str, op: str, engine: str, block: int, threads: int, gbps: float,
     }
 
 
+def _fio_queue_engine() -> str:
+    """fio's deep-queue engine here: io_uring where fio has it and the kernel allows it,
+    else libaio."""
+    global _FIO_QUEUE
+    if _FIO_QUEUE is None:
+        _FIO_QUEUE = "libaio"
+        with tempfile.NamedTemporaryFile(dir=os.getcwd()) as f:
+            f.truncate(1 << 20)
+            try:
+                _fio(f.name, "read", 4096, 1, 0, 1 << 20, False, "io_uring")
+                _FIO_QUEUE = "io_uring"
+            except (subprocess.CalledProcessError, ValueError, KeyError):
+                pass
+    return _FIO_QUEUE
+
+
+_FIO_QUEUE: str | None = None
+
+
+def nvme_ceilings(ceiling: str, bs: int, threads: int, direct: bool, span: int
+                  ) -> tuple[dict[str, Callable[[str, str, int, int], float]], list[Any]]:
+    """The ceilings measured beside the store, by name: ``fn(path, op, offset, span)`` gives
+    GB/s. For ``fio``: fio psync with a job per thread, fio io_uring (or libaio) at queue
+    depth 32, and DeepNVMe's ``aio_handle`` where deepspeed is installed. Also returns what
+    must be closed afterwards."""
+    if ceiling == "gdsio":
+        return {"gdsio GDS": lambda path, op, off, n: _gdsio(path, op, bs, threads, n)}, []
+    queue = _fio_queue_engine()
+    out: dict[str, Callable[[str, str, int, int], float]] = {
+        "fio psync": lambda path, op, off, n: _fio(path, op, bs, threads, off, n, direct),
+        f"fio {queue} qd32": lambda path, op, off, n: _fio(path, op, bs, threads, off, n,
+                                                           direct, queue),
+    }
+    closers: list[Any] = []
+    from . import deepnvme
+
+    if direct and deepnvme.unavailable() is None:
+        peer = deepnvme.DeepNVMe(span)
+        closers.append(peer)
+        out["DeepNVMe aio_handle"] = peer.gbps
+    return out, closers
+
+
+def _rss() -> tuple[float, float]:
+    """(peak, current) resident set size of this process in MB."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return round(peak, 1), round(now, 1)
+
+
 def measure_nvme(
     root: str, engine: str, block: int, threads: int, total: int, repeats: int = 3,
     ceiling: str = "fio",
 ) -> list[dict[str, Any]]:
-    """Store and its ceiling (fio, or gdsio for the kvikio engine's GDS rows) on the same
-    slab file, same request size, threads and O_DIRECT flag; medians over ``repeats`` fresh
-    stores.
+    """Store and its ceilings (see :func:`nvme_ceilings`; gdsio for the kvikio engine's GDS
+    rows) on the same slab file, same request size and O_DIRECT flag; medians over
+    ``repeats`` fresh stores, and the store's ratio to the best ceiling.
 
     Writes: the store's second ``put_many`` of ``n`` entries (the first, untimed, sets up its
-    staging buffers as fio sets up its own before timing), then the ceiling writing as many
-    bytes into the slab's never-written last third, ending with an fsync as the store's
-    fdatasync. Reads: one
-    untimed store pass (so the store reads into memory it already has, as fio reads into
-    buffers allocated before its clock starts), then store and ceiling read the same region
-    twice each in the order A B B A, with A alternating between rounds, so a drift of the
-    shared disk during the round lands on both sides alike."""
+    staging buffers as fio sets up its own before timing), then each ceiling writing as many
+    bytes into a never-written region of the slab of its own, ending with an fsync as the
+    store's fdatasync. Reads: one untimed store pass (so the store reads into memory it
+    already has, as fio reads into buffers allocated before its clock starts), then the
+    store and every ceiling read the same region, in an order reversed every round and
+    rotated between repeats, so a drift of the shared disk lands on all sides alike."""
     n = max(threads, total // block)
     path = os.path.join(root, f"{engine}-{ceiling}-{block}")
     direct = engine_reads_direct(engine)  # kvikio: settled once its store says (below)
     bs = min(block, CHUNK)
-    runs: dict[str, dict[str, list[float]]] = {op: {"store": [], "ceiling": []}
-                                               for op in ("write", "read")}
     lat: dict[str, list[float]] = {"write": [], "read": []}
     data = torch.randint(0, 255, (block,), dtype=torch.uint8)
     names = [f"bench.experts.{i}.w" for i in range(n)]
-
-    def outside(op: str, slab: str, offset: int, span: int) -> float:
-        if ceiling == "gdsio":
-            return _gdsio(slab, op, bs, threads, span)
-        return _fio(slab, op, bs, threads, offset, span, direct)
+    runs: dict[str, dict[str, list[float]]] = {}
+    described = engine
+    rss: list[tuple[float, float]] = []
 
     for r in range(repeats):  # a fresh store each time: same free layout, same slab state
-        with tierstore.open(path, create=True, engine=engine, io_threads=threads,
-                            host_cache=0, slab_size=3 * n * block + (64 << 20),
-                            chunk_size=CHUNK) as st:
-            # The untimed first put_many faults in the store's staging buffers (fio's are
-            # set up before its clock starts); the timed one copies-on-write into the next
-            # never-written third of the slab, and fio writes the last third.
-            direct = engine_reads_direct(engine, st.describe())
-            _store_write(st, names, data)
-            runs["write"]["store"].append(_store_write(st, names, data))
-            infos = [st.info(name) for name in names]
-            slab = infos[0].path
-            # kvikio's direct reads are a request that its version may ignore: drop the page
-            # cache for it regardless, so a cached read is never counted as a disk read.
-            paths = {slab} if not direct or engine == "kvikio" else set()
-            used = (min(i.offset for i in infos) // bs * bs, max(i.offset + block for i in infos))
-            runs["write"]["ceiling"].append(
-                outside("write", slab, -(-used[1] // bs) * bs, n * block))
-            _store_read(st, names, block, paths)
-            sides = ["store", "ceiling"] if r % 2 == 0 else ["ceiling", "store"]
-            for side in sides + sides[::-1]:
-                if side == "store":
-                    runs["read"]["store"].append(_store_read(st, names, block, paths))
-                else:
-                    runs["read"]["ceiling"].append(
-                        outside("read", slab, used[0], (used[1] - used[0]) // bs * bs))
-            got = _latencies(st, names, data)
-        shutil.rmtree(path, ignore_errors=True)
+        ceilings, closers = nvme_ceilings(ceiling, bs, threads, direct, n * block)
+        regions = 2 + len(ceilings)
+        try:
+            with tierstore.open(path, create=True, engine=engine, io_threads=threads,
+                                host_cache=0, slab_size=regions * n * block + (64 << 20),
+                                chunk_size=CHUNK) as st:
+                described = st.describe().split(": ", 1)[-1]
+                direct = engine_reads_direct(engine, st.describe())
+                for op in ("write", "read"):
+                    runs.setdefault(op, {}).setdefault("store", [])
+                    for name in ceilings:
+                        runs[op].setdefault(name, [])
+                _store_write(st, names, data)  # region 0, untimed
+                runs["write"]["store"].append(_store_write(st, names, data))  # region 1
+                infos = [st.info(name) for name in names]
+                slab = infos[0].path
+                # kvikio's direct reads are a request that its version may ignore: drop
+                # the page cache for it regardless, so a cached read is never counted.
+                paths = {slab} if not direct or engine == "kvikio" else set()
+                used = (min(i.offset for i in infos) // bs * bs,
+                        max(i.offset + block for i in infos))
+                fresh = -(-used[1] // bs) * bs
+                for j, (name, fn) in enumerate(ceilings.items()):
+                    runs["write"][name].append(fn(slab, "write", fresh + j * n * block, n * block))
+                _store_read(st, names, block, paths)
+                sides = ["store", *ceilings]
+                sides = sides[r % len(sides):] + sides[: r % len(sides)]
+                for side in sides + sides[::-1]:
+                    if side == "store":
+                        runs["read"]["store"].append(_store_read(st, names, block, paths))
+                    else:
+                        span = (used[1] - used[0]) // bs * bs
+                        runs["read"][side].append(ceilings[side](slab, "read", used[0], span))
+                got = _latencies(st, names, data)
+                rss.append(_rss())
+        finally:
+            for c in closers:
+                c.close()
+            shutil.rmtree(path, ignore_errors=True)
         for op in ("write", "read"):
             lat[op] += got[op]
-    name = "fio psync" if ceiling == "fio" else "gdsio GDS"
     tier = "nvme" if ceiling == "fio" else "gds"
-    extra: dict[str, Any] = {"direct": direct}
+    extra: dict[str, Any] = {"direct": direct, "engine_described": described,
+                             "peak_rss_mb": max(p for p, _ in rss),
+                             "rss_mb": max(c for _, c in rss)}
     if ceiling == "gdsio":
         extra["compares"] = "store into host memory vs gdsio into device memory"
-    return [_row(tier, op, engine, block, threads, statistics.median(runs[op]["store"]),
-                 lat[op], statistics.median(runs[op]["ceiling"]), name, repeats=repeats, **extra,
-                 store_runs=[round(x, 3) for x in runs[op]["store"]],
-                 ceiling_runs=[round(x, 3) for x in runs[op]["ceiling"]])
-            for op in ("write", "read")]
+    rows = []
+    for op in ("write", "read"):
+        medians = {name: statistics.median(v) for name, v in runs[op].items() if name != "store"}
+        best = max(medians, key=lambda k: medians[k])
+        rows.append(_row(
+            tier, op, engine, block, threads, statistics.median(runs[op]["store"]), lat[op],
+            medians[best], best, repeats=repeats, **extra,
+            ceilings={k: round(v, 3) for k, v in medians.items()},
+            store_runs=[round(x, 3) for x in runs[op]["store"]],
+            ceiling_runs={k: [round(x, 3) for x in v] for k, v in runs[op].items()
+                          if k != "store"}))
+    return rows
 
 
 def measure_pmem(
@@ -389,7 +465,7 @@ def run_tiers(
     total: int,
     json_out: str | None,
     *,
-    engines: tuple[str, ...] = ("posix-direct", "posix-buffered"),
+    engines: tuple[str, ...] = ("auto", "posix-direct"),
     tiers: tuple[str, ...] = ("nvme", "pmem", "host", "gpu"),
     pmem_dir: str | None = None,
     plot_out: str | None = None,
@@ -425,6 +501,12 @@ def run_tiers(
                 plan.append(("gpu", "", block, 1))
             if "gpu" in tiers and gds is None:
                 plan += [("gds", "kvikio", block, t) for t in threads]
+        if "nvme" in tiers:
+            from . import deepnvme
+
+            why = deepnvme.unavailable()
+            if why is not None:
+                notes.append(f"DeepNVMe ceiling: not measured ({why})")
         for tier, engine, block, t in tqdm(plan, desc="bench tiers", disable=None):
             if tier == "nvme":
                 rows += measure_nvme(root, engine, block, t, total, repeats)
@@ -442,6 +524,8 @@ def run_tiers(
     echo(f"{'tier':5} {'op':5} {'engine':15} {'block':>9} {'thr':>3} {'GB/s':>7} "
          f"{'ceiling':>20} {'GB/s':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
+        if r["tier"] == "nvme" and r["engine"] == "auto":  # say what auto picked
+            r["engine"] = "auto=" + r["engine_described"].split(" ", 1)[0]
         echo(f"{r['tier']:5} {r['op']:5} {r['engine'][:15]:15} "
              f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} {r['gbps']:7.3f} "
              f"{r['ceiling']:>20} {r['ceiling_gbps']:7.3f} {r['ratio']:6.2f} "

@@ -1,5 +1,6 @@
 """NVMe backing tier: copy-on-write slab files and the I/O engines that move their bytes."""
 
+from .aio import AioEngine, BatchError
 from .buffers import (
     ALIGNMENT,
     IDLE_READ_BUFFER_BYTES,
@@ -20,6 +21,8 @@ from .engines import (
 from .slabs import SlabMedium, fsync_dir, holds_data, orphan_slabs
 
 __all__ = [
+    "AioEngine",
+    "BatchError",
     "ALIGNMENT",
     "ENGINES",
     "FileHandle",

@@ -22,6 +22,24 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
     return raw[skip : skip + nbytes]
 
 
+HUGE_PAGE = 2 << 20
+SHEAF_BYTES = 8 << 20  # read buffers under HUGE_PAGE are carved from arrays this large
+
+
+def huge_empty(nbytes: int) -> np.ndarray:
+    """:func:`aligned_empty` on a 2 MiB boundary, where transparent huge pages can back it.
+
+    numpy asks for huge pages (``madvise(MADV_HUGEPAGE)``) on arrays of 4 MiB and more, but
+    the kernel only uses them for 2 MiB-aligned ranges. An O_DIRECT read into huge pages
+    pins one page instead of 512 and reaches the device as fewer segments: into 256 KiB
+    buffers on 4 KiB pages the disk here read at 0.7 of the rate into huge pages. The
+    up to 2 MiB skipped at the front is address space only: it is never touched.
+    """
+    if nbytes < HUGE_PAGE:
+        return aligned_empty(nbytes)
+    return aligned_empty(nbytes, HUGE_PAGE)
+
+
 def is_aligned(buf: np.ndarray, alignment: int = ALIGNMENT) -> bool:
     return buf.ctypes.data % alignment == 0 and buf.nbytes % alignment == 0
 
@@ -42,7 +60,7 @@ class StagingPool:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return aligned_empty(self.nbytes)
+        return huge_empty(self.nbytes)
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
@@ -90,6 +108,7 @@ class RecycledBuffers:
 
         self.keep_bytes, self.min_bytes = keep_bytes, min_bytes
         self._idle: dict[int, list[np.ndarray]] = {}
+        self._spare: dict[int, list[np.ndarray]] = {}  # untouched sheaf buffers (_fresh)
         self._idle_bytes = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -110,13 +129,36 @@ class RecycledBuffers:
                 raw = free.pop()
                 self._idle_bytes -= nbytes
                 self.reused += 1
+            if raw is None:
+                spare = self._spare.get(nbytes)
+                if spare:
+                    raw = spare.pop()
         if raw is None:
-            raw = aligned_empty(nbytes)
+            raw = self._fresh(nbytes)
         return np.asarray(_Lease(self, raw))
+
+    def _fresh(self, nbytes: int) -> np.ndarray:
+        """A new buffer on huge pages (see :func:`huge_empty`). One under 2 MiB is cut from
+        a sheaf of its size; the sheaf's other buffers are spares for the next takes. Spares
+        were never touched, so they cost address space, not memory, and are not counted as
+        idle bytes. A sheaf is freed when none of its buffers is in use, idle or spare; so
+        that buffers dropped for want of idle room do not keep theirs alive, their size's
+        spares are dropped with them."""
+        step = -(-nbytes // ALIGNMENT) * ALIGNMENT
+        count = SHEAF_BYTES // step
+        if nbytes >= HUGE_PAGE or count < 2:
+            return huge_empty(nbytes)
+        sheaf = huge_empty(count * step)
+        bufs = [sheaf[i * step : i * step + nbytes] for i in range(count)]
+        with self._lock:
+            if not self._closed:
+                self._spare[nbytes] = bufs[:0:-1]
+        return bufs[0]
 
     def _give(self, raw: np.ndarray) -> None:
         with self._lock:
             if self._closed or self._idle_bytes + raw.nbytes > self.keep_bytes:
+                self._spare.pop(raw.nbytes, None)
                 return
             self._idle.setdefault(raw.nbytes, []).append(raw)
             self._idle_bytes += raw.nbytes
@@ -126,4 +168,5 @@ class RecycledBuffers:
         with self._lock:
             self._closed = True
             idle, self._idle, self._idle_bytes = self._idle, {}, 0
+            self._spare.clear()
         idle.clear()

@@ -8,8 +8,11 @@ engine decides the open flags (O_DIRECT) and, for kvikio, owns a ``CuFile`` hand
   released for the system call, so threads give real queue depth). With ``direct=True`` it
   opens files with ``O_DIRECT`` and falls back to buffered I/O per file where the filesystem
   refuses it (tmpfs, some overlay filesystems).
+- :class:`nvme.aio.AioEngine` (Linux native AIO through libaio) keeps up to 32 requests in
+  flight per batch with one ``io_submit`` and one ``io_getevents`` per round, and no thread
+  per request; ``auto`` picks it wherever it runs, this thread-pool engine elsewhere.
 - :class:`KvikioEngine` uses kvikio's ``CuFile``. It runs only when asked for by name:
-  ``auto`` always picks POSIX O_DIRECT. Nothing has measured kvikio against POSIX on this
+  ``auto`` never picks it. Nothing has measured kvikio against POSIX on this
   project's workloads, and the store only ever hands the medium host buffers (cache slots,
   staging buffers), for which kvikio either goes through its POSIX path (compat mode, or
   cuFile's own fallback for host memory) or bounces through device memory: there is no
@@ -283,7 +286,7 @@ def _kvikio_compat_mode(kvikio: Any) -> str:
     return "unknown"
 
 
-ENGINES = ("auto", "posix-direct", "posix-buffered", "kvikio")
+ENGINES = ("auto", "aio", "posix-direct", "posix-buffered", "kvikio")
 
 
 def cuda_and_kvikio() -> bool:
@@ -297,14 +300,24 @@ def cuda_and_kvikio() -> bool:
 
 
 def resolve_engine(name: str = "auto") -> str:
-    """The engine ``name`` stands for: ``auto`` is POSIX O_DIRECT, everywhere. kvikio runs
-    only when named: it has not been measured faster (see the module docstring)."""
-    return "posix-direct" if name == "auto" else name
+    """The engine ``name`` stands for. ``auto`` is Linux AIO (:mod:`nvme.aio`: batched,
+    queue depth 32, O_DIRECT) where libaio loads and the kernel allows ``io_setup``, and
+    POSIX O_DIRECT on a thread pool elsewhere. kvikio runs only when named: it has not been
+    measured faster (see the module docstring)."""
+    if name != "auto":
+        return name
+    from .aio import unavailable
+
+    return "aio" if unavailable() is None else "posix-direct"
 
 
 def make_engine(name: str = "auto", threads: int = 8) -> PosixEngine:
     """The engine called ``name`` (``"auto"``: see :func:`resolve_engine`)."""
     name = resolve_engine(name)
+    if name == "aio":
+        from .aio import AioEngine
+
+        return AioEngine(threads)
     if name == "kvikio":
         return KvikioEngine(threads)
     if name in ("posix-direct", "posix"):

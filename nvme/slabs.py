@@ -12,7 +12,7 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from .engines import FileHandle, PosixEngine, make_engine
@@ -144,6 +144,21 @@ class SlabMedium:
 
     def pwrite(self, seg: int, offset: int, buf: memoryview) -> Future[int]:
         return self.engine.pwrite(self._file(seg), buf, offset)
+
+    @property
+    def batched(self) -> bool:
+        """Whether :meth:`run` takes whole batches (the AIO engine) rather than the store
+        issuing requests one by one on its own threads."""
+        return hasattr(self.engine, "run")
+
+    def run(self, requests: Iterable[tuple[int, int, int, int, bool]],
+            done: Callable[[int], object] | None = None) -> int:
+        """Carry out ``(seg, offset, address, nbytes, write)`` requests as one batch (see
+        :meth:`nvme.aio.AioEngine.run`); only where :attr:`batched`."""
+        files = self._file
+        return self.engine.run(  # type: ignore[attr-defined]
+            ((files(seg), addr, nbytes, offset, write)
+             for seg, offset, addr, nbytes, write in requests), done)
 
     def read(self, seg: int, offset: int, buf: memoryview) -> None:
         self.engine.read(self._file(seg), buf, offset)

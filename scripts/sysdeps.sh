@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# System packages the tests and benchmarks use: fio (the benchmarks' ceiling) and PMDK's
-# libpmem (the persistent-memory tier). Installed with apt-get when running as root.
+# System packages the tests and benchmarks use: fio (the benchmarks' ceiling), PMDK's
+# libpmem (the persistent-memory tier) and libaio (the NVMe tier's AIO engine, loaded with
+# ctypes; its headers let deepspeed's DeepNVMe op build for the benchmarks' ceiling).
+# Installed with apt-get when running as root.
 set -euo pipefail
 missing=()
 command -v fio >/dev/null 2>&1 || missing+=(fio)
 ldconfig -p 2>/dev/null | grep -q 'libpmem\.so\.1 ' || missing+=(libpmem1)
+[ -e /usr/include/libaio.h ] && ldconfig -p 2>/dev/null | grep -q 'libaio\.so\.1 ' \
+    || missing+=(libaio-dev)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing ${missing[*]} ..." >&2

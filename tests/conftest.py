@@ -1,8 +1,10 @@
 """Shared test setup.
 
 - ``gpu`` marker: tests marked ``@pytest.mark.gpu`` are skipped where CUDA is absent.
-- ``backing``: every store test runs once per backing tier (``nvme``, ``pmem``); select one
-  with ``-k "not pmem"`` and so on.
+- ``backing``: every store test runs once per backing tier (``nvme``, ``pmem``), and the
+  NVMe tier once more on the fallback I/O engine: ``nvme`` opens stores with the engine
+  ``auto`` picks (Linux AIO where it runs), ``nvme-posix`` with the thread-pool engine.
+  The fixture's value is the tier (``nvme`` for both); select with ``-k "not pmem"`` etc.
 - ``make_store``: a factory that opens stores on the parametrized backing, closes them at
   teardown and then deletes their files (slabs and pools are preallocated: hundreds of
   tests would otherwise leave gigabytes behind in pytest's retained temp directories);
@@ -26,7 +28,8 @@ import torch
 
 import tierstore
 
-BACKINGS = ("nvme", "pmem")
+BACKINGS = ("nvme", "nvme-posix", "pmem")
+ENGINE_OF = {"nvme-posix": "posix-direct"}  # engines besides auto's, by test id
 
 # Options that only mean something to one backing; make_store drops the other backing's.
 _NVME_ONLY = {"slab_size"}
@@ -44,7 +47,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(params=BACKINGS)
 def backing(request: pytest.FixtureRequest) -> str:
-    return request.param
+    return str(request.param).split("-")[0]
+
+
+def engine_of(request: pytest.FixtureRequest) -> str | None:
+    """The I/O engine the test's ``backing`` id names (None: what ``auto`` picks)."""
+    params = getattr(request.node, "callspec", None)
+    return ENGINE_OF.get(params.params.get("backing", "")) if params else None
 
 
 def backing_options(backing: str, path: Path, default_pool: Path | None = None) -> dict[str, Any]:
@@ -65,8 +74,9 @@ class StoreFactory:
     so one call serves both backings.
     """
 
-    def __init__(self, backing: str, tmp_path: Path) -> None:
+    def __init__(self, backing: str, tmp_path: Path, engine: str | None = None) -> None:
         self.backing = backing
+        self.engine = engine
         self.tmp_path = tmp_path
         self.default_path = tmp_path / "store"
         self.opened: list[tierstore.Store] = []
@@ -76,6 +86,8 @@ class StoreFactory:
         p = Path(path) if path is not None else self.default_path
         pool = self.tmp_path / "pool" if p == self.default_path else None
         opts = backing_options(self.backing, p, pool)
+        if self.engine is not None and self.backing == "nvme":
+            opts["engine"] = self.engine
         opts.update(kw)
         drop = _PMEM_ONLY if self.backing == "nvme" else _NVME_ONLY
         return {k: v for k, v in opts.items() if k not in drop}
@@ -85,6 +97,8 @@ class StoreFactory:
     ) -> tierstore.Store:
         p = Path(path) if path is not None else self.default_path
         if reopen:
+            if self.engine is not None and self.backing == "nvme":
+                kw.setdefault("engine", self.engine)
             st = tierstore.open(p, **kw)
         else:
             opts = self.options(p, **kw)
@@ -114,8 +128,9 @@ def cache_kw(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 @pytest.fixture
-def make_store(backing: str, tmp_path: Path) -> Iterator[StoreFactory]:
-    factory = StoreFactory(backing, tmp_path)
+def make_store(backing: str, tmp_path: Path,
+               request: pytest.FixtureRequest) -> Iterator[StoreFactory]:
+    factory = StoreFactory(backing, tmp_path, engine_of(request))
     try:
         yield factory
     finally:

@@ -41,7 +41,8 @@ import tierstore
 
 pytestmark = pytest.mark.timeout(120)
 
-IMPLS = ("nvme-cache", "nvme-nocache", "pmem-cache", "pmem-nocache", "daemon-nvme",
+# nvme-*: the engine auto picks (Linux AIO where it runs); nvme-posix-*: the thread pool.
+IMPLS = ("nvme-cache", "nvme-nocache", "nvme-posix-nocache", "pmem-cache", "pmem-nocache", "daemon-nvme",
          "daemon-pmem")
 HOST_CACHE = "4MiB"  # local stores with a cache
 DAEMON_CACHE = "8MiB"
@@ -62,6 +63,7 @@ class Subject:
     def __init__(self, impl: str, root: Path) -> None:
         self.impl = impl
         self.backing = "pmem" if "pmem" in impl else "nvme"
+        self.engine = {"engine": "posix-direct"} if "posix" in impl else {}
         self.remote = impl.startswith("daemon")
         self.cached = self.remote or impl.endswith("-cache")
         self.root = root
@@ -93,9 +95,10 @@ class Subject:
     def _open(self, create: bool = False) -> Any:
         cache = HOST_CACHE if self.cached else 0
         if create:
-            st = tierstore.open(self.path, create=True, host_cache=cache, **self._options())
+            st = tierstore.open(self.path, create=True, host_cache=cache, **self.engine,
+                                **self._options())
         else:
-            st = tierstore.open(self.path, host_cache=cache)
+            st = tierstore.open(self.path, host_cache=cache, **self.engine)
         self.opened.append(st)
         return st
 

@@ -281,7 +281,8 @@ def test_failed_batch_leaves_no_write_in_flight(make_store, monkeypatch) -> None
     c = torch.full((1 << 18,), 2, dtype=torch.int32)  # same size: first fit offers a's space
     st.put("c", c)
     gate.set()
-    stale_done.wait(10)
+    if not getattr(medium, "batched", False):  # a batch writes nothing before all is allocated
+        stale_done.wait(10)
     monkeypatch.undo()
     assert torch.equal(st.get("c"), c)
     report = st.fsck()

@@ -103,7 +103,7 @@ def two_stage_rows(x: Tensor, m: list[list[int]], world: World,
             pieces.append(x[offsets[d]:offsets[d + 1]])
             send1[lo] += send[d]
     recv1 = [sum(m[node * size + s][n * size + lr] for n in range(nodes)) for s in range(size)]
-    row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
+    row_bytes = x.shape[1:].numel() * x.element_size()  # x may be empty yet forward rows
     if traffic is not None:
         traffic.add(what, [send1[r - node * size] if world.node_of(r) == node else 0
                            for r in range(world.size)], row_bytes)
@@ -169,8 +169,7 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         if ctx.traffic is not None:
-            ctx.traffic.add(ctx.what, ctx.recv, grad[0].numel() * grad.element_size()
-                            if grad.shape[0] else 0)
+            ctx.traffic.add(ctx.what, ctx.recv, grad.shape[1:].numel() * grad.element_size())
         return all_to_all_rows(grad.contiguous(), ctx.recv, ctx.send), None, None, None, None
 
 
@@ -179,7 +178,7 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], traffic: Traffic | N
     """The autograd-aware exchange (a plain one where no gradient is needed). ``traffic``
     counts the rows this rank sends, forward and backward."""
     if traffic is not None:
-        traffic.add(what, send, x[0].numel() * x.element_size() if x.shape[0] else 0)
+        traffic.add(what, send, x.shape[1:].numel() * x.element_size())
     if x.requires_grad:
         return AllToAll.apply(x, send, recv, traffic, what)  # type: ignore[no-any-return]
     return all_to_all_rows(x, send, recv)

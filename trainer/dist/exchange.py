@@ -179,9 +179,9 @@ class ExpertParallel(ExpertSource):
             m = back = None
             recv = exchange_counts(send, self.world)
         rows = exchange(x[order // k], send, recv, m, self.world, self.traffic)
-        got_ids = exchange(sorted_ids[:, None], send, recv, m, self.world)[:, 0]
+        # the expert id of each row, counted with the rows
+        got_ids = exchange(sorted_ids[:, None], send, recv, m, self.world, self.traffic)[:, 0]
         self.comm_s += time.perf_counter() - t0
-        self.traffic.add("tokens", send, 8)  # the expert id of each row
         # The owner's work: each expert on its rows, in the global batch's order.
         by_expert = torch.argsort(got_ids, stable=True)
         ids, counts = torch.unique_consecutive(got_ids[by_expert], return_counts=True)

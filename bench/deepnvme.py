@@ -1,0 +1,95 @@
+"""DeepSpeed's DeepNVMe (``aio_handle``, the libaio engine behind ZeRO-Infinity) as a
+ceiling for the NVMe tier, driven as a user comparing the two would.
+
+The handle moves bytes between a file and page-locked buffers it allocates itself, in
+``block_size`` requests with ``queue_depth`` in flight on ``intra_op_parallelism``
+threads. Reads and writes go through it ``PIECE`` bytes per call (the store's benchmark
+reads 256 MiB per ``get_many``); writes end with an fsync, as the store's end with an
+fdatasync. Its op compiles on first use against ``libaio-dev`` (``DS_ACCELERATOR=cpu``
+where there is no GPU); install deepspeed with the ``peers`` extra.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+BLOCK = 1 << 20
+QUEUE_DEPTH = 32
+PARALLELISM = 2
+PIECE = 256 << 20
+
+_op: Any = None
+_why: str | None = None
+
+
+def _load() -> Any:
+    """The compiled async_io op, or None (the reason is kept for :func:`unavailable`)."""
+    global _op, _why
+    if _op is not None or _why is not None:
+        return _op
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible(verbose=False):
+            _why = "deepspeed's async_io op cannot build here (is libaio-dev installed?)"
+            return None
+        _op = builder.load(verbose=False)
+    except ImportError:
+        _why = "deepspeed is not installed (pip install 'tierstore[peers]')"
+    except Exception as e:  # noqa: BLE001 (a failed JIT build: report it, skip the ceiling)
+        _why = f"deepspeed's async_io op failed to load: {str(e).splitlines()[0][:160]}"
+    return _op
+
+
+def unavailable() -> str | None:
+    """Why the DeepNVMe ceiling cannot run here, or None when it can."""
+    _load()
+    return _why
+
+
+class DeepNVMe:
+    """One ``aio_handle`` and a page-locked buffer of ``min(span, PIECE)`` bytes."""
+
+    def __init__(self, span: int, threads: int = PARALLELISM) -> None:
+        import torch
+
+        op = _load()
+        if op is None:
+            raise RuntimeError(_why)
+        self.handle = op.aio_handle(BLOCK, QUEUE_DEPTH, False, True, threads)
+        self.piece = min(span, PIECE)
+        self.buf = self.handle.new_cpu_locked_tensor(self.piece, torch.empty(0, dtype=torch.uint8))
+        self.buf.random_(0, 255)
+
+    def close(self) -> None:
+        self.handle.free_cpu_locked_tensor(self.buf)
+
+    def gbps(self, path: str, op: str, offset: int, span: int) -> float:
+        """GB/s of reading (or writing, then fsync) ``span`` bytes of ``path`` from
+        ``offset``."""
+        t0 = time.perf_counter()
+        done = 0
+        while done < span:
+            n = min(self.piece, span - done)
+            view = self.buf[:n]
+            if op == "read":
+                self.handle.async_pread(view, path, offset + done)
+            else:
+                self.handle.async_pwrite(view, path, offset + done)
+            if self.handle.wait() < 0:
+                raise OSError(f"DeepNVMe {op} of {path} failed")
+            done += n
+        if op == "write":
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return span / (time.perf_counter() - t0) / 1e9

@@ -1,0 +1,80 @@
+"""`tierstore bench dist` on the tiny preset at its smallest: W = 1 and W = 2 (two "nodes" of
+one rank, each with its own store and daemon), one batch size, 2 steps, both paradigms, as
+real torchrun runs. The traffic is checked against what each paradigm may move and against
+Janus's bound; timings are reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tierstore.trainer import PRESETS
+
+import tierstore
+
+pytestmark = pytest.mark.timeout(300)
+KINDS = ("tokens", "experts", "grads")
+WHERE = ("intra", "cross")
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "tierstore", "bench", "dist", *args],
+                          env=env, capture_output=True, text=True, timeout=280)
+
+
+def test_bytes_moved_per_paradigm_and_janus_bound(tmp_path: Path) -> None:
+    out = tmp_path / "dist.json"
+    scratch = tmp_path / "scratch"
+    done = _bench("--model", "tiny", "--batch-sizes", "2", "--seq-len", "32", "--steps", "2",
+                  "--worlds", "1,2", "--host-cache", "16MiB", "--store", str(scratch),
+                  "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[4/4] tiny B=2 W=2" in done.stdout  # progress
+    assert "meas/Janus" in done.stdout and "step ms" in done.stdout  # the tables
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["world"], r["paradigm"]) for r in rows}
+    assert got == {("1x1", "token"), ("1x1", "data"), ("2x1", "token"), ("2x1", "data")}
+    cfg = PRESETS["tiny"]
+    p_e = sum(a * b for a, b in cfg.expert_shapes().values())
+    for r in rows:
+        assert "error" not in r, r
+        assert r["steps"] == 2 and len(r["step_times_s"]) == 2
+        assert r["peak_rss_bytes"] > 0
+        assert all(d is not None and d > 0 for d in r["daemon_peak_rss_bytes"])
+        moved = {f"{k}_{w}": r[f"{k}_{w}_bytes"] for k in KINDS for w in WHERE}
+        if r["world_size"] == 1:
+            assert set(moved.values()) == {0}, moved  # nothing leaves a lone rank
+            continue
+        # two nodes of one rank: everything that moves crosses between nodes
+        assert moved["tokens_intra"] == moved["experts_intra"] == moved["grads_intra"] == 0
+        j = r["janus"]
+        # R = 2*H*T / (n*P_e*E), with T = B*S*k and E experts per rank
+        want = 2 * cfg.d_model * (2 * 32 * cfg.top_k) / (2 * p_e * (cfg.n_experts // 2))
+        assert j["R"] == pytest.approx(want)
+        if r["paradigm"] == "token":
+            assert moved["experts_cross"] == moved["grads_cross"] == 0
+            assert moved["tokens_cross"] > 0
+        else:
+            assert moved["tokens_cross"] == 0
+            assert 0 < moved["experts_cross"] <= j["experts_cross_bytes"]
+            assert r["max_step"]["experts_cross_bytes"] <= j["experts_cross_bytes"]
+            # every pulled expert's gradient goes back once
+            assert moved["grads_cross"] == moved["experts_cross"]
+            assert r["measured_ratio"] is not None
+    # every daemon was stopped, and the runs' stores removed
+    assert not any(scratch.glob("run*/node*.run/daemon.sock"))
+    for sock in scratch.glob("**/daemon.sock"):
+        with pytest.raises((OSError, tierstore.StoreError)):
+            tierstore.daemon_status(str(sock))
+
+
+def test_a_world_the_experts_do_not_split_over_is_refused_in_one_line() -> None:
+    done = _bench("--model", "tiny", "--worlds", "3", "--steps", "2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "tierstore bench dist: tiny's 8 experts do not split over world 3 (3 ranks)"]

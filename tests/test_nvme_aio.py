@@ -1,0 +1,230 @@
+"""The Linux AIO engine: batches, short transfers and errors, below and through the store.
+
+Errors are real where the kernel can be made to produce them (a read past the end of a
+file, a misaligned O_DIRECT request, a write on a file opened read-only); elsewhere the
+engine's own injection hook stands in for the kernel's answer at submission or completion,
+and everything after it (continuing a short transfer, draining the queue, naming the
+entry) is the engine's and the store's real code.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tierstore.nvme import AioEngine, BatchError, FileHandle, aligned_empty
+from tierstore.nvme import aio as aio_mod
+from tierstore.nvme.aio import address
+from tierstore.nvme.engines import make_engine, resolve_engine
+
+import tierstore
+
+pytestmark = pytest.mark.skipif(aio_mod.unavailable() is not None,
+                                reason=f"Linux AIO unavailable: {aio_mod.unavailable()}")
+
+MiB = 1 << 20
+
+
+def _file(tmp_path: Path, nbytes: int, seed: int = 0) -> tuple[str, np.ndarray]:
+    data = np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
+    path = str(tmp_path / "f.dat")
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+    return path, data
+
+
+def test_auto_picks_aio_and_the_fallback_when_it_cannot_run(monkeypatch) -> None:
+    assert resolve_engine("auto") == "aio"
+    eng = make_engine("auto", threads=2)
+    try:
+        assert isinstance(eng, AioEngine) and "queue depth 32" in eng.describe()
+    finally:
+        eng.close()
+    monkeypatch.setattr(aio_mod, "unavailable", lambda: "libaio is not installed")
+    assert resolve_engine("auto") == "posix-direct"
+
+
+def test_batch_reads_and_writes_with_callbacks_in_order_of_completion(tmp_path) -> None:
+    path, data = _file(tmp_path, 8 * MiB)
+    eng = AioEngine(threads=1, depth=4)
+    fh = eng.open(path)
+    try:
+        buf = aligned_empty(8 * MiB)
+        pulled: list[int] = []
+
+        def requests() -> Any:
+            for i in range(32):  # 256 KiB each, backwards through the file
+                pulled.append(i)
+                off = (31 - i) * 256 * 1024
+                yield fh, address(buf) + off, 256 * 1024, off, False
+
+        seen: list[int] = []
+
+        def done(i: int) -> None:
+            # At most depth in flight, and as many completed whose callbacks are still due.
+            assert i in pulled and len(pulled) - len(seen) <= 2 * 4
+            seen.append(i)
+
+        assert eng.run(requests(), done) == 32
+        assert sorted(seen) == list(range(32))
+        assert np.array_equal(buf, data)
+        out = aligned_empty(MiB)
+        out[:] = 3
+        eng.run([(fh, address(out), MiB, 2 * MiB, True)])
+        back = aligned_empty(MiB)
+        eng.read(fh, memoryview(back), 2 * MiB)
+        assert (back == 3).all()
+    finally:
+        eng.close_file(fh)
+        eng.close()
+
+
+def test_a_real_short_read_at_the_end_of_the_file_is_eio(tmp_path) -> None:
+    path, data = _file(tmp_path, 8192)
+    eng = AioEngine(threads=1)
+    fh = eng.open(path)
+    try:
+        buf = aligned_empty(16384)
+        with pytest.raises(BatchError) as got:
+            eng.run([(fh, address(buf), 4096, 0, False), (fh, address(buf) + 4096, 12288, 4096, False)])
+        assert got.value.errno == errno.EIO and got.value.index == 1
+        assert got.value.phase == "complete" and "end of file" in str(got.value)
+        assert np.array_equal(buf[:8192], data)  # the part that was there was read
+    finally:
+        eng.close_file(fh)
+        eng.close()
+
+
+def test_real_kernel_errors_at_submission_and_at_completion(tmp_path) -> None:
+    path, _ = _file(tmp_path, MiB)
+    eng = AioEngine(threads=1)
+    fh = eng.open(path)
+    ro = FileHandle(path, os.open(path, os.O_RDONLY), False)
+    try:
+        buf = aligned_empty(2 * 4096)
+        if fh.direct:  # a misaligned O_DIRECT request: the kernel fails it with EINVAL
+            with pytest.raises(BatchError) as got:
+                eng.run([(fh, address(buf), 4096, 0, False), (fh, address(buf) + 1, 4096, 0, False)])
+            assert got.value.errno == errno.EINVAL and got.value.index == 1
+        with pytest.raises(BatchError) as got:  # io_submit refuses a write on a read-only fd
+            eng.run([(fh, address(buf), 4096, 0, False), (ro, address(buf), 4096, 0, True)])
+        assert got.value.errno == errno.EBADF and got.value.index == 1
+        assert got.value.phase == "submit"
+        eng.run([(fh, address(buf), 4096, 0, False)])  # the engine is fine afterwards
+    finally:
+        os.close(ro.fd)
+        eng.close_file(fh)
+        eng.close()
+
+
+def test_a_failing_callback_drains_the_queue_before_it_is_raised(tmp_path) -> None:
+    path, data = _file(tmp_path, 4 * MiB)
+    eng = AioEngine(threads=1, depth=8)
+    fh = eng.open(path)
+    try:
+        buf = aligned_empty(4 * MiB)
+        reqs = [(fh, address(buf) + i * 65536, 65536, i * 65536, False) for i in range(64)]
+
+        def done(i: int) -> None:
+            if i == 3:
+                raise ValueError("checksum")
+
+        with pytest.raises(ValueError, match="checksum"):
+            eng.run(reqs, done)
+        assert all(r.idle for r in eng._rings)  # nothing in flight once it raised
+        assert eng.run(reqs) == 64 and np.array_equal(buf, data)
+    finally:
+        eng.close_file(fh)
+        eng.close()
+
+
+# --------------------------------------------------------------------------- through the store
+def _store(tmp_path: Path) -> tierstore.Store:
+    return tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
+                          slab_size="64MiB", chunk_size="256KiB", io_threads=2)
+
+
+def _entries(st: tierstore.Store) -> dict[str, torch.Tensor]:
+    data = {f"e{i}": torch.randn(300_000 + i) for i in range(6)}  # several chunks each
+    st.put_many(data)
+    return data
+
+
+def _hook(target: tuple[str, int], phase: str, result: int, once: bool = True) -> Any:
+    """An injection hook: at ``phase``, the request that touches byte ``target`` of its
+    file gets ``result``."""
+    fired: list[int] = []
+
+    def inject(ph: str, index: int, req: Any) -> int | None:
+        fh, _, nbytes, offset, _ = req
+        if ph == phase and fh.path == target[0] and offset <= target[1] < offset + nbytes:
+            if once and fired:
+                return None
+            fired.append(index)
+            return result
+        return None
+
+    return inject
+
+
+def test_store_runs_on_aio(tmp_path) -> None:
+    with _store(tmp_path) as st:
+        assert "aio (libaio)" in st.describe()
+
+
+def test_a_short_completion_is_continued_and_the_read_verified(tmp_path) -> None:
+    with _store(tmp_path) as st:
+        data = _entries(st)
+        info = st.info("e3")
+        st._medium.engine.inject = _hook((info.path, info.offset), "complete", 4096 * 5,
+                                         once=False)
+        got = st.get_many(list(data))
+        for name, t in data.items():
+            assert torch.equal(got[name], t)
+
+
+@pytest.mark.parametrize("phase,err", [("submit", errno.EINVAL), ("submit", errno.EIO),
+                                       ("complete", errno.EIO), ("complete", errno.EINVAL)])
+def test_a_read_error_names_the_entry_and_the_store_goes_on(tmp_path, phase, err) -> None:
+    with _store(tmp_path) as st:
+        data = _entries(st)
+        info = st.info("e4")
+        st._medium.engine.inject = _hook((info.path, info.offset + 256 * 1024), phase, -err
+                                         if phase == "complete" else err)
+        with pytest.raises(tierstore.CorruptEntryError, match="'e4'") as got:
+            st.get_many(list(data))
+        assert os.strerror(err) in str(got.value)
+        st._medium.engine.inject = None
+        for name, t in st.get_many(list(data)).items():
+            assert torch.equal(t, data[name])
+
+
+@pytest.mark.parametrize("phase,err", [("submit", errno.EINVAL), ("complete", errno.EIO)])
+def test_a_write_error_names_the_entry_and_commits_nothing(tmp_path, phase, err) -> None:
+    with _store(tmp_path) as st:
+        data = _entries(st)
+        newer = {name: t + 1 for name, t in data.items()}
+        # put_many of one entry of five chunks: request 1 is its second chunk.
+        before = st.info("e2").version
+        hits: list[str] = []
+
+        def inject(ph: str, index: int, req: Any) -> int | None:
+            if ph == phase and index == 1:
+                hits.append(req[0].path)
+                return err if phase == "submit" else -err
+            return None
+
+        st._medium.engine.inject = inject
+        with pytest.raises(OSError, match="'e2'") as got:
+            st.put_many({"e2": newer["e2"]})
+        assert got.value.errno == err and hits
+        st._medium.engine.inject = None
+        assert st.info("e2").version == before
+        assert torch.equal(st.get("e2"), data["e2"])  # the old version, intact
+        st.put_many({"e2": newer["e2"]})
+        assert torch.equal(st.get("e2"), newer["e2"])
