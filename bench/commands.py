@@ -189,13 +189,18 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
               help="With --peer: CPU compute threads of every run, the peer's included "
                    "(default: each system's own; tierstore's ring and expert modes leave a "
                    "core to their reads).")
+@click.option("--engine", type=click.Choice(["auto", "posix-direct"]), default="auto",
+              show_default=True,
+              help="The store's NVMe I/O engine (auto: Linux AIO where it runs; "
+                   "posix-direct: the thread-pool fallback).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
 def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: int, hidden: int,
                 ffn: int, prefill_batch: int, prefill_len: int, decode_batch: int,
                 decode_tokens: int, ring_slots: str, tier: str, host_cache: int | None,
                 expert_budget: float, repeats: int, device: str | None, vocab: int | None,
                 peer: str | None, memory_limit: str | None, cold: bool,
-                device_budget: int | None, threads: int | None, json_out: str | None) -> None:
+                device_budget: int | None, threads: int | None, engine: str,
+                json_out: str | None) -> None:
     """Tokens/s of one model and one set of prompts with every expert source: fully
     resident, ring at several K and auto, expert mode, synchronous on-demand loading; ratios
     against resident, against on-demand, and for ring decoding against the limit set by the
@@ -219,6 +224,8 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
                                "for a synthetic one), not --store")
     if memory_limit and not peer:
         raise click.UsageError("--memory-limit applies to the fresh processes of --peer")
+    if peer and engine != "auto":
+        raise click.UsageError("--engine applies to the in-process benchmark, not --peer")
     try:
         ks = [int(k) for k in ring_slots.split(",") if k]
     except ValueError:
@@ -232,7 +239,7 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
                   host_cache=host_cache, expert_budget=expert_budget, device=device,
                   repeats=repeats, tier=tier, vocab=vocab, peer=peer,
                   memory_limit=memory_limit, cold=cold, device_budget=device_budget,
-                  threads=threads, echo=click.echo)
+                  threads=threads, engine=engine, echo=click.echo)
 
     _run(go)
 
@@ -258,10 +265,14 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
               help="Instead of --model: fine-tune this Hugging Face checkpoint (Mixtral, "
                    "Qwen2-MoE, OLMoE, Qwen3-MoE), imported afresh into the scratch directory "
                    "for every store run, against transformers-equivalent training in memory.")
+@click.option("--engine", type=click.Choice(["auto", "posix-direct"]), default="auto",
+              show_default=True,
+              help="The store's NVMe I/O engine (auto: Linux AIO where it runs; "
+                   "posix-direct: the thread-pool fallback).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
 def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: int,
                 batch_size: int | None, seq_len: int | None, device: str, store: str | None,
-                model_dir: str | None, json_out: str | None) -> None:
+                model_dir: str | None, engine: str, json_out: str | None) -> None:
     """Step time of the store trainer against the resident trainer (same model, data and
     seed): median step times, their ratio (target <= 1.15), stall fraction, hit rate.
     With --model-dir, of fine-tuning an imported checkpoint over the store against the same
@@ -275,7 +286,8 @@ def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: in
             run_train_bench(model=model, steps=steps, warmup=warmup, rounds=rounds,
                             host_cache=host_cache, store=store, device=device,
                             overrides={k: v for k, v in given.items() if v is not None},
-                            json_out=json_out, echo=click.echo, model_dir=model_dir)
+                            json_out=json_out, echo=click.echo, model_dir=model_dir,
+                            engine=engine)
         except ValueError as e:
             click.echo(f"tierstore bench train: {e}", err=True)
             return 2

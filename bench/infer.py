@@ -204,7 +204,7 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
               repeats: int = 5, tier: str = "backing", vocab: int | None = None,
               peer: str | None = None, memory_limit: str | float | int | None = None,
               cold: bool = True, device_budget: int | None = None,
-              threads: int | None = None,
+              threads: int | None = None, engine: str = "auto",
               echo: Callable[[str], Any] = print) -> dict[str, Any]:
     """Run the benchmark (see the module docstring); returns (and writes) the results.
 
@@ -213,8 +213,15 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
     ``transformers``) through the peer and every tierstore mode, one fresh process per run,
     ``repeats`` alternated rounds, one prompt of ``prefill_len`` tokens and
     ``decode_tokens`` greedy tokens, ``cold`` (page cache dropped before every run) and
-    optionally under ``memory_limit`` (a size, or a fraction of the checkpoint's size)."""
+    optionally under ``memory_limit`` (a size, or a fraction of the checkpoint's size).
+
+    ``engine`` is the NVMe I/O engine the store is opened with (``tierstore.open``'s
+    ``engine``: ``auto``, or ``posix-direct`` to measure the thread-pool fallback)."""
     if peer is not None:
+        if engine != "auto":
+            raise tierstore.StoreError("--engine applies to the in-process benchmark; the "
+                                       "fresh processes of --peer open their stores with "
+                                       "the default engine")
         if store_path is not None:
             raise tierstore.StoreError("--peer needs a Hugging Face checkpoint the peer can "
                                        "load: --model-dir, or none for a synthetic one (not "
@@ -263,7 +270,7 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
                 cache = 0
         else:
             cache = host_cache
-        with tierstore.open(store_path, host_cache=cache,
+        with tierstore.open(store_path, host_cache=cache, engine=engine,
                             device_budget=device_budget or "1TiB") as store:
             return _bench(store, dev, json_out=json_out, prefill_batch=prefill_batch,
                           prefill_len=prefill_len, decode_batch=decode_batch,
@@ -328,7 +335,7 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
     echo(f"model: {cfg.family}, {cfg.n_layers} layers ({n_moe} MoE) x {cfg.n_experts} experts "
          f"of {tierstore.format_size(cfg.expert_bytes(model.dtype))}, "
          f"{tierstore.format_size(total_expert_bytes)} of experts; device {dev}; "
-         f"experts from the {tier} tier")
+         f"experts from the {tier} tier ({store.describe()})")
     measure_bandwidth(store, cfg, dev, repeats=1)  # warms the host cache: one tier for all
     # The ring and expert mode switch the CPU queue to views when they start; so does the
     # bench, so that the queue's bandwidth is measured on their path from the first round.
@@ -345,7 +352,8 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
               ("on-demand", "on-demand", "auto", None)]
     resident_src = make_source("resident", store, model)
     results: dict[str, Any] = {
-        "device": str(dev), "tier": tier, "model": cfg.to_dict(), "host_cache": host_cache,
+        "device": str(dev), "tier": tier, "backend": store.describe(),
+        "model": cfg.to_dict(), "host_cache": host_cache,
         "expert_bytes_total": total_expert_bytes, "layer_bytes": layer_bytes,
         "repeats": repeats, "ring_auto_budget_bytes": max(ks, default=2) * layer_bytes,
         "expert_mode_budget_bytes": expert_bytes_budget}

@@ -34,8 +34,10 @@ from tierstore.trainer.train.finetune import (
     tokenize_corpus,
 )
 from tierstore.trainer.train.resident import corpus_for, resolve_model_config
+from tierstore.trainer.train.store_trainer import cuda_budget
 
 import tierstore
+from tierstore.devices import normalize_device
 
 Metrics = dict[str, Any]
 
@@ -75,9 +77,11 @@ def run_train_bench(
     json_out: str | None = None,
     echo: Callable[[str], Any] = print,
     model_dir: str | None = None,
+    engine: str = "auto",
 ) -> dict[str, Any]:
     """Run the comparison; returns (and optionally writes) the report. ``model_dir``: a
-    Hugging Face checkpoint to fine-tune instead of the preset ``model``."""
+    Hugging Face checkpoint to fine-tune instead of the preset ``model``; ``engine``: the
+    store's NVMe I/O engine (``tierstore.open``'s ``engine``)."""
     if steps < 1 or warmup < 0 or rounds < 1:
         raise ValueError("--steps and --rounds must be at least 1, --warmup at least 0")
     tc = TrainConfig(eval_every=0, **(overrides or {}))
@@ -93,6 +97,7 @@ def run_train_bench(
             state_bytes = model_size(cfg).expert_state_bytes  # type: ignore[arg-type]
         resident: list[Metrics] = []
         stored: list[Metrics] = []
+        backend = None
         echo(f"model {model}: {state_bytes / 2**20:.1f} MiB of expert states, "
              f"host cache {tierstore.format_size(tierstore.parse_size(host_cache))}, "
              f"{rounds} round(s) of {warmup} warm-up + {steps} measured steps per side")
@@ -107,9 +112,14 @@ def run_train_bench(
                     shutil.rmtree(path, ignore_errors=True)
                     if model_dir is not None:
                         _import(model_dir, path)
-                    hist = train_store(None if model_dir else cfg, total, 0, tc,
-                                       store_path=path, host_cache=host_cache, corpus=corpus,
-                                       device=device)
+                    st = _open_store(path, host_cache, engine, cfg, tc, device)
+                    try:
+                        backend = st.describe()
+                        hist = train_store(None if model_dir else cfg, total, 0, tc,
+                                           store_path=path, host_cache=host_cache,
+                                           corpus=corpus, device=device, store=st)
+                    finally:
+                        st.close()
                     stored += _measured(hist, warmup)
                     shutil.rmtree(path, ignore_errors=True)
                 last = _measured(hist, warmup)
@@ -126,6 +136,8 @@ def run_train_bench(
         "expert_state_bytes": state_bytes,
         "host_cache_bytes": tierstore.parse_size(host_cache),
         "device": str(device),
+        "engine": engine,
+        "backend": backend,
         "torch_threads": torch.get_num_threads(),
         "batch_tokens": tc.batch_size * tc.seq_len * tc.grad_accum,
         "warmup": warmup,
@@ -144,6 +156,16 @@ def run_train_bench(
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def _open_store(path: str, host_cache: int | str, engine: str, cfg: Any, tc: TrainConfig,
+                device: str) -> tierstore.Store:
+    """The store ``train_store`` would open for itself (the same host cache, and on CUDA the
+    same device budget), opened here so that the I/O engine can be named."""
+    dev = normalize_device(device)
+    budget = {str(dev): cuda_budget(cfg, tc, dev)} if dev.type == "cuda" else None
+    return tierstore.open(path, create=True, host_cache=host_cache, device_budget=budget,
+                          engine=engine)
 
 
 def _import(model_dir: str, path: str) -> None:

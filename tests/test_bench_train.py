@@ -14,9 +14,12 @@ def test_bench_train_reports_both_sides(tmp_path) -> None:
     result = CliRunner().invoke(main, [
         "bench", "train", "--model", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "1",
         "--host-cache", "64MiB", "--batch-size", "2", "--seq-len", "16",
+        "--engine", "posix-direct",
         "--store", str(tmp_path / "scratch"), "--json", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
+    # the engine named is the one the store ran on
+    assert report["engine"] == "posix-direct" and report["backend"].startswith("nvme: posix")
     assert report["model"] == "tiny" and report["batch_tokens"] == 32
     for side in ("resident", "store"):
         assert report[side]["steps_measured"] == 2 and report[side]["step_time_s"] > 0
