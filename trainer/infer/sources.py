@@ -44,7 +44,10 @@ class ResidentSource(ExpertSource):
 
 class OnDemandSource(ExpertSource):
     """The synchronous baseline: each call reads exactly the routed experts from the store
-    (``get_many``), moves them to the device and keeps nothing afterwards.
+    (``get_many``), moves them to the device and keeps nothing afterwards. On a CPU, where
+    the store lends its host cache (``capabilities.zero_copy``), the experts are borrowed
+    instead of copied (a layer's routed experts are hundreds of MB per token on a large
+    model) and given back when the layer is done.
 
     ``budget``: bytes of experts it may hold at once (None: a layer's routed experts,
     whatever they come to). Where a layer routes to more, they are read in groups that
@@ -59,6 +62,7 @@ class OnDemandSource(ExpertSource):
         self.loaded_bytes = 0  # bytes moved to the device, for the bandwidth arithmetic
         self.loads = 0  # experts loaded
         self._expert_bytes: int | None = None
+        self._lent: tierstore.Borrowed | None = None
 
     def begin_pass(self, model: MoEModel, n_tokens: int) -> None:
         self.model = model
@@ -67,11 +71,31 @@ class OnDemandSource(ExpertSource):
         assert self.model is not None, "begin_pass was not called"
         dev, dt = self.model.device, self.model.dtype
         names = [n for e in ids for n in expert_names(layer, e)]
-        got = self.store.get_many(names)
+        self._give_back()  # the layer or group before is done with
+        got: Mapping[Any, Tensor]
+        if dev.type == "cpu" and self.store.capabilities.zero_copy:
+            self._lent = self.store.borrow_many(names)
+            got = self._lent.tensors  # .to() below keeps them as they are where it can
+        else:
+            got = self.store.get_many(names)
         out = {e: _expert_tensors(got, layer, e, dev, dt) for e in ids}
         self.loads += len(ids)
         self.loaded_bytes += sum(t.numel() * t.element_size() for t in got.values())
         return out
+
+    def _give_back(self) -> None:
+        if self._lent is not None:
+            lent, self._lent = self._lent, None
+            lent.release()
+
+    def layer_done(self, layer: int) -> None:
+        self._give_back()
+
+    def end_pass(self) -> None:
+        self._give_back()
+
+    def close(self) -> None:
+        self._give_back()
 
     def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
         if self.budget is None:
