@@ -22,7 +22,15 @@ them in flight, submits every request that fits in one ``io_submit`` and reaps c
 in one ``io_getevents``, and calls back on the caller's thread as each request completes,
 so the caller checksums one chunk while the kernel moves the others. No Python thread is
 woken per request. Each running batch owns an AIO context (taken from a pool), so
-concurrent batches never reap each other's completions.
+concurrent batches never reap each other's completions. An engine keeps at most
+``max(2, threads)`` contexts (each counts against the system-wide ``fs.aio-max-nr``); a
+batch waits for a free one, and where the kernel refuses to set one up (EAGAIN, ENOMEM)
+with none to wait for, the batch runs with ``preadv``/``pwritev`` on the calling thread.
+
+:meth:`AioEngine.close` is safe while batches run: a running batch stops taking requests,
+drains what it has in flight, fails with :class:`EngineClosedError` and destroys its own
+context; close waits for that before it destroys the idle ones (a context is never
+destroyed under a batch that still reaps from it).
 
 A short transfer is continued from where it stopped; a read that reaches the end of the
 file fails with EIO. An error fails the batch with :class:`BatchError`, which says which
@@ -45,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from .engines import FileHandle, PosixEngine, _open_fd
+from .engines import FileHandle, PosixEngine, _full_preadv, _full_pwritev, _open_fd
 
 IOCB_CMD_PREAD = 0
 IOCB_CMD_PWRITE = 1
@@ -145,6 +153,13 @@ class BatchError(OSError):
         self.index, self.phase = index, phase
 
 
+class EngineClosedError(OSError):
+    """The engine was closed before or during the batch."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EBADF, "the I/O engine is closed")
+
+
 def address(buf: Any) -> int:
     """The address of a buffer's first byte (numpy array, memoryview or bytes-like)."""
     if isinstance(buf, np.ndarray):
@@ -194,9 +209,17 @@ class AioEngine(PosixEngine):
         if depth < 1:
             raise ValueError("depth must be >= 1")
         self.depth, self.window = depth, window
-        self._rings: list[_Ring] = []
-        self._all: list[_Ring] = []
+        self._rings: list[_Ring] = []  # idle, ready for the next batch
+        self._all: list[_Ring] = []  # every live context, idle or owned by a batch
         self._rings_lock = threading.Lock()
+        self._ring_free = threading.Condition(self._rings_lock)
+        # Contexts live or being set up, and the most there may be: a context pins kernel
+        # memory and a share of fs.aio-max-nr, so concurrent batches queue for one instead.
+        self._made = 0
+        self.max_rings = max(2, threads)
+        self._active = 0  # batches running
+        self._running = threading.local()  # whether this thread is inside run()
+        self._closed = False
         self.inject: Inject | None = None
 
     @property
@@ -238,14 +261,68 @@ class AioEngine(PosixEngine):
     def pwrite(self, fh: FileHandle, buf: memoryview, offset: int) -> Future[int]:
         return self._pool.submit(self._write_now, fh, buf, offset)
 
-    def _take_ring(self) -> _Ring:
-        with self._rings_lock:
-            if self._rings:
-                return self._rings.pop()
-        ring = _Ring(self._lib, self.depth)
-        with self._rings_lock:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _take_ring(self) -> _Ring | None:
+        """An idle context, a new one while under :attr:`max_rings`, else the next one a
+        batch gives back. None where the kernel refuses a new context (EAGAIN, ENOMEM:
+        ``fs.aio-max-nr`` reached) and none exists to wait for: the caller runs the batch
+        without AIO. Raises :class:`EngineClosedError` once the engine is closed."""
+        with self._ring_free:
+            while True:
+                if self._closed:
+                    raise EngineClosedError()
+                if self._rings:
+                    return self._rings.pop()
+                if self._made < self.max_rings:
+                    self._made += 1
+                    break
+                self._ring_free.wait()
+        try:
+            ring = _Ring(self._lib, self.depth)
+        except OSError as e:
+            with self._ring_free:
+                self._made -= 1
+                self._ring_free.notify()
+                if e.errno not in (errno.EAGAIN, errno.ENOMEM):
+                    raise
+                # The kernel's limit, not ours: stay at the contexts there are, and wait
+                # for one of them, if any.
+                self.max_rings = max(1, self._made)
+                if self._made == 0:
+                    return None
+            return self._take_ring()
+        with self._ring_free:
+            if self._closed:  # closed while it was set up: never used
+                self._made -= 1
+                ring.close()
+                raise EngineClosedError()
             self._all.append(ring)
         return ring
+
+    def _give_ring(self, ring: _Ring) -> None:
+        """Back to the pool; destroyed instead where it may still have requests in flight
+        or the engine has been closed meanwhile."""
+        if not ring.idle or self._closed:
+            # io_destroy waits for requests in flight, so no buffer is written after this
+            # returns. Destroyed before it leaves the list, so an interruption in between
+            # can never leave a live context that nobody tracks.
+            ring.close()
+            with self._ring_free:
+                self._all.remove(ring)
+                self._made -= 1
+                self._ring_free.notify()
+            return
+        with self._ring_free:
+            if self._closed:
+                self._all.remove(ring)
+                self._made -= 1
+                ring.close()
+            else:
+                self._rings.append(ring)
+            self._ring_free.notify()
 
     def run(self, requests: Iterable[Request],
             done: Callable[[int], object] | None = None) -> int:
@@ -253,22 +330,56 @@ class AioEngine(PosixEngine):
         this thread once request ``i`` (its position in ``requests``) has moved all its
         bytes. ``requests`` may be a generator: it is advanced only as slots free, so a
         producer can stage (copy, checksum) the next request while others are in flight.
-        Returns the number of requests. Raises :class:`BatchError` for a failed request,
-        or what ``done`` or the generator raised, once nothing is in flight any more."""
-        ring = self._take_ring()
-        ring.idle = False
+        Returns the number of requests.
+
+        Raises, once nothing is in flight any more: :class:`BatchError` for a failed
+        request (the lowest-numbered one, when several fail), what the generator raised,
+        what ``done`` raised (no ``done`` is called after that), or
+        :class:`EngineClosedError` if the engine is or gets closed. After a request fails,
+        no new request is taken, but ``done`` is still called for every one in flight that
+        completes: a caller that checks what lands sees every request before the failed
+        one."""
+        with self._ring_free:
+            if self._closed:
+                raise EngineClosedError()
+            self._active += 1
+        nested = getattr(self._running, "depth", 0)
+        self._running.depth = nested + 1
         try:
-            return self._run(ring, iter(requests), done)
+            ring = self._take_ring()
+            if ring is None:
+                return self._run_posix(iter(requests), done)
+            ring.idle = False
+            try:
+                return self._run(ring, iter(requests), done)
+            finally:
+                self._give_ring(ring)
         finally:
-            if ring.idle:
-                with self._rings_lock:
-                    self._rings.append(ring)
-            else:
-                # Interrupted with requests in flight: io_destroy waits for them, so no
-                # buffer is written after this returns; the context is not reused.
-                with self._rings_lock:
-                    self._all.remove(ring)
-                ring.close()
+            self._running.depth = nested
+            with self._ring_free:
+                self._active -= 1
+                self._ring_free.notify_all()
+
+    def _run_posix(self, todo: Any, done: Callable[[int], object] | None) -> int:
+        """A batch without AIO (no context could be set up), one request at a time on
+        this thread; errors as :meth:`run` reports them."""
+        count = 0
+        for req in todo:
+            if self._closed:
+                raise EngineClosedError()
+            fh, addr, nbytes, offset, write = req
+            view = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+            try:
+                with self._depth:
+                    (_full_pwritev if write else _full_preadv)(fh.fd, view, offset)
+            except OSError as e:
+                what = _what(req) if e.errno != errno.EIO or write else (
+                    f"{_what(req)}: {e.strerror}")
+                raise BatchError(e.errno or errno.EIO, count, "complete", what) from e
+            if done is not None:
+                done(count)
+            count += 1
+        return count
 
     def _run(self, ring: _Ring, todo: Any, done: Callable[[int], object] | None) -> int:
         lib, ctx, depth = self._lib, ring.ctx, ring.depth
@@ -279,8 +390,24 @@ class AioEngine(PosixEngine):
         busy: dict[int, list[Any]] = {}
         again: deque[int] = deque()  # slots whose request continues after a short transfer
         count, inflight, exhausted, held, window = 0, 0, False, 0, self.window
+        # The failure to raise once idle, and the request it belongs to: the lowest-numbered
+        # one wins, so what is reported does not depend on the order completions land in.
         failure: BaseException | None = None
+        failed_at = 0
+        # ``done`` raised, or the engine was closed: nothing more is continued or handed
+        # back. A failed request alone stops only new requests.
+        halted = False
         finished: list[int] = []
+
+        def fail(exc: BaseException, at: int) -> None:
+            nonlocal failure, failed_at
+            if failure is None or at < failed_at:
+                failure, failed_at = exc, at
+
+        def drop(slot: int) -> None:
+            nonlocal held
+            held -= busy.pop(slot)[1][2]
+            free.append(slot)
 
         def fill(slot: int, req: Request, moved: int) -> None:
             fh, addr, nbytes, offset, write = req
@@ -293,9 +420,16 @@ class AioEngine(PosixEngine):
             cb.aio_offset = offset + moved
 
         while True:
+            if self._closed and not halted:
+                # The files may be closed next: submit nothing more, drain, fail.
+                halted = True
+                fail(EngineClosedError(), -1)
+            if halted:
+                while again:
+                    drop(again.popleft())
             # Gather what can be submitted: continuations first, then new requests.
             n = 0
-            while failure is None and again:
+            while again:
                 slot = again.popleft()
                 ptrs[n] = slot_addr[slot]
                 n += 1
@@ -303,7 +437,8 @@ class AioEngine(PosixEngine):
                 try:
                     req = next(todo, None)
                 except BaseException as e:  # noqa: BLE001 (raised once the ring is idle)
-                    failure, req = e, None
+                    fail(e, count)
+                    break
                 if req is None:
                     exhausted = True
                     break
@@ -329,16 +464,12 @@ class AioEngine(PosixEngine):
                 if rc == -errno.EINTR:
                     continue
                 if rc < 0:
-                    index, req, _ = busy.pop(slot)
-                    held -= req[2]
-                    free.append(slot)
-                    if failure is None:
-                        failure = BatchError(-rc, index, "submit", _what(req))
+                    index, req, _ = busy[slot]
+                    drop(slot)
+                    fail(BatchError(-rc, index, "submit", _what(req)), index)
                     # The requests after it were never sent.
                     for k in range(sent + 1, n):
-                        s = (ptrs[k] - slot_addr[0]) // 64
-                        held -= busy.pop(s)[1][2]
-                        free.append(s)
+                        drop((ptrs[k] - slot_addr[0]) // 64)
                     n = sent
                     break
                 inflight += rc
@@ -346,18 +477,20 @@ class AioEngine(PosixEngine):
             # Not sent for lack of room in the kernel's queue: they go first next round.
             again.extendleft((ptrs[k] - slot_addr[0]) // 64 for k in range(n - 1, sent - 1, -1))
             # Completed requests are handed back only now, with their successors already
-            # submitted: the disk stays busy while the caller checksums.
+            # submitted: the disk stays busy while the caller checksums. Also after another
+            # request failed, so every request before the failed one is seen.
             for index in finished:
-                if failure is None:
+                if not halted:
                     try:
                         done(index)  # type: ignore[misc]
                     except BaseException as exc:  # noqa: BLE001 (raised once idle)
-                        failure = exc
+                        halted = True
+                        fail(exc, index)
             finished.clear()
             if inflight == 0:
-                if failure is not None:
+                if halted or failure is not None and not again:
                     ring.idle = True
-                    raise failure
+                    raise failure  # type: ignore[misc]
                 if exhausted and not again:
                     ring.idle = True
                     return count
@@ -366,6 +499,8 @@ class AioEngine(PosixEngine):
             if got == -errno.EINTR:
                 continue
             if got < 0:
+                # Not a request's failure: the ring is destroyed (run's finally), which
+                # waits for what is in flight.
                 raise OSError(-got, f"io_getevents: {os.strerror(-got)}")
             inflight -= got
             for e in range(got):
@@ -381,36 +516,49 @@ class AioEngine(PosixEngine):
                 want = req[2] - moved
                 if res < 0 or (res == 0 and want > 0):
                     err = -res if res < 0 else errno.EIO
-                    what = _what(req) if res < 0 else (
-                        f"{_what(req)}: short read at offset {req[3] + moved} (end of file)")
-                    busy.pop(slot)
-                    held -= req[2]
-                    free.append(slot)
-                    if failure is None:
-                        failure = BatchError(err, index, "complete", what)
+                    if res < 0:
+                        what = _what(req)
+                    elif req[4]:
+                        what = f"{_what(req)}: no progress at offset {req[3] + moved}"
+                    else:
+                        what = f"{_what(req)}: short read at offset {req[3] + moved} (end of file)"
+                    drop(slot)
+                    fail(BatchError(err, index, "complete", what), index)
                     continue
                 if res < want:  # short: go on from where it stopped
                     entry[2] = moved + res
                     fill(slot, req, entry[2])
-                    if failure is None:
-                        again.append(slot)
+                    if halted:
+                        drop(slot)
                     else:
-                        busy.pop(slot)
-                        held -= req[2]
-                        free.append(slot)
+                        again.append(slot)
                     continue
-                busy.pop(slot)
-                held -= req[2]
-                free.append(slot)
+                drop(slot)
                 if done is not None:
                     finished.append(index)
 
     def close(self) -> None:
-        with self._rings_lock:
-            rings, self._all, self._rings = self._all, [], []
-        for ring in rings:
-            ring.close()
+        """Close the engine, safe while batches run on other threads: they stop taking
+        requests, drain and fail with :class:`EngineClosedError`; this waits for them,
+        then destroys the idle contexts. A batch running on this thread (close called from
+        its ``done``) destroys its own context when it ends."""
+        with self._ring_free:
+            if self._closed:
+                return
+            self._closed = True
+            self._ring_free.notify_all()  # batches waiting for a context fail now
+        # Its queued futures now fail at once; a running one drains like any batch.
         super().close()
+        mine = getattr(self._running, "depth", 0)
+        with self._ring_free:
+            while self._active > mine:
+                self._ring_free.wait()
+            idle, self._rings = self._rings, []
+        for ring in idle:
+            ring.close()
+            with self._ring_free:
+                self._all.remove(ring)
+                self._made -= 1
 
 
 def _what(req: Request) -> str:

@@ -182,8 +182,10 @@ class SlabMedium:
         return orphan_slabs(self.root, known)
 
     def close(self) -> None:
+        # The engine first: it waits for requests in flight, so no request is ever made
+        # on a closed (or reused) file descriptor.
+        self.engine.close()
         with self._lock:
             files, self._files = self._files, {}
         for fh in files.values():
             self.engine.close_file(fh)
-        self.engine.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +229,187 @@ def test_a_write_error_names_the_entry_and_commits_nothing(tmp_path, phase, err)
         assert torch.equal(st.get("e2"), data["e2"])  # the old version, intact
         st.put_many({"e2": newer["e2"]})
         assert torch.equal(st.get("e2"), newer["e2"])
+
+
+def test_the_first_corrupt_entry_in_the_order_asked_is_named_whatever_fails_after_it(
+        tmp_path) -> None:
+    with _store(tmp_path) as st:
+        data = _entries(st)
+        e1, e4 = st.info("e1"), st.info("e4")
+        fd = os.open(e1.path, os.O_RDWR)
+        try:
+            os.pwrite(fd, b"\xff" * 16, e1.offset + 100)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        # e4's second chunk fails after e1's chunks were sent, at completion or at
+        # submission: e1's checksum failure is still the one reported, every time.
+        for phase, result in [("complete", -errno.EIO), ("submit", errno.EIO)] * 10:
+            st._medium.engine.inject = _hook((e4.path, e4.offset + 256 * 1024), phase, result)
+            with pytest.raises(tierstore.CorruptEntryError, match="'e1'.*crc32c"):
+                st.get_many(list(data))
+        st._medium.engine.inject = None
+        with pytest.raises(tierstore.CorruptEntryError, match="'e1'"):
+            st.get_many(list(data))
+
+
+def test_a_zero_byte_write_completion_is_not_called_a_short_read(tmp_path) -> None:
+    with _store(tmp_path) as st:
+        st._medium.engine.inject = lambda ph, i, req: 0 if ph == "complete" else None
+        with pytest.raises(OSError, match="no progress") as got:
+            st.put("w", torch.ones(100_000))
+        assert "short read" not in str(got.value)
+
+
+# --------------------------------------------------------------------------- contexts and close
+class _Lib:
+    """libaio with io_setup answering ``fail`` (a negative errno) while it is set: the
+    kernel's answer once fs.aio-max-nr is exhausted, which cannot be provoked here without
+    starving every other process of AIO."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib, self.fail = lib, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def io_setup(self, n: int, ctx: Any) -> int:
+        return self.fail if self.fail else self._lib.io_setup(n, ctx)
+
+
+def test_no_aio_context_to_be_had_runs_the_batch_without_aio(tmp_path) -> None:
+    with _store(tmp_path) as st:
+        eng = st._medium.engine
+        lib = eng._lib = _Lib(eng._lib)
+        lib.fail = -errno.EAGAIN  # before the store's first I/O: no context exists
+        data = _entries(st)
+        got = st.get_many(list(data))
+        for name, t in data.items():
+            assert torch.equal(got[name], t)
+        assert st.fsck().ok
+        assert eng._all == []  # all of it ran through preadv/pwritev
+        lib.fail = -errno.ENOMEM
+        assert torch.equal(st.get("e2"), data["e2"])
+        lib.fail = 0
+        assert torch.equal(st.get("e3"), data["e3"])
+        assert len(eng._all) == 1  # AIO again once the kernel allows a context
+        # Any other refusal is the batch's error, not the entry's corruption.
+        with eng._ring_free:  # the idle context goes, so the next batch needs a new one
+            for ring in eng._rings:
+                eng._all.remove(ring)
+                eng._made -= 1
+                ring.close()
+            eng._rings.clear()
+        lib.fail = -errno.EINVAL
+        with pytest.raises(tierstore.StoreError, match="e0") as err:
+            st.get_many(list(data))
+        assert not isinstance(err.value, tierstore.CorruptEntryError)
+        lib.fail = 0
+
+
+def test_concurrent_batches_share_a_bounded_number_of_contexts(tmp_path) -> None:
+    with _store(tmp_path) as st:
+        data = _entries(st)
+        eng = st._medium.engine
+        start = threading.Barrier(8)
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                start.wait()
+                for _ in range(5):
+                    got = st.get_many(list(data))
+                    assert all(torch.equal(got[n], t) for n, t in data.items())
+            except BaseException as e:  # noqa: BLE001 (asserted below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=reader) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert 1 <= len(eng._all) <= eng.max_rings == 2
+
+
+def test_close_during_a_read_waits_for_it_then_the_store_is_closed(tmp_path) -> None:
+    st = _store(tmp_path)
+    data = _entries(st)
+    eng = st._medium.engine
+    in_flight, closing = threading.Event(), threading.Event()
+    gate = st._ops
+    enter_closing = gate.closing
+
+    def signalled_closing() -> Any:
+        closing.set()
+        return enter_closing()
+
+    gate.closing = signalled_closing  # type: ignore[method-assign]
+
+    def hold(ph: str, index: int, req: Any) -> None:
+        # The batch stops mid-flight, with requests submitted, until close() has begun.
+        if ph == "complete" and index == 2 and not in_flight.is_set():
+            in_flight.set()
+            assert closing.wait(60)
+
+    eng.inject = hold
+    outcome: list[Any] = []
+
+    def reader() -> None:
+        try:
+            outcome.append(st.get_many(list(data)))
+        except BaseException as e:  # noqa: BLE001 (asserted below)
+            outcome.append(e)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert in_flight.wait(60)
+    st.close()  # waits for the read: nothing is closed under it
+    t.join()
+    (got,) = outcome
+    assert not isinstance(got, BaseException), got
+    assert all(torch.equal(got[n], v) for n, v in data.items())
+    assert eng.closed and eng._all == []
+    with pytest.raises(tierstore.StoreClosedError):
+        st.get_many(list(data))
+    st.close()  # again: nothing to do
+
+
+def test_an_operation_that_reaches_the_gate_after_close_sees_a_closed_store(tmp_path) -> None:
+    st = _store(tmp_path)
+    data = _entries(st)
+    st._check_open()  # what every operation does first; close() comes after it here
+    st.close()
+    with pytest.raises(tierstore.StoreClosedError), st._ops.shared():
+        pass
+    with pytest.raises(tierstore.StoreClosedError):
+        st.get_many(list(data))
+
+
+def test_engine_closed_during_its_own_batch_fails_it_cleanly(tmp_path) -> None:
+    path, data = _file(tmp_path, 4 * MiB)
+    eng = AioEngine(threads=1, depth=8)
+    fh = eng.open(path)
+    other = eng.open(path)
+    try:
+        buf = aligned_empty(4 * MiB)
+        reqs = [(fh, address(buf) + i * 65536, 65536, i * 65536, False) for i in range(64)]
+        eng.run(reqs[:4])  # leaves an idle context, which close() destroys
+        seen: list[int] = []
+
+        def done(i: int) -> None:
+            seen.append(i)
+            if i == 3:
+                eng.close()  # from inside the batch: its own context is still in use
+
+        with pytest.raises(aio_mod.EngineClosedError):
+            eng.run(reqs, done)
+        assert eng.closed and eng._all == [] and eng._rings == []
+        assert 4 <= len(seen) < 64  # stopped early, after draining what was in flight
+        with pytest.raises(aio_mod.EngineClosedError):
+            eng.run(reqs[:1])
+        with pytest.raises(OSError):
+            eng.read(other, memoryview(buf[:4096]), 0)
+    finally:
+        eng.close_file(fh)
+        eng.close_file(other)

@@ -6,9 +6,10 @@ figures. Open one with :func:`tierstore.open` (``opening.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,6 +31,32 @@ from .media import ALIGNMENT, Medium, missing_segments
 from .prefetch import DeviceQueues
 from .snapshots import SnapshotOps
 from .tensors import dtype_from_name
+
+
+class _OpsGate(Gate):
+    """The store's operations gate (see ``local_state.py``), which also orders them against
+    ``close()``: close holds it alone while the resources close, so an operation under way
+    finishes first, and one that enters afterwards fails as on a closed store."""
+
+    def __init__(self, store: LocalStore) -> None:
+        super().__init__()
+        self._store = store
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with super().shared():
+            self._store._check_open()
+            yield
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with super().exclusive():
+            self._store._check_open()
+            yield
+
+    def closing(self) -> contextlib.AbstractContextManager[None]:
+        """Alone, for close itself (no open check)."""
+        return super().exclusive()
 
 
 class LocalStore(BorrowStage, SnapshotOps, Store):
@@ -78,7 +105,7 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
         self._seg_lock = threading.Lock()
         # Every operation that changes entries or fills the cache holds this shared;
         # restore() holds it alone, so no write-back or cache fill straddles a restore.
-        self._ops = Gate()
+        self._ops: Gate = _OpsGate(self)
         # key -> version of its delete, written under the catalog's commit lock (delete())
         self._tombstones: dict[Key, int] = {}
         self._stats_lock = threading.Lock()
@@ -154,8 +181,12 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
             # the chunk workers they read through are still open (they only read).
             self._queues.close()
         finally:
-            self._closed = True
-            self._close_resources()
+            # Operations under way (a read on another thread, say) end before the medium
+            # closes under them; those that enter later raise StoreClosedError.
+            with self._ops.closing():  # type: ignore[attr-defined]
+                if not self._closed:
+                    self._closed = True
+                    self._close_resources()
 
     def _close_resources(self) -> None:
         self._cache = None  # its arena (and any pin on it) goes with the store, not later

@@ -22,7 +22,7 @@ import torch
 
 from tierstore.cache.pinned import cuda_consumer
 from tierstore.nvme import ALIGNMENT, HANDOFF_MIN_BYTES, BatchError, aligned_empty
-from tierstore.nvme.aio import address
+from tierstore.nvme.aio import EngineClosedError, address
 
 from .catalog import Record
 from .devices import bytes_to_device
@@ -30,6 +30,7 @@ from .errors import (
     CorruptEntryError,
     EntryNotFoundError,
     ShapeMismatchError,
+    StoreClosedError,
     StoreError,
     StoreFullError,
 )
@@ -374,8 +375,21 @@ class ReadPath(LocalState):
 
         try:
             self._medium.run(requests(), done)
+        except EngineClosedError as e:  # only where no operation gate held it off (fsck)
+            raise StoreClosedError(f"store {self.path} is closed") from e
         except OSError as e:
-            n = e.index if isinstance(e, BatchError) else at[0]
+            # A request's failure (BatchError) or a missing slab file met while making a
+            # request is the entry's; anything else (no AIO context, io_getevents) is
+            # the batch's, not evidence against the bytes.
+            if isinstance(e, BatchError):
+                n = e.index
+            elif isinstance(e, FileNotFoundError):
+                n = at[0]
+            else:
+                name, kind = keys[work[0][0]]
+                raise StoreError(
+                    f"reading {name!r} (kind {kind!r}) and {len(keys) - 1} other entries: "
+                    f"{e.strerror or e}") from e
             i, start, end = work[n]
             rec = recs[i]
             where = self._medium.location(rec.seg, rec.off + start)[0]
@@ -384,6 +398,8 @@ class ReadPath(LocalState):
                 f"({e.strerror or e}); restore the file, or the entry from a snapshot",
             )))
             bad[-1][1].__cause__ = e
+        # Every chunk before a failed one was checked (the engine hands back all that
+        # landed), so the lowest position is the first bad entry in the order asked.
         if bad:
             raise min(bad, key=lambda x: x[0])[1]
         return bufs

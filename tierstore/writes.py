@@ -23,8 +23,10 @@ import crc32c
 import numpy as np
 import torch
 
+from tierstore.nvme.aio import BatchError, EngineClosedError
+
 from .catalog import Record, entry_key
-from .errors import EntryNotFoundError, StoreError, StoreFullError
+from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
 from .local_state import LocalState
@@ -269,8 +271,15 @@ class WritePath(LocalState):
 
         try:
             self._medium.run(requests(), lambda n: give(held.pop(n, None)))
+        except EngineClosedError as e:  # only where no operation gate held it off
+            raise StoreClosedError(f"store {self.path} is closed") from e
         except OSError as e:
-            n = getattr(e, "index", at[0])
+            if not isinstance(e, BatchError) and not isinstance(e, FileNotFoundError):
+                # The batch's failure (no AIO context, io_getevents), not a chunk's.
+                name, kind = records[0][:2]
+                raise OSError(e.errno, f"writing {name!r} (kind {kind!r}) and "
+                              f"{len(records) - 1} other entries: {e.strerror}") from e
+            n = e.index if isinstance(e, BatchError) else at[0]
             name, kind, rec = records[work[n][0]]
             start = work[n][1]
             where = self._medium.location(rec.seg, rec.off + start)[0]
