@@ -51,10 +51,8 @@ from typing import Any
 
 import torch
 from tierstore.trainer import PRESETS
-from tierstore.trainer.dist import janus_ratio
+from tierstore.trainer.dist import janus_ratio, stop_daemon_at
 from tierstore.trainer.dist.world import World
-
-import tierstore
 
 RANK_MODULE = "tierstore.bench.dist_rank"
 KINDS = ("tokens", "experts", "grads")
@@ -126,22 +124,10 @@ def _port() -> int:
 
 
 def stop_daemons(folder: Path) -> None:
-    """SIGTERM every node daemon a run left answering under ``folder`` (a run that succeeds
-    stops its own), and wait for it to exit."""
+    """Stop every node daemon a run left answering under ``folder`` (a run that succeeds
+    stops its own)."""
     for sock in folder.glob("node*.run/daemon.sock"):
-        try:
-            pid = int(tierstore.daemon_status(str(sock))["pid"])
-        except (OSError, tierstore.StoreError):
-            continue
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
+        stop_daemon_at(sock)
 
 
 def _launch(folder: Path, spec: dict[str, Any], nodes: int, per_node: int, threads: int,

@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tierstore.trainer.dist import stop_daemon_at
 from tierstore.trainer.presets import PRESETS
 from tierstore.trainer.train.data import load_corpus
 from tierstore.trainer.train.resident import TrainConfig
@@ -84,18 +83,7 @@ def metrics(tmp: Path, name: str, rank: int) -> list[dict[str, Any]]:
 def stop_daemons(tmp: Path) -> None:
     """Stop the node daemons a run left (a killed run leaves them up, as designed)."""
     for sock in tmp.glob("node*.run/daemon.sock"):
-        try:
-            pid = tierstore.daemon_status(str(sock))["pid"]
-        except (OSError, tierstore.StoreError):
-            continue
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
+        stop_daemon_at(sock)
 
 
 def expert_weights(store: Path) -> dict[str, torch.Tensor]:

@@ -172,14 +172,9 @@ class WritePath(LocalState):
         except BaseException as e:
             # A write still in flight must land before its extent can be handed out again.
             wait([f for futs in started for f in futs])
-            self._alloc.release(taken)
-            if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
-                raise StoreFullError(f"no space to write to {self.path}: {e}") from e
+            self._write_failed(taken, e)
             raise
-        self._alloc.release(freed)
-        with self._stats_lock:
-            self._tier.writes += len(records)
-            self._tier.bytes_written += sum(r.nbytes for _, _, r in records)
+        self._written(freed, records)
 
     def _write_batched(self, batch: list[tuple[str, str, np.ndarray, Meta]]) -> None:
         """:meth:`_write_through` as one batch on an engine with a deep queue (AIO): every
@@ -211,10 +206,20 @@ class WritePath(LocalState):
             self._medium.sync({seg for seg, _, length in taken if length})
             freed = self._catalog.write(lambda txn: self._commit(txn, records))
         except BaseException as e:
-            self._alloc.release(taken)  # nothing is in flight once the batch has ended
-            if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
-                raise StoreFullError(f"no space to write to {self.path}: {e}") from e
+            self._write_failed(taken, e)  # nothing is in flight once the batch has ended
             raise
+        self._written(freed, records)
+
+    def _write_failed(self, taken: list[tuple[int, int, int]], e: BaseException) -> None:
+        """A write-through failed with nothing in flight: its extents go back; a full disk
+        becomes :class:`StoreFullError`."""
+        self._alloc.release(taken)
+        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+            raise StoreFullError(f"no space to write to {self.path}: {e}") from e
+
+    def _written(self, freed: list[tuple[int, int, int]],
+                 records: list[tuple[str, str, Record]]) -> None:
+        """A write-through committed: the extents it replaced go back, and it is counted."""
         self._alloc.release(freed)
         with self._stats_lock:
             self._tier.writes += len(records)

@@ -2,7 +2,8 @@
 (:func:`train_distributed`, run under torchrun)."""
 
 from .exchange import PARADIGMS, janus_ratio
+from .sidecar import stop_daemon_at
 from .trainer import train_distributed
 from .world import DistributedError
 
-__all__ = ["PARADIGMS", "DistributedError", "janus_ratio", "train_distributed"]
+__all__ = ["PARADIGMS", "DistributedError", "janus_ratio", "stop_daemon_at", "train_distributed"]

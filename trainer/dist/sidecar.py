@@ -97,3 +97,22 @@ def _spawn(store: str | os.PathLike[str], socket: Path, log: Path,
     proc.kill()
     raise DistributedError(f"the node's store daemon did not answer on {socket} within "
                            f"{START_TIMEOUT_S:.0f} s (log: {log})")
+
+
+def stop_daemon_at(socket: str | os.PathLike[str], timeout_s: float = 60.0) -> bool:
+    """SIGTERM the daemon answering on ``socket`` (one a failed run left up, say) and wait
+    for it to exit; False where none answers."""
+    try:
+        pid = int(tierstore.daemon_status(os.fspath(socket))["pid"])
+    except (OSError, tierstore.StoreError):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    return True
