@@ -137,6 +137,14 @@ def _store_write(st: tierstore.Store, names: list[str], data: torch.Tensor) -> f
     return len(names) * data.numel() / (time.perf_counter() - t0) / 1e9
 
 
+def _page_aligned(data: torch.Tensor) -> torch.Tensor:
+    """A copy of ``data`` whose first byte sits on a 4 KiB boundary."""
+    raw = torch.empty(data.nbytes + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    out = raw[skip : skip + data.nbytes].view(data.dtype).view(data.shape)
+    return out.copy_(data)
+
+
 def _store_read(st: tierstore.Store, names: list[str], block: int, paths: set[str]) -> float:
     """GB/s of reading every name with ``get_many`` (crc32c-verified), 256 MiB per call, the
     results dropped as a caller moving on to the next batch would. ``paths`` are evicted from
@@ -265,14 +273,20 @@ def measure_nvme(
     bs = min(block, CHUNK)
     lat: dict[str, list[float]] = {"write": [], "read": []}
     data = torch.randint(0, 255, (block,), dtype=torch.uint8)
+    # The ceilings write from page-aligned buffers (DeepNVMe's are pinned and filled
+    # before its clock starts), as the store's cache write-back does: the store's write
+    # row does too. A tensor of torch's allocator is not page-aligned, and O_DIRECT then
+    # needs a staging copy: that write is timed as well (``write_unaligned_gbps``).
+    aligned = _page_aligned(data)
     names = [f"bench.experts.{i}.w" for i in range(n)]
     runs: dict[str, dict[str, list[float]]] = {}
+    unaligned: list[float] = []
     described = engine
     rss: list[tuple[float, float]] = []
 
     for r in range(repeats):  # a fresh store each time: same free layout, same slab state
         ceilings, closers = nvme_ceilings(ceiling, bs, threads, direct, n * block)
-        regions = 2 + len(ceilings)
+        regions = 3 + len(ceilings)
         try:
             with tierstore.open(path, create=True, engine=engine, io_threads=threads,
                                 host_cache=0, slab_size=regions * n * block + (64 << 20),
@@ -284,7 +298,10 @@ def measure_nvme(
                     for name in ceilings:
                         runs[op].setdefault(name, [])
                 _store_write(st, names, data)  # region 0, untimed
-                runs["write"]["store"].append(_store_write(st, names, data))  # region 1
+                # Regions 1 and 0 again (copy-on-write frees the older one), in turns.
+                for src in (aligned, data) if r % 2 else (data, aligned):
+                    (runs["write"]["store"] if src is aligned else unaligned).append(
+                        _store_write(st, names, src))
                 infos = [st.info(name) for name in names]
                 slab = infos[0].path
                 # kvikio's direct reads are a request that its version may ignore: drop
@@ -316,6 +333,8 @@ def measure_nvme(
     extra: dict[str, Any] = {"direct": direct, "engine_described": described,
                              "peak_rss_mb": max(p for p, _ in rss),
                              "rss_mb": max(c for _, c in rss)}
+    extra_write = {"write_unaligned_gbps": round(statistics.median(unaligned), 3),
+                   "write_unaligned_runs": [round(x, 3) for x in unaligned]}
     if ceiling == "gdsio":
         extra["compares"] = "store into host memory vs gdsio into device memory"
     rows = []
@@ -325,6 +344,7 @@ def measure_nvme(
         rows.append(_row(
             tier, op, engine, block, threads, statistics.median(runs[op]["store"]), lat[op],
             medians[best], best, repeats=repeats, **extra,
+            **(extra_write if op == "write" else {}),
             ceilings={k: round(v, 3) for k, v in medians.items()},
             store_runs=[round(x, 3) for x in runs[op]["store"]],
             ceiling_runs={k: [round(x, 3) for x in v] for k, v in runs[op].items()

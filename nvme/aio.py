@@ -21,7 +21,9 @@ How it is driven: :meth:`AioEngine.run` takes a batch of requests, keeps up to `
 them in flight, submits every request that fits in one ``io_submit`` and reaps completions
 in one ``io_getevents``, and calls back on the caller's thread as each request completes,
 so the caller checksums one chunk while the kernel moves the others. No Python thread is
-woken per request. Each running batch owns an AIO context (taken from a pool), so
+woken per request. A request may be vectored (``IOCB_CMD_PREADV``/``PWRITEV``): one range
+of the file gathered from or scattered into several buffers, so a caller can move many
+small entries that sit next to each other on disk as one large request. Each running batch owns an AIO context (taken from a pool), so
 concurrent batches never reap each other's completions. An engine keeps at most
 ``max(2, threads)`` contexts (each counts against the system-wide ``fs.aio-max-nr``); a
 batch waits for a free one, and where the kernel refuses to set one up (EAGAIN, ENOMEM)
@@ -57,6 +59,10 @@ from .engines import FileHandle, PosixEngine, _full_preadv, _full_pwritev, _open
 
 IOCB_CMD_PREAD = 0
 IOCB_CMD_PWRITE = 1
+IOCB_CMD_PREADV = 7
+IOCB_CMD_PWRITEV = 8
+# Pieces one vectored request may gather, at most (the kernel's UIO_MAXIOV is 1024).
+MAX_PIECES = 256
 DEFAULT_DEPTH = 32
 # Bytes a batch keeps in flight, at most (but always one request): past a few MiB in
 # flight a disk is no faster, and a writer staging unaligned bytes needs a buffer for each.
@@ -79,6 +85,10 @@ class _Iocb(ctypes.Structure):
         ("aio_flags", ctypes.c_uint32),
         ("aio_resfd", ctypes.c_uint32),
     ]
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_uint64), ("iov_len", ctypes.c_uint64)]
 
 
 class _Event(ctypes.Structure):
@@ -167,8 +177,25 @@ def address(buf: Any) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
-# A request: (file, buffer address, length, file offset, write?)
-Request = tuple[FileHandle, int, int, int, bool]
+# A request: (file, buffer, length, file offset, write?). The buffer is an address, or the
+# ``(address, length)`` pieces of a vectored request (one contiguous range of the file,
+# several buffers: adjacent small entries read or written as one request).
+Buffer = int | tuple[tuple[int, int], ...]
+Request = tuple[FileHandle, Buffer, int, int, bool]
+
+
+def _pieces_after(buf: Buffer, nbytes: int, moved: int) -> list[tuple[int, int]]:
+    """The ``(address, length)`` pieces of ``buf`` left after its first ``moved`` bytes."""
+    if isinstance(buf, int):
+        return [(buf + moved, nbytes - moved)]
+    left: list[tuple[int, int]] = []
+    for addr, length in buf:
+        if moved >= length:
+            moved -= length
+            continue
+        left.append((addr + moved, length - moved))
+        moved = 0
+    return left
 # Fault injection (tests): called as inject(phase, index, request); an int it returns
 # replaces what the kernel said: at "submit", an errno io_submit refused the request with;
 # at "complete", the event's result (a negative errno, or a byte count for a short one).
@@ -189,6 +216,8 @@ class _Ring:
         self.events = (_Event * depth)()
         base = ctypes.addressof(self.iocbs)
         self.slot_addr = [base + i * 64 for i in range(depth)]
+        # Each slot's iovec array, made the first time the slot carries a vectored request.
+        self.iovs: list[Any] = [None] * depth
         self.idle = True  # nothing in flight: safe to hand to the next batch
 
     def close(self) -> None:
@@ -367,11 +396,14 @@ class AioEngine(PosixEngine):
         for req in todo:
             if self._closed:
                 raise EngineClosedError()
-            fh, addr, nbytes, offset, write = req
-            view = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+            fh, buf, nbytes, offset, write = req
             try:
                 with self._depth:
-                    (_full_pwritev if write else _full_preadv)(fh.fd, view, offset)
+                    at = offset
+                    for addr, length in _pieces_after(buf, nbytes, 0):
+                        view = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+                        (_full_pwritev if write else _full_preadv)(fh.fd, view, at)
+                        at += length
             except OSError as e:
                 what = _what(req) if e.errno != errno.EIO or write else (
                     f"{_what(req)}: {e.strerror}")
@@ -410,14 +442,25 @@ class AioEngine(PosixEngine):
             free.append(slot)
 
         def fill(slot: int, req: Request, moved: int) -> None:
-            fh, addr, nbytes, offset, write = req
+            fh, buf, nbytes, offset, write = req
             cb = iocbs[slot]
             cb.aio_data = slot
-            cb.aio_lio_opcode = IOCB_CMD_PWRITE if write else IOCB_CMD_PREAD
             cb.aio_fildes = fh.fd
-            cb.aio_buf = addr + moved
-            cb.aio_nbytes = nbytes - moved
             cb.aio_offset = offset + moved
+            if isinstance(buf, int):
+                cb.aio_lio_opcode = IOCB_CMD_PWRITE if write else IOCB_CMD_PREAD
+                cb.aio_buf = buf + moved
+                cb.aio_nbytes = nbytes - moved
+                return
+            left = _pieces_after(buf, nbytes, moved)
+            iov = ring.iovs[slot]
+            if iov is None or len(iov) < len(left):
+                iov = ring.iovs[slot] = (_Iovec * max(len(left), MAX_PIECES))()
+            for k, (addr, length) in enumerate(left):
+                iov[k].iov_base, iov[k].iov_len = addr, length
+            cb.aio_lio_opcode = IOCB_CMD_PWRITEV if write else IOCB_CMD_PREADV
+            cb.aio_buf = ctypes.addressof(iov)
+            cb.aio_nbytes = len(left)
 
         while True:
             if self._closed and not halted:

@@ -413,3 +413,136 @@ def test_engine_closed_during_its_own_batch_fails_it_cleanly(tmp_path) -> None:
     finally:
         eng.close_file(fh)
         eng.close_file(other)
+
+
+# -- adjacent small entries as one vectored request ---------------------------------------
+
+def test_a_vectored_request_gathers_and_scatters_and_continues_a_short_transfer(
+        tmp_path) -> None:
+    eng = AioEngine(threads=1, depth=4)
+    fh = eng.open(str(tmp_path / "v.dat"), create=True)
+    try:
+        parts = [aligned_empty(n) for n in (4096, 8192, 12288)]
+        for i, p in enumerate(parts):
+            p[:] = i + 1
+        pieces = tuple((address(p), p.nbytes) for p in parts)
+        eng.run([(fh, pieces, 24576, 4096, True)])
+        whole = aligned_empty(24576)
+        eng.run([(fh, address(whole), 24576, 4096, False)])
+        assert np.array_equal(whole, np.concatenate(parts))
+        # Scattered into two buffers, the first completion stopping inside the second.
+        a, b = aligned_empty(8192), aligned_empty(16384)
+        shorts: list[int] = []
+
+        def short_once(ph: str, index: int, req: Any) -> int | None:
+            if ph == "complete" and not shorts:
+                shorts.append(index)
+                return 12288
+            return None
+
+        eng.inject = short_once
+        eng.run([(fh, ((address(a), 8192), (address(b), 16384)), 24576, 4096, False)])
+        assert shorts and np.array_equal(np.concatenate([a, b]), np.concatenate(parts))
+    finally:
+        eng.close()
+
+
+def _small(st: tierstore.Store, n: int = 40) -> dict[str, torch.Tensor]:
+    data = {f"s{i:02d}": torch.randn(2048 + 512 * (i % 3)) for i in range(n)}  # 8–12 KiB
+    st.put_many(data)
+    return data
+
+
+def _count(phase: str, into: list[Any]) -> Any:
+    def inject(ph: str, index: int, req: Any) -> None:
+        if ph == phase:
+            into.append(req)
+    return inject
+
+
+def test_small_entries_next_to_each_other_move_as_few_requests(tmp_path) -> None:
+    with _store(tmp_path) as st:
+        sent: list[Any] = []
+        st._medium.engine.inject = _count("submit", sent)
+        data = _small(st)
+        # 40 entries of 8–12 KiB, at most 256 KiB (the chunk) a request.
+        assert 1 < len(sent) <= 3 and sum(r[2] for r in sent) >= 40 * 8192
+        sent.clear()
+        got = st.get_many(list(data))
+        assert 1 < len(sent) <= 3
+        assert all(torch.equal(got[k], v) for k, v in data.items())
+        # Asked out of disk order: only the neighbours that stay neighbours are joined.
+        sent.clear()
+        names = list(data)[::-1]
+        got = st.get_many(names)
+        assert len(sent) == 40 and all(torch.equal(got[k], data[k]) for k in names)
+        st._medium.engine.inject = None
+        assert st.fsck().ok
+
+
+@pytest.mark.parametrize("phase,err", [("submit", errno.EIO), ("complete", errno.EIO)])
+def test_a_failed_joined_read_names_the_entry_whose_bytes_fail(tmp_path, phase, err) -> None:
+    with _store(tmp_path) as st:
+        data = _small(st)
+        bad = st.info("s17")
+        st._medium.engine.inject = _hook((bad.path, bad.offset + 100), phase,
+                                         -err if phase == "complete" else err, once=False)
+        with pytest.raises(tierstore.CorruptEntryError, match="'s17'") as got:
+            st.get_many(list(data))
+        assert os.strerror(err) in str(got.value)
+        # A failure that does not come back costs nothing: the joined request fails once,
+        # its entries are read one by one, and everything arrives verified.
+        st._medium.engine.inject = _hook((bad.path, bad.offset + 100), phase,
+                                         -err if phase == "complete" else err)
+        got2 = st.get_many(list(data))
+        assert all(torch.equal(got2[k], v) for k, v in data.items())
+        st._medium.engine.inject = None
+
+
+def test_a_corrupt_small_entry_inside_a_joined_read_is_named(tmp_path) -> None:
+    with _store(tmp_path) as st:
+        data = _small(st)
+        for victim in ("s23", "s05"):
+            info = st.info(victim)
+            fd = os.open(info.path, os.O_RDWR)
+            try:
+                os.pwrite(fd, b"\x01" * 8, info.offset + 64)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        with pytest.raises(tierstore.CorruptEntryError, match="'s05'.*crc32c"):
+            st.get_many(list(data))
+        with pytest.raises(tierstore.CorruptEntryError, match="'s23'.*crc32c"):
+            st.get_many([k for k in data if k != "s05"])
+        assert torch.equal(st.get("s24"), data["s24"])
+
+
+def test_a_failed_joined_write_names_its_entries_and_commits_nothing(tmp_path) -> None:
+    with _store(tmp_path) as st:
+        data = _small(st)
+        newer = {k: v + 1 for k, v in data.items()}
+        versions = {k: st.info(k).version for k in data}
+
+        def inject(ph: str, index: int, req: Any) -> int | None:
+            return -errno.EIO if ph == "complete" and index == 1 else None
+
+        st._medium.engine.inject = inject
+        with pytest.raises(OSError, match=r"one request with the \d+ entries after it") as got:
+            st.put_many(newer)
+        assert got.value.errno == errno.EIO
+        st._medium.engine.inject = None
+        assert {k: st.info(k).version for k in data} == versions
+        assert all(torch.equal(st.get(k), v) for k, v in data.items())
+        assert st.fsck().ok
+
+
+def test_joined_requests_without_an_aio_context(tmp_path) -> None:
+    with _store(tmp_path) as st:
+        eng = st._medium.engine
+        eng._lib = _Lib(eng._lib)
+        eng._lib.fail = -errno.EAGAIN  # every batch runs with preadv/pwritev
+        data = _small(st)
+        got = st.get_many(list(data))
+        assert all(torch.equal(got[k], v) for k, v in data.items())
+        assert eng._all == [] and st.fsck().ok
+        eng._lib.fail = 0

@@ -29,7 +29,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import lmdb
@@ -41,6 +41,7 @@ from .errors import CatalogError, StoreError, StoreFullError
 FORMAT_VERSION = 1
 _EXT = struct.Struct(">IQ")  # big-endian so LMDB's byte order is (segment, offset) order
 _REF = struct.Struct(">QQ")
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 _LEN = struct.Struct(">Q")
 T = TypeVar("T")
 DATA_FILE = "data.mdb"
@@ -114,7 +115,13 @@ class Record:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        # The fields spelled out rather than ``asdict``, whose deep copy was half the cost
+        # of committing a small entry; same keys, same order, same bytes.
+        return _ENCODE({
+            "dtype": self.dtype, "shape": self.shape, "nbytes": self.nbytes,
+            "crc": self.crc, "chunk": self.chunk, "version": self.version,
+            "seg": self.seg, "off": self.off, "length": self.length, "extra": self.extra,
+        }).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Record:

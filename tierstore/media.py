@@ -100,3 +100,43 @@ def orphan_files(medium: Medium, segments: Iterable[int]) -> list[str]:
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
+
+
+# A chunk of a batch: (entry, start, end) within that entry's extent.
+Chunk = tuple[int, int, int]
+
+
+def adjacent_runs(work: list[Chunk], extents: list[tuple[int, int]], limit: int,
+                  max_pieces: int, alone: int = 0) -> list[tuple[int, int]]:
+    """``work``'s chunks grouped as requests ``[first, last)``: chunks that follow each
+    other on disk (``extents[entry]`` is the entry's (segment, offset)) join one request
+    of up to ``limit`` bytes and ``max_pieces`` chunks; each chunk before ``alone`` is a
+    request of its own. Small entries written by one batch sit next to each other, so a
+    batch of them costs the disk a few large requests instead of many small ones."""
+    runs: list[tuple[int, int]] = []
+    n = 0
+    while n < len(work):
+        i, start, end = work[n]
+        seg, stop, nbytes = extents[i][0], extents[i][1] + end, end - start
+        last = n + 1
+        while n >= alone and last < len(work) and last - n < max_pieces:
+            j, s2, e2 = work[last]
+            if (extents[j][0] != seg or extents[j][1] + s2 != stop
+                    or nbytes + e2 - s2 > limit):
+                break
+            stop, nbytes, last = extents[j][1] + e2, nbytes + e2 - s2, last + 1
+        runs.append((n, last))
+        n = last
+    return runs
+
+
+def joined(pieces: list[tuple[int, int]]) -> int | tuple[tuple[int, int], ...]:
+    """A request's buffer from its ``(address, length)`` pieces: one address where they
+    are contiguous in memory, else the pieces of a vectored request."""
+    out = [list(pieces[0])]
+    for addr, length in pieces[1:]:
+        if out[-1][0] + out[-1][1] == addr:
+            out[-1][1] += length
+        else:
+            out.append([addr, length])
+    return out[0][0] if len(out) == 1 else tuple((a, b) for a, b in out)

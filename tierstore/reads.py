@@ -14,7 +14,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
@@ -22,7 +22,7 @@ import torch
 
 from tierstore.cache.pinned import cuda_consumer
 from tierstore.nvme import ALIGNMENT, HANDOFF_MIN_BYTES, BatchError, aligned_empty
-from tierstore.nvme.aio import EngineClosedError, address
+from tierstore.nvme.aio import MAX_PIECES, EngineClosedError, address
 
 from .catalog import Record
 from .devices import bytes_to_device
@@ -37,6 +37,7 @@ from .errors import (
 from .interface import Meta
 from .keys import Key
 from .local_state import LocalState
+from .media import adjacent_runs, joined
 from .tensors import dtype_from_name, from_bytes
 
 _DIRECT = object()  # found's bytes for a key read straight into the caller's out=
@@ -72,6 +73,33 @@ def _slot_buffer(view: torch.Tensor, length: int) -> np.ndarray:
     wide = torch.empty(0, dtype=torch.uint8)
     wide.set_(view.untyped_storage(), view.storage_offset(), (length,))
     return wide.numpy()
+
+
+class _Request(NamedTuple):
+    """One request of a read: chunks ``[first, last)``, one range of a slab file."""
+
+    first: int
+    last: int
+    seg: int
+    off: int
+    buf: int | tuple[tuple[int, int], ...]  # an address, or the pieces of a vectored read
+    nbytes: int
+
+
+def _coalesce(work: list[tuple[int, int, int]], recs: list[Record], addrs: list[int],
+              pos: int, alone: int, limit: int) -> list[_Request]:
+    """The requests for chunks ``pos`` onwards (see :func:`~tierstore.media.adjacent_runs`)."""
+    runs = adjacent_runs(work[pos:], [(r.seg, r.off) for r in recs], limit, MAX_PIECES,
+                         alone - pos)
+    plan = []
+    for first, last in runs:
+        chunks = work[pos + first : pos + last]
+        i, start, _ = chunks[0]
+        plan.append(_Request(
+            pos + first, pos + last, recs[i].seg, recs[i].off + start,
+            joined([(addrs[j] + s, e - s) for j, s, e in chunks]),
+            sum(e - s for _, s, e in chunks)))
+    return plan
 
 
 class ReadPath(LocalState):
@@ -335,29 +363,25 @@ class ReadPath(LocalState):
     def _fetch_batched(
         self, keys: list[Key], recs: list[Record], bufs: list[np.ndarray]
     ) -> list[np.ndarray]:
-        """:meth:`_fetch` as one batch on an engine that keeps a deep queue (AIO): every
-        chunk of every record is a request, and each chunk's crc32c is checked on this
-        thread as it lands, while the requests after it are in flight."""
+        """:meth:`_fetch` as one batch on an engine that keeps a deep queue (AIO).
+
+        Chunks that follow each other on disk (small entries written by one ``put_many``)
+        go as one vectored request of up to a chunk's bytes, so a layer of 256 KiB entries
+        costs the disk and this thread what a few large entries do. Each chunk's crc32c is
+        checked on this thread as its request lands, while the requests after it are in
+        flight. A request of several chunks that fails is tried again chunk by chunk, so
+        the entry named is the one whose bytes cannot be read (and a transient failure
+        costs nothing)."""
         work: list[tuple[int, int, int]] = []  # (record, start, end) of each chunk
         for i, rec in enumerate(recs):
             if rec.length:
                 step, length = rec.chunk, rec.length
                 work += [(i, start, min(start + step, length))
                          for start in range(0, length, step)]
-        if not work:
-            return bufs
         addrs = [address(b) for b in bufs]
-        at = [0]  # the request being made, should making it fail (a missing slab file)
-
-        def requests() -> Any:
-            for n, (i, start, end) in enumerate(work):
-                at[0] = n
-                rec = recs[i]
-                yield rec.seg, rec.off + start, addrs[i] + start, end - start, False
-
         bad: list[tuple[int, CorruptEntryError]] = []
 
-        def done(n: int) -> None:
+        def check(n: int) -> None:
             i, start, end = work[n]
             rec = recs[i]
             stop = min(end, rec.nbytes)
@@ -373,8 +397,42 @@ class ReadPath(LocalState):
                     f"{self._medium.location(rec.seg, rec.off + start)[0]})",
                 )))
 
+        pos = alone = 0  # chunks before ``alone`` go one request each
+        while pos < len(work):
+            plan = _coalesce(work, recs, addrs, pos, alone, self._chunk)
+            failed = self._run_plan(keys, recs, work, plan, check, bad)
+            if (failed is None or failed[1] - failed[0] == 1
+                    or any(n < failed[0] for n, _ in bad)):
+                break
+            # A request of several chunks failed: those chunks alone, then the rest.
+            pos, alone = failed
+        # Every chunk before a failed one was checked (the engine hands back all that
+        # landed), so the lowest position is the first bad entry in the order asked.
+        if bad:
+            raise min(bad, key=lambda x: x[0])[1]
+        return bufs
+
+    def _run_plan(
+        self, keys: list[Key], recs: list[Record], work: list[tuple[int, int, int]],
+        plan: list[_Request], check: Any, bad: list[tuple[int, CorruptEntryError]],
+    ) -> tuple[int, int] | None:
+        """Run ``plan`` as one batch, ``check``-ing every chunk that lands. Returns None when
+        every request moved its bytes, else the chunks ``[first, last)`` of the request that
+        failed; a single chunk's failure is recorded in ``bad`` as its entry's."""
+        at = [0]  # the request being made, should making it fail (a missing slab file)
+
+        def requests() -> Any:
+            for m, r in enumerate(plan):
+                at[0] = m
+                yield r.seg, r.off, r.buf, r.nbytes, False
+
+        def done(m: int) -> None:
+            for n in range(plan[m].first, plan[m].last):
+                check(n)
+
         try:
             self._medium.run(requests(), done)
+            return None
         except EngineClosedError as e:  # only where no operation gate held it off (fsck)
             raise StoreClosedError(f"store {self.path} is closed") from e
         except OSError as e:
@@ -382,27 +440,24 @@ class ReadPath(LocalState):
             # request is the entry's; anything else (no AIO context, io_getevents) is
             # the batch's, not evidence against the bytes.
             if isinstance(e, BatchError):
-                n = e.index
+                r = plan[e.index]
             elif isinstance(e, FileNotFoundError):
-                n = at[0]
+                r = plan[at[0]]
             else:
                 name, kind = keys[work[0][0]]
                 raise StoreError(
                     f"reading {name!r} (kind {kind!r}) and {len(keys) - 1} other entries: "
                     f"{e.strerror or e}") from e
-            i, start, end = work[n]
-            rec = recs[i]
-            where = self._medium.location(rec.seg, rec.off + start)[0]
-            bad.append((n, CorruptEntryError(
-                *keys[i], f"bytes {start}..{end} cannot be read from {where} "
-                f"({e.strerror or e}); restore the file, or the entry from a snapshot",
-            )))
-            bad[-1][1].__cause__ = e
-        # Every chunk before a failed one was checked (the engine hands back all that
-        # landed), so the lowest position is the first bad entry in the order asked.
-        if bad:
-            raise min(bad, key=lambda x: x[0])[1]
-        return bufs
+            if r.last - r.first == 1:
+                i, start, end = work[r.first]
+                rec = recs[i]
+                where = self._medium.location(rec.seg, rec.off + start)[0]
+                err = CorruptEntryError(
+                    *keys[i], f"bytes {start}..{end} cannot be read from {where} "
+                    f"({e.strerror or e}); restore the file, or the entry from a snapshot")
+                err.__cause__ = e
+                bad.append((r.first, err))
+            return r.first, r.last
 
     def _verify_record(self, name: str, kind: str, rec: Record) -> None:
         self._fetch([(name, kind)], [rec])

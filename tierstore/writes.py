@@ -23,14 +23,14 @@ import crc32c
 import numpy as np
 import torch
 
-from tierstore.nvme.aio import BatchError, EngineClosedError
+from tierstore.nvme.aio import MAX_PIECES, BatchError, EngineClosedError
 
 from .catalog import Record, entry_key
 from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
 from .local_state import LocalState
-from .media import ALIGNMENT, align_up
+from .media import ALIGNMENT, adjacent_runs, align_up, joined
 from .tensors import as_bytes, dtype_name
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -228,14 +228,19 @@ class WritePath(LocalState):
     def _run_writes(self, records: list[tuple[str, str, Record]], srcs: list[np.ndarray],
                     work: list[tuple[int, int, int]]) -> None:
         """Each chunk's crc32c, and its copy into an aligned buffer where the source is
-        not aligned, run on the chunk workers a few chunks ahead of submission (both
-        release the GIL, so they use every core), and the engine takes the chunks in order
-        as its queue has room."""
+        not aligned, run on the chunk workers a few requests ahead of submission (both
+        release the GIL, so they use every core), and the engine takes the requests in
+        order as its queue has room. Chunks that follow each other on disk (small entries
+        given fresh extents one after another) are one request of up to a chunk's bytes,
+        staged into one buffer: a put of 256 KiB entries costs what a few large ones do."""
         addrs = [src.ctypes.data for src in srcs]
+        runs = adjacent_runs(work, [(r.seg, r.off) for _, _, r in records], self._chunk,
+                             MAX_PIECES)
+        sizes = [sum(work[n][2] - work[n][1] for n in range(a, b)) for a, b in runs]
         # Staged ahead: a job for each chunk worker, and at most STAGE_AHEAD_BYTES (with the
         # engine's window in flight, within the staging pool's idle buffers for full chunks).
         ahead = 2 * self._io_threads
-        pending: collections.deque[Future[tuple[int, Any, int]]] = collections.deque()
+        pending: collections.deque[Future[tuple[list[int], Any, Any]]] = collections.deque()
         held: dict[int, Any] = {}  # staging buffers of requests in flight
         at = [0]
 
@@ -243,39 +248,60 @@ class WritePath(LocalState):
             if staged is not None and staged[0] is not None:
                 self._staging.give(staged[0])  # a chunk-sized buffer back to its pool
 
-        def stage(n: int) -> tuple[int, Any, int]:
-            i, start, end = work[n]
-            src, rec = srcs[i], records[i][2]
-            stop = min(end, rec.nbytes)
-            crc = crc32c.crc32c(src[start:stop])
-            if addrs[i] % ALIGNMENT == 0 and end <= rec.nbytes:
-                return crc, None, addrs[i] + start
-            # Reused memory, so no page faults on the hot path.
-            full = end - start == self._chunk
-            buf = self._staging.take() if full else self._results.take(end - start)
-            buf[: stop - start] = src[start:stop]
-            buf[stop - start : end - start] = 0
-            return crc, (buf if full else None, buf), buf.ctypes.data
+        def stage(m: int) -> tuple[list[int], Any, Any]:
+            first, last = runs[m]
+            crcs: list[int] = []
+            pieces: list[Any] = []
+            copy: list[int] = []
+            for n in range(first, last):
+                i, start, end = work[n]
+                src, rec = srcs[i], records[i][2]
+                stop = min(end, rec.nbytes)
+                crcs.append(crc32c.crc32c(src[start:stop]))
+                if addrs[i] % ALIGNMENT == 0 and end <= rec.nbytes:
+                    pieces.append((addrs[i] + start, end - start))
+                else:
+                    pieces.append(None)
+                    copy.append(n)
+            staged = None
+            if copy:
+                # Reused memory, so no page faults on the hot path.
+                need = sum(work[n][2] - work[n][1] for n in copy)
+                full = need > self._chunk // 2
+                buf = self._staging.take() if full else self._results.take(need)
+                staged = (buf if full else None, buf)
+                used = 0
+                for n in copy:
+                    i, start, end = work[n]
+                    stop = min(end, records[i][2].nbytes)
+                    buf[used : used + stop - start] = srcs[i][start:stop]
+                    buf[used + stop - start : used + end - start] = 0
+                    pieces[n - first] = (buf.ctypes.data + used, end - start)
+                    used += end - start
+            return crcs, staged, joined(pieces)
 
         def requests() -> Any:
             queued = ahead_bytes = 0
-            for n, (i, start, end) in enumerate(work):
-                while queued < len(work) and (queued <= n or (
-                        queued < n + ahead and ahead_bytes < STAGE_AHEAD_BYTES)):
+            for m, (first, last) in enumerate(runs):
+                while queued < len(runs) and (queued <= m or (
+                        queued < m + ahead and ahead_bytes < STAGE_AHEAD_BYTES)):
                     pending.append(self._workers.submit(stage, queued))
-                    ahead_bytes += work[queued][2] - work[queued][1]
+                    ahead_bytes += sizes[queued]
                     queued += 1
-                ahead_bytes -= end - start
-                at[0] = n
-                crc, buf, addr = pending.popleft().result()
+                nbytes = sizes[m]
+                ahead_bytes -= nbytes
+                at[0] = m
+                crcs, staged, buf = pending.popleft().result()
+                for n, crc in zip(range(first, last), crcs):
+                    records[work[n][0]][2].crc.append(crc)
+                if staged is not None:
+                    held[m] = staged
+                i, start, _ = work[first]
                 rec = records[i][2]
-                rec.crc.append(crc)
-                if buf is not None:
-                    held[n] = buf
-                yield rec.seg, rec.off + start, addr, end - start, True
+                yield rec.seg, rec.off + start, buf, nbytes, True
 
         try:
-            self._medium.run(requests(), lambda n: give(held.pop(n, None)))
+            self._medium.run(requests(), lambda m: give(held.pop(m, None)))
         except EngineClosedError as e:  # only where no operation gate held it off
             raise StoreClosedError(f"store {self.path} is closed") from e
         except OSError as e:
@@ -284,12 +310,14 @@ class WritePath(LocalState):
                 name, kind = records[0][:2]
                 raise OSError(e.errno, f"writing {name!r} (kind {kind!r}) and "
                               f"{len(records) - 1} other entries: {e.strerror}") from e
-            n = e.index if isinstance(e, BatchError) else at[0]
-            name, kind, rec = records[work[n][0]]
-            start = work[n][1]
+            first, last = runs[e.index if isinstance(e, BatchError) else at[0]]
+            name, kind, rec = records[work[first][0]]
+            start = work[first][1]
             where = self._medium.location(rec.seg, rec.off + start)[0]
+            others = len({work[n][0] for n in range(first, last)}) - 1
+            with_ = f" (one request with the {others} entries after it)" if others else ""
             raise OSError(e.errno, f"writing {name!r} (kind {kind!r}), bytes "
-                          f"{start}..{work[n][2]} to {where}: {e.strerror}") from e
+                          f"{start}..{work[first][2]} to {where}{with_}: {e.strerror}") from e
         finally:
             wait(pending)  # staging jobs started ahead of a failure
             for f in pending:
@@ -391,3 +419,4 @@ class WritePath(LocalState):
         cat.put_meta(txn, "version", top)
         cat.put_meta(txn, "live_bytes", live)
         return freed
+
