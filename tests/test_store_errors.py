@@ -206,6 +206,26 @@ def test_context_manager_closes_and_unlocks(make_store) -> None:
     assert torch.equal(st2.get("a"), torch.arange(3))
 
 
+def test_a_put_that_lands_while_close_runs_is_not_lost(make_store) -> None:
+    # Another thread's put reaching the store after close()'s flush and before close takes
+    # the operations gate: made to happen at exactly that point, on this thread, by the
+    # step close runs in between (closing the prefetch queues).
+    st = make_store(host_cache="8MiB")
+    st.put("a", torch.arange(3))
+    queues_close = st._queues.close
+
+    def put_late() -> None:
+        st.put("late", torch.arange(5))
+        assert st.stats()["cache"]["dirty_entries"] == 1  # in the cache, not yet durable
+        queues_close()
+
+    st._queues.close = put_late
+    st.close()
+    st2 = make_store(st.path, reopen=True)
+    assert torch.equal(st2.get("late"), torch.arange(5))
+    assert torch.equal(st2.get("a"), torch.arange(3))
+
+
 # -- tensors the store cannot hold -----------------------------------------------------------
 UNSUPPORTED = {
     "sparse_coo": lambda: torch.eye(3).to_sparse(),

@@ -185,8 +185,22 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
             # closes under them; those that enter later raise StoreClosedError.
             with self._ops.closing():  # type: ignore[attr-defined]
                 if not self._closed:
+                    self._flush_late_puts()
                     self._closed = True
                     self._close_resources()
+
+    def _flush_late_puts(self) -> None:
+        """Write back what another thread put between the flush in :meth:`close` and close
+        taking the operations gate alone: now that no operation can start, so nothing dirty
+        is dropped. The caller holds the gate alone (the flush's own path takes no gate)."""
+        if self._cache is None or not self._cache.stats().dirty_entries:
+            return
+        try:
+            self._flush()
+        except StoreError as e:
+            n = self._cache.stats().dirty_entries
+            raise type(e)(f"{e}; the store stays open and {n} unflushed entries stay in its "
+                          "host cache: free space, then close() again") from e
 
     def _close_resources(self) -> None:
         self._cache = None  # its arena (and any pin on it) goes with the store, not later
