@@ -246,6 +246,10 @@ class AioEngine(PosixEngine):
         # memory and a share of fs.aio-max-nr, so concurrent batches queue for one instead.
         self._made = 0
         self.max_rings = max(2, threads)
+        # Contexts the kernel last refused to go beyond (EAGAIN: fs.aio-max-nr reached),
+        # until a batch ends: then a new one is tried again, as the limit is system-wide
+        # and other processes give theirs back.
+        self._refused_at: int | None = None
         self._active = 0  # batches running
         self._running = threading.local()  # whether this thread is inside run()
         self._closed = False
@@ -305,7 +309,9 @@ class AioEngine(PosixEngine):
                     raise EngineClosedError()
                 if self._rings:
                     return self._rings.pop()
-                if self._made < self.max_rings:
+                if self._made < self.max_rings and (
+                        self._made == 0 or self._refused_at is None
+                        or self._made < self._refused_at):
                     self._made += 1
                     break
                 self._ring_free.wait()
@@ -317,9 +323,9 @@ class AioEngine(PosixEngine):
                 self._ring_free.notify()
                 if e.errno not in (errno.EAGAIN, errno.ENOMEM):
                     raise
-                # The kernel's limit, not ours: stay at the contexts there are, and wait
-                # for one of them, if any.
-                self.max_rings = max(1, self._made)
+                # The kernel's limit, not ours: wait for one of the contexts there are,
+                # if any, and try for a new one once a batch has ended.
+                self._refused_at = self._made
                 if self._made == 0:
                     return None
             return self._take_ring()
@@ -334,6 +340,8 @@ class AioEngine(PosixEngine):
     def _give_ring(self, ring: _Ring) -> None:
         """Back to the pool; destroyed instead where it may still have requests in flight
         or the engine has been closed meanwhile."""
+        with self._ring_free:
+            self._refused_at = None
         if not ring.idle or self._closed:
             # io_destroy waits for requests in flight, so no buffer is written after this
             # returns. Destroyed before it leaves the list, so an interruption in between

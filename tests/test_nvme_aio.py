@@ -546,3 +546,32 @@ def test_joined_requests_without_an_aio_context(tmp_path) -> None:
         assert all(torch.equal(got[k], v) for k, v in data.items())
         assert eng._all == [] and st.fsck().ok
         eng._lib.fail = 0
+
+
+def test_a_refused_context_is_tried_again_once_a_batch_has_ended(tmp_path) -> None:
+    eng = AioEngine(threads=2)
+    lib = eng._lib = _Lib(eng._lib)
+    try:
+        first = eng._take_ring()
+        assert first is not None
+
+        def refuse_and_end_a_batch(n: int, ctx: Any) -> int:
+            # The kernel refuses a second context while the first batch still runs; that
+            # batch ends just after, so the refused one waits for its context.
+            lib.io_setup = lib._lib.io_setup
+            eng._give_ring(first)
+            return -errno.EAGAIN
+
+        lib.io_setup = refuse_and_end_a_batch
+        again = eng._take_ring()
+        assert again is first and len(eng._all) == 1
+        eng._give_ring(again)  # a batch ended: the limit may have moved
+        held = [eng._take_ring(), None]
+        got = threading.Thread(target=lambda: held.__setitem__(1, eng._take_ring()))
+        got.start()
+        got.join(timeout=30)  # only bounds a regression that would wait forever
+        assert held[1] is not None and held[1] is not held[0] and len(eng._all) == 2
+        for ring in held:
+            eng._give_ring(ring)
+    finally:
+        eng.close()
