@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from collections.abc import Callable
 
 from tierstore.nvme import holds_data
 
+from .alloc import ExtentAllocator
 from .catalog import Catalog, Record
 from .errors import CorruptEntryError, StoreError
 from .interface import FsckReport
@@ -18,21 +20,46 @@ LOST_FOUND = "lost+found"  # where a repair puts slab files the restored catalog
 
 def check_store(path: str, cat: Catalog, medium: Medium,
                 verify: Callable[[str, str, Record], None],
-                progress: Callable[[int], None] | None = None) -> FsckReport:
+                progress: Callable[[int], None] | None = None,
+                alloc: ExtentAllocator | None = None) -> FsckReport:
     """Check the store at ``path`` (its catalog and backing medium, both open):
     ``verify(name, kind, record)`` reads a stored version back and raises
-    :class:`CorruptEntryError` where its checksums disagree."""
+    :class:`CorruptEntryError` where its checksums disagree.
+
+    On a store in use, pass its ``alloc``: every extent of the catalog's snapshot is then
+    leased in the same step as the snapshot is read (under the allocator's lock, as a read
+    leases its records), so a write committed meanwhile cannot reuse the space of a version
+    still to be verified, which would read as a false checksum failure."""
+    leased: list[tuple[int, int]] = []
+    try:
+        with alloc.lock if alloc is not None else contextlib.nullcontext():
+            with cat.read() as txn:
+                live = list(cat.iter_records(txn))
+                snaps = [
+                    (bytes(k).decode(), n, kd, r)
+                    for k, _ in txn.cursor(db=cat.db["snapshots"])
+                    for n, kd, r in cat.iter_records(txn, db="snapentries",
+                                                     tag=bytes(k).decode())
+                ]
+                refs = {(s, o): (length, n) for s, o, length, n in cat.refs(txn)}
+                free = list(cat.free_extents(txn))
+                segments = {s: size for s, _, _, size in cat.segments(txn)}
+            if alloc is not None:
+                for _, _, rec in live + [(n, k, r) for _, n, k, r in snaps]:
+                    if rec.seg >= 0:
+                        alloc.lease_locked(rec.seg, rec.off)
+                        leased.append((rec.seg, rec.off))
+        return _check(path, medium, verify, progress, live, snaps, refs, free, segments)
+    finally:
+        for seg, off in leased:
+            alloc.unlease(seg, off)  # type: ignore[union-attr]
+
+
+def _check(path: str, medium: Medium, verify: Callable[[str, str, Record], None],
+           progress: Callable[[int], None] | None, live: list[tuple[str, str, Record]],
+           snaps: list[tuple[str, str, str, Record]], refs: dict[tuple[int, int], tuple[int, int]],
+           free: list[tuple[int, int, int]], segments: dict[int, int]) -> FsckReport:
     report = FsckReport()
-    with cat.read() as txn:
-        live = list(cat.iter_records(txn))
-        snaps = [
-            (bytes(k).decode(), n, kd, r)
-            for k, _ in txn.cursor(db=cat.db["snapshots"])
-            for n, kd, r in cat.iter_records(txn, db="snapentries", tag=bytes(k).decode())
-        ]
-        refs = {(s, o): (length, n) for s, o, length, n in cat.refs(txn)}
-        free = list(cat.free_extents(txn))
-        segments = {s: size for s, _, _, size in cat.segments(txn)}
 
     # Reference counts: one per live entry and one per snapshot entry pointing at an extent.
     want: Counter[tuple[int, int]] = Counter()

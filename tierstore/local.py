@@ -314,8 +314,9 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
             self.flush()
         except StoreFullError as e:  # a full store must still be checkable
             unflushed = e
-        report = check_store(self.path, self._catalog, self._medium, self._verify_record,
-                             progress)
+        with self._ops.shared():  # close() waits for the check; writes go on beside it
+            report = check_store(self.path, self._catalog, self._medium,
+                                 self._verify_record, progress, alloc=self._alloc)
         if unflushed is not None:
             dirty = self._cache.stats().dirty_entries if self._cache is not None else 0
             report.notes.append(f"{dirty} entries are only in the host cache: {unflushed}")
