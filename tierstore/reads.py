@@ -82,12 +82,11 @@ class _Request(NamedTuple):
     last: int
     seg: int
     off: int
-    buf: int | tuple[tuple[int, int], ...]  # an address, or the pieces of a vectored read
     nbytes: int
 
 
-def _coalesce(work: list[tuple[int, int, int]], recs: list[Record], addrs: list[int],
-              pos: int, alone: int, limit: int) -> list[_Request]:
+def _coalesce(work: list[tuple[int, int, int]], recs: list[Record], pos: int, alone: int,
+              limit: int) -> list[_Request]:
     """The requests for chunks ``pos`` onwards (see :func:`~tierstore.media.adjacent_runs`)."""
     runs = adjacent_runs(work[pos:], [(r.seg, r.off) for r in recs], limit, MAX_PIECES,
                          alone - pos)
@@ -95,10 +94,8 @@ def _coalesce(work: list[tuple[int, int, int]], recs: list[Record], addrs: list[
     for first, last in runs:
         chunks = work[pos + first : pos + last]
         i, start, _ = chunks[0]
-        plan.append(_Request(
-            pos + first, pos + last, recs[i].seg, recs[i].off + start,
-            joined([(addrs[j] + s, e - s) for j, s, e in chunks]),
-            sum(e - s for _, s, e in chunks)))
+        plan.append(_Request(pos + first, pos + last, recs[i].seg, recs[i].off + start,
+                             sum(e - s for _, s, e in chunks)))
     return plan
 
 
@@ -108,15 +105,22 @@ class ReadPath(LocalState):
     def _read(self, keys: list[Key], device: str | torch.device | None,
               outs: list[torch.Tensor | None], cache: bool = True) -> list[torch.Tensor]:
         # Without caching, a miss whose out= can take the read lands there with no copy.
+        # A miss read into a buffer of its own is handed out as a tensor over that buffer,
+        # made while the batch's later requests are in flight (``views``).
+        views: dict[Key, torch.Tensor] | None = None
+        if device is None or torch.device(device).type == "cpu":
+            views = {}
         if cache:
-            found, handles = self._host_bytes(keys)
+            found, handles = self._host_bytes(keys, views=views)
         else:
             once = {k for k, n in collections.Counter(keys).items() if n == 1}
             direct = {k: o for k, o in zip(keys, outs) if k in once and _readable_into(o)}
-            found, handles = self._host_bytes(keys, admit=False, direct=direct)
+            found, handles = self._host_bytes(keys, admit=False, direct=direct, views=views)
         try:
             return [
-                out if raw is _DIRECT else self._deliver(key, meta, raw, out, device)
+                out if raw is _DIRECT else (
+                    views.pop(key) if out is None and views and key in views
+                    else self._deliver(key, meta, raw, out, device))
                 for key, out in zip(keys, outs)
                 for meta, raw in (found[key],)
             ]
@@ -126,6 +130,7 @@ class ReadPath(LocalState):
     def _host_bytes(
         self, keys: list[Key], *, admit: bool = True,
         direct: dict[Key, torch.Tensor] | None = None,
+        views: dict[Key, torch.Tensor] | None = None,
     ) -> tuple[dict[Key, tuple[Meta, Any]], list[Any]]:
         """Every key's bytes in host memory, without a copy: a pinned cache slot (hit, or
         filled from the backing tier) or, where the cache holds no slot for it, a freshly
@@ -133,7 +138,8 @@ class ReadPath(LocalState):
 
         ``admit=False`` leaves the cache as it is: hits are lent as usual, misses are read
         into buffers of their own, or straight into ``direct``'s tensor for their key
-        (found then holds :data:`_DIRECT` for the bytes)."""
+        (found then holds :data:`_DIRECT` for the bytes). ``views``, where given, gets a
+        tensor of the entry's dtype and shape over each buffer of its own."""
         found: dict[Key, tuple[Meta, Any]] = {}
         handles: list[Any] = []
         try:
@@ -151,7 +157,8 @@ class ReadPath(LocalState):
             if misses:
                 fills = admit and self._cache is not None
                 with self._ops.shared(), self._key_locks(misses if fills else []):
-                    self._load(misses, found, handles, admit=admit, direct=direct or {})
+                    self._load(misses, found, handles, admit=admit, direct=direct or {},
+                               views=views)
             with self._stats_lock:
                 self._tier.reads += len(misses)
         except BaseException:
@@ -167,9 +174,13 @@ class ReadPath(LocalState):
     def _load(
         self, keys: list[Key], found: dict[Key, Any], handles: list[Any], *,
         admit: bool = True, direct: dict[Key, torch.Tensor] | None = None,
+        views: dict[Key, torch.Tensor] | None = None,
     ) -> None:
         """Read missed entries from the backing tier, into cache slots where admitted
-        (``admit``), else into ``direct``'s tensor for the key or a buffer of their own."""
+        (``admit``), else into ``direct``'s tensor for the key or a buffer of their own.
+        A buffer of its own is taken (and its tensor made, into ``views``) only as the
+        entry's first request is made, so on a batched engine that work runs while the
+        requests before it are in flight."""
         recs = self._lookup(keys)
         try:
             metas = [Meta(rec.dtype, tuple(rec.shape), rec.nbytes, rec.version) for rec in recs]
@@ -179,7 +190,22 @@ class ReadPath(LocalState):
                 if into is not None and _fits(into, rec):
                     self._check_out(key, meta, into)  # before any slot is taken
                     into_of[key] = into
-            todo_keys, todo_recs, bufs, new = [], [], [], []
+            todo_keys: list[Key] = []
+            todo_recs: list[Record] = []
+            bufs: list[np.ndarray | None] = []
+            new: list[Any] = []
+            own: dict[int, Meta] = {}  # todo position -> the meta of an entry read into its own
+
+            def provide(i: int) -> np.ndarray:
+                buf = self._results.take(todo_recs[i].length)
+                meta = own[i]
+                found[todo_keys[i]] = (meta, buf)
+                if views is not None:
+                    views[todo_keys[i]] = from_bytes(buf, dtype_from_name(meta.dtype),
+                                                     meta.shape)
+                bufs[i] = buf
+                return buf
+
             for key, rec, meta in zip(keys, recs, metas):
                 into = into_of.get(key)
                 if into is not None:
@@ -202,17 +228,20 @@ class ReadPath(LocalState):
                     new.append(h)
                     buf = _slot_buffer(h.view, rec.length)
                 else:
-                    buf = self._results.take(rec.length)
-                    found[key] = (meta, buf)
+                    own[len(bufs)] = meta
+                    buf = None  # taken by ``provide``
                 todo_keys.append(key)
                 todo_recs.append(rec)
                 bufs.append(buf)
             try:
-                self._fetch(todo_keys, todo_recs, bufs)
+                self._fetch(todo_keys, todo_recs, bufs, provide)
             except BaseException:
                 for h in new:  # never publish unverified bytes
                     self._cache.invalidate(h.key)
                 raise
+            for i in own:
+                if bufs[i] is None:  # no request at all: an empty entry
+                    provide(i)
             for h in new:
                 self._cache.publish(h)
             with self._stats_lock:
@@ -286,13 +315,19 @@ class ReadPath(LocalState):
             )
 
     def _fetch(
-        self, keys: list[Key], recs: list[Record], bufs: list[np.ndarray] | None = None
+        self, keys: list[Key], recs: list[Record], bufs: list[Any] | None = None,
+        provide: Any = None,
     ) -> list[np.ndarray]:
-        """Read the records' extents in parallel chunks, verifying each chunk's crc32c."""
+        """Read the records' extents in parallel chunks, verifying each chunk's crc32c.
+        Where ``bufs[i]`` is None, ``provide(i)`` returns the buffer, called as the
+        entry's first request is made."""
         if bufs is None:
             bufs = [aligned_empty(rec.length) for rec in recs]
         if getattr(self._medium, "batched", False):
-            return self._fetch_batched(keys, recs, bufs)
+            return self._fetch_batched(keys, recs, bufs, provide)
+        for i, buf in enumerate(bufs):
+            if buf is None:
+                bufs[i] = provide(i)
 
         def chunk_job(i: int, c: int) -> None:
             rec, buf, start = recs[i], bufs[i], c * recs[i].chunk
@@ -361,7 +396,7 @@ class ReadPath(LocalState):
         return bufs
 
     def _fetch_batched(
-        self, keys: list[Key], recs: list[Record], bufs: list[np.ndarray]
+        self, keys: list[Key], recs: list[Record], bufs: list[Any], provide: Any = None,
     ) -> list[np.ndarray]:
         """:meth:`_fetch` as one batch on an engine that keeps a deep queue (AIO).
 
@@ -378,7 +413,13 @@ class ReadPath(LocalState):
                 step, length = rec.chunk, rec.length
                 work += [(i, start, min(start + step, length))
                          for start in range(0, length, step)]
-        addrs = [address(b) for b in bufs]
+        addrs = [None if b is None else address(b) for b in bufs]
+
+        def addr(i: int) -> int:
+            if addrs[i] is None:
+                addrs[i] = address(provide(i))
+            return addrs[i]  # type: ignore[return-value]
+
         bad: list[tuple[int, CorruptEntryError]] = []
 
         def check(n: int) -> None:
@@ -399,8 +440,8 @@ class ReadPath(LocalState):
 
         pos = alone = 0  # chunks before ``alone`` go one request each
         while pos < len(work):
-            plan = _coalesce(work, recs, addrs, pos, alone, self._chunk)
-            failed = self._run_plan(keys, recs, work, plan, check, bad)
+            plan = _coalesce(work, recs, pos, alone, self._chunk)
+            failed = self._run_plan(keys, recs, work, plan, addr, check, bad)
             if (failed is None or failed[1] - failed[0] == 1
                     or any(n < failed[0] for n, _ in bad)):
                 break
@@ -414,7 +455,7 @@ class ReadPath(LocalState):
 
     def _run_plan(
         self, keys: list[Key], recs: list[Record], work: list[tuple[int, int, int]],
-        plan: list[_Request], check: Any, bad: list[tuple[int, CorruptEntryError]],
+        plan: list[_Request], addr: Any, check: Any, bad: list[tuple[int, CorruptEntryError]],
     ) -> tuple[int, int] | None:
         """Run ``plan`` as one batch, ``check``-ing every chunk that lands. Returns None when
         every request moved its bytes, else the chunks ``[first, last)`` of the request that
@@ -424,7 +465,8 @@ class ReadPath(LocalState):
         def requests() -> Any:
             for m, r in enumerate(plan):
                 at[0] = m
-                yield r.seg, r.off, r.buf, r.nbytes, False
+                buf = joined([(addr(i) + s, e - s) for i, s, e in work[r.first : r.last]])
+                yield r.seg, r.off, buf, r.nbytes, False
 
         def done(m: int) -> None:
             for n in range(plan[m].first, plan[m].last):
