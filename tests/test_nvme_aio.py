@@ -156,6 +156,16 @@ def _entries(st: tierstore.Store) -> dict[str, torch.Tensor]:
     return data
 
 
+def _scribble(info: Any, at: int, data: bytes) -> None:
+    """Overwrite bytes of a stored entry on disk, behind the store's back."""
+    fd = os.open(info.path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, info.offset + at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _hook(target: tuple[str, int], phase: str, result: int, once: bool = True) -> Any:
     """An injection hook: at ``phase``, the request that touches byte ``target`` of its
     file gets ``result``."""
@@ -236,12 +246,7 @@ def test_the_first_corrupt_entry_in_the_order_asked_is_named_whatever_fails_afte
     with _store(tmp_path) as st:
         data = _entries(st)
         e1, e4 = st.info("e1"), st.info("e4")
-        fd = os.open(e1.path, os.O_RDWR)
-        try:
-            os.pwrite(fd, b"\xff" * 16, e1.offset + 100)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _scribble(e1, 100, b"\xff" * 16)
         # e4's second chunk fails after e1's chunks were sent, at completion or at
         # submission: e1's checksum failure is still the one reported, every time.
         for phase, result in [("complete", -errno.EIO), ("submit", errno.EIO)] * 10:
@@ -503,13 +508,7 @@ def test_a_corrupt_small_entry_inside_a_joined_read_is_named(tmp_path) -> None:
     with _store(tmp_path) as st:
         data = _small(st)
         for victim in ("s23", "s05"):
-            info = st.info(victim)
-            fd = os.open(info.path, os.O_RDWR)
-            try:
-                os.pwrite(fd, b"\x01" * 8, info.offset + 64)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _scribble(st.info(victim), 64, b"\x01" * 8)
         with pytest.raises(tierstore.CorruptEntryError, match="'s05'.*crc32c"):
             st.get_many(list(data))
         with pytest.raises(tierstore.CorruptEntryError, match="'s23'.*crc32c"):

@@ -170,12 +170,7 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
         if self._closed:
             return
         if self._cache is not None:
-            try:
-                self.flush()
-            except StoreError as e:
-                n = self._cache.stats().dirty_entries
-                raise type(e)(f"{e}; the store stays open and {n} unflushed entries stay in "
-                              "its host cache: free space, then close() again") from e
+            self._flush_to_close(self.flush)
         try:
             # Queued transfers are cancelled and running ones land while the medium and
             # the chunk workers they read through are still open (they only read).
@@ -185,20 +180,20 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
             # closes under them; those that enter later raise StoreClosedError.
             with self._ops.closing():  # type: ignore[attr-defined]
                 if not self._closed:
-                    self._flush_late_puts()
+                    # What another thread put between the flush above and this point is
+                    # written back now that no operation can start: nothing dirty is
+                    # dropped. (The flush's own path takes no gate.)
+                    if self._cache is not None and self._cache.stats().dirty_entries:
+                        self._flush_to_close(self._flush)
                     self._closed = True
                     self._close_resources()
 
-    def _flush_late_puts(self) -> None:
-        """Write back what another thread put between the flush in :meth:`close` and close
-        taking the operations gate alone: now that no operation can start, so nothing dirty
-        is dropped. The caller holds the gate alone (the flush's own path takes no gate)."""
-        if self._cache is None or not self._cache.stats().dirty_entries:
-            return
+    def _flush_to_close(self, flush: Callable[[], None]) -> None:
+        """``flush()``; if it fails, the store stays open, and the error says so."""
         try:
-            self._flush()
+            flush()
         except StoreError as e:
-            n = self._cache.stats().dirty_entries
+            n = self._cache.stats().dirty_entries if self._cache is not None else 0
             raise type(e)(f"{e}; the store stays open and {n} unflushed entries stay in its "
                           "host cache: free space, then close() again") from e
 
