@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import tierstore
-from tierstore.prefetch import IO_THREADS, DeviceQueues
+from tierstore.interface import Meta
+from tierstore.prefetch import IO_THREADS, MAX_COPY_BATCH_BYTES, DeviceQueues, PrefetchQueue
 
 MiB = 1 << 20
 pytestmark = pytest.mark.timeout(60)
@@ -54,12 +55,14 @@ class Watch:
         self.queue.on_start = self._on_start
         self._gate = threading.Event()
         self._gated: set[str] = set()
+        self.loads: list[list[tuple[str, str]]] = []  # the keys of each stage-1 load
         load = st._host_bytes
 
-        def gated_load(keys):
+        def gated_load(keys, **kw):
+            self.loads.append(list(keys))
             if any(name in self._gated for name, _ in keys):
                 assert self._gate.wait(30), "gate never opened"
-            return load(keys)
+            return load(keys, **kw)
 
         st._host_bytes = gated_load
 
@@ -82,7 +85,9 @@ class Watch:
         for name in blockers:
             self.st.put(name, torch.zeros(16))
         self.gate(blockers)
-        futs = self.st.prefetch(blockers, priority=-1)
+        # One priority each: an I/O thread that found the other still starting would
+        # otherwise take both blockers as one batch, and leave nothing blocked.
+        futs = [self.st.prefetch(name, priority=(-1, i))[0] for i, name in enumerate(blockers)]
         wait_until(lambda: len(self.started) >= IO_THREADS, "the I/O threads to take blockers")
         return futs
 
@@ -341,6 +346,86 @@ def test_entry_rewritten_with_another_size_while_queued(make_store) -> None:
         b.result(timeout=30)
     assert w.names().count("grows") == 2  # re-queued at its new size
     assert pf_stats(st)["in_use_bytes"] == MiB
+
+
+# -- stage-1 batches ----------------------------------------------------------------------
+def test_copy_path_loads_a_request_in_one_call(make_store) -> None:
+    st = make_store()
+    w = Watch(st)
+    blockers = w.block_io()
+    data = put_entries(st, 8, numel=16)
+    first, second = list(data)[:4], list(data)[4:]
+    futs = st.prefetch(first, priority=1) + st.prefetch(second, priority=2)
+    w.open()
+    for f in blockers + futs:
+        f.result(timeout=30)
+    for name, f in zip(data, futs):
+        assert torch.equal(f.result(), data[name])
+    loads = [sorted(n for n, _ in keys) for keys in w.loads if keys[0][0].startswith("e.")]
+    # The first request is the head of the heap and a thread's share (at least half of
+    # what is queued): one load. A load never mixes priorities.
+    assert first in loads
+    assert all(set(names) <= set(first) or set(names) <= set(second) for names in loads)
+    assert sorted(n for names in loads for n in names) == sorted(data)
+    s = pf_stats(st)
+    assert not s["zero_copy"] and s["transfers"] == 8 + IO_THREADS
+    assert s["bytes_copied"] == s["bytes_moved"]
+
+
+def test_copy_path_batches_stop_at_max_copy_batch_bytes(make_store) -> None:
+    st = make_store()
+    w = Watch(st)
+    blockers = w.block_io()
+    data = put_entries(st, 3, numel=MAX_COPY_BATCH_BYTES // 8 + 1)  # over half the cap
+    futs = st.prefetch(list(data), priority=1)
+    w.open()
+    for f in blockers + futs:
+        f.result(timeout=30)
+    for name, f in zip(data, futs):
+        assert torch.equal(f.result(), data[name])
+    loads = [keys for keys in w.loads if keys[0][0].startswith("e.")]
+    assert sorted(len(keys) for keys in loads) == [1, 1, 1]
+
+
+class Lease:
+    """One handle over a whole load, naming no key (as the daemon client's lease)."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_copy_path_releases_a_shared_lease_once_every_copy_has_landed() -> None:
+    data = {(f"s.{i}", "param"): torch.arange(64, dtype=torch.float32) + 100 * i
+            for i in range(5)}
+    loads: list[tuple[list, Lease]] = []
+    gate = threading.Event()
+
+    def load(keys):
+        if keys[0][0] == "s.0":
+            assert gate.wait(30), "gate never opened"
+        lease = Lease()
+        loads.append((list(keys), lease))
+        return {k: (Meta("float32", (64,), 256, 0), data[k].view(torch.uint8).numpy().copy())
+                for k in keys}, [lease]
+
+    started: list = []
+    q = PrefetchQueue(torch.device("cpu"), 1 << 20, load, lambda k: 256, io_threads=1)
+    q.on_start = lambda key, _: started.append(key)
+    try:
+        blocker = q.request([("s.0", "param")], priority=0)[0]
+        wait_until(lambda: started, "the I/O thread to take s.0")
+        keys = [(f"s.{i}", "param") for i in range(1, 5)]
+        futs = q.request(keys, priority=1)
+        gate.set()
+        for k, f in zip([("s.0", "param"), *keys], [blocker, *futs]):
+            assert torch.equal(f.result(timeout=30), data[k])
+        assert [ks for ks, _ in loads] == [[("s.0", "param")], keys]  # one call for four
+        assert [lease.released for _, lease in loads] == [1, 1]
+    finally:
+        q.close()
 
 
 # -- release and cancel -------------------------------------------------------------------

@@ -28,10 +28,15 @@ credits when it starts (an I/O thread picks it from the heap) and gives them bac
 device copy is released or cancelled; on the zero-copy path the budget bounds the bytes the
 queue holds pinned. Only the head of the heap may start, so when credits run out
 lower-priority work waits behind it instead of slipping past; a more urgent request
-overtakes everything still queued but never preempts a transfer that has started. On the
-zero-copy path an I/O thread starts the heads of one urgency and priority together (its
-share of what is queued) and loads them in one call, so their reads run in parallel and
-the per-entry cost of a whole layer's request is paid once.
+overtakes everything still queued but never preempts a transfer that has started. An I/O
+thread starts the heads of one urgency and priority together (its share of what is queued,
+at most :data:`MAX_BATCH` entries) and loads them in one call, so their reads go to the
+backing tier as one batch and the per-entry cost of a layer's request is paid once per
+batch. A batch holds up to :data:`MAX_BATCH_BYTES` on the zero-copy path; on the copy path,
+where a batch's copies start only once all of it has landed, up to
+:data:`MAX_COPY_BATCH_BYTES`, so that copies overlap the reads behind them. Each entry of a
+batch still takes its own credits, lands, and resolves its own future; an entry whose read
+fails fails alone (the batch is loaded again one entry at a time).
 
 Lifetimes on an asynchronous device. :meth:`PrefetchQueue.acquire` makes the caller's current
 stream wait for the copy's event (the host never waits) and records that stream as a user
@@ -62,6 +67,7 @@ from .entries import (
     IO_THREADS,
     MAX_BATCH,
     MAX_BATCH_BYTES,
+    MAX_COPY_BATCH_BYTES,
     Loader,
     SizeOf,
     layer_of,
@@ -77,6 +83,7 @@ __all__ = [
     "IO_THREADS",
     "MAX_BATCH",
     "MAX_BATCH_BYTES",
+    "MAX_COPY_BATCH_BYTES",
     "DeviceQueues",
     "Loader",
     "PrefetchQueue",

@@ -46,6 +46,27 @@ class _Pins:
             self.unpin(handles)
 
 
+class _Shared:
+    """The loader's handles on a whole batch (one lease that names no key), on the copy
+    path: each entry of the batch holds one part and releases it once its copy has landed
+    or been given up; the handles go back with the last part."""
+
+    __slots__ = ("handles", "_left", "_lock")
+
+    def __init__(self, handles: list[Any], parts: int) -> None:
+        self.handles, self._left = handles, parts
+        self._lock = threading.Lock()  # parts go back on the copy and the I/O threads
+
+    def release(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+            handles, self.handles = self.handles, []
+        for h in handles:
+            h.release()
+
+
 class _Pinned:
     """The numpy base of a zero-copy view: numpy keeps the object that provides
     ``__array_interface__`` as the array's base and torch keeps that array, so this object

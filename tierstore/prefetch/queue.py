@@ -20,7 +20,7 @@ import torch
 from ..devices import DeviceCopier
 from ..errors import StoreClosedError, StoreError
 from ..sizes import format_size
-from .device_stage import DeviceStage, _Pins
+from .device_stage import DeviceStage, _Pins, _Shared
 from .entries import (
     COPYING,
     DONE,
@@ -28,6 +28,7 @@ from .entries import (
     LOADING,
     MAX_BATCH,
     MAX_BATCH_BYTES,
+    MAX_COPY_BATCH_BYTES,
     MAX_SIZES_KEPT,
     QUEUED,
     RESIDENT,
@@ -373,10 +374,11 @@ class PrefetchQueue(DeviceStage):
 
     def _next(self) -> list[Entry] | None:
         """Wait for the head of the heap to fit the budget and take its credits; None once
-        the queue closes. On the zero-copy path the heads right behind it of the same
-        urgency and priority (one request, typically) come along while they fit, up to this
-        thread's share of the queued items: one load of many keys costs one pass through the
-        store (and reads them in parallel) instead of one each."""
+        the queue closes. The heads right behind it of the same urgency and priority (one
+        request, typically) come along while they fit, up to this thread's share of the
+        queued items: one load of many keys costs one pass through the store instead of one
+        each, and its reads go to the backing tier as one batch (loads of one key each
+        would keep one request per I/O thread in flight)."""
         with self._cv:
             self._idle_io += 1
             try:
@@ -392,14 +394,15 @@ class PrefetchQueue(DeviceStage):
                         self._reap(wait=True)
                         continue
                     self._cv.wait()
-                share = -(-len(self._heap) // self._idle_io) if self.zero_copy else 1
+                share = -(-len(self._heap) // self._idle_io)
                 limit, rank = min(share, MAX_BATCH), (head.urgent, head.priority)
+                cap = MAX_BATCH_BYTES if self.zero_copy else MAX_COPY_BATCH_BYTES
                 batch: list[Entry] = []
                 nbytes = 0
                 while (head is not None and len(batch) < limit
                        and head.nbytes <= self.budget - self._in_use
                        and (not batch or ((head.urgent, head.priority) == rank
-                                          and nbytes + head.nbytes <= MAX_BATCH_BYTES))):
+                                          and nbytes + head.nbytes <= cap))):
                     heapq.heappop(self._heap)
                     head.zero_copy = self.zero_copy  # fixed for the whole batch
                     self._start(head)
@@ -455,7 +458,8 @@ class PrefetchQueue(DeviceStage):
                 continue
             # A key with no handle was read into a buffer of its own, one with a new slot
             # was read into that slot: both came from the backing tier.
-            hs = handles.handles if isinstance(handles, _Pins) else handles
+            hs = handles.handles if isinstance(handles, _Pins) else [
+                u for h in handles for u in (h.handles if isinstance(h, _Shared) else (h,))]
             n = meta.nbytes if not hs or any(getattr(h, "new", False) for h in hs) else 0
             if entry.zero_copy:
                 read += n
@@ -474,7 +478,8 @@ class PrefetchQueue(DeviceStage):
         """Stage 1 of a batch: per entry ``(meta, raw bytes, handles)`` or the exception
         its load raised. Handles are a list per key where the loader's handles name their
         keys (the store's cache handles), else (one lease over the whole load) a
-        :class:`_Pins` that the batch's views share, released when the last one is gone."""
+        :class:`_Pins` that the batch's views share, released when the last one is gone,
+        or on the copy path a :class:`_Shared` of which each entry releases its part."""
         keys = [e.key for e in batch]
         try:
             found, handles = self._load(keys)
@@ -492,9 +497,12 @@ class PrefetchQueue(DeviceStage):
             for h in handles:
                 mine[h.key].append(h)
             per_key = mine
+        elif batch[0].zero_copy:  # fixed for the whole batch
+            pins = _Pins(handles, self._unpin)
+            per_key = {k: pins for k in keys}
         else:
-            shared = _Pins(handles, self._unpin)
-            per_key = {k: shared for k in keys}
+            shared = _Shared(handles, len(keys))
+            per_key = {k: [shared] for k in keys}
         return [(found[k][0], found[k][1], per_key[k]) for k in keys]
 
     def _resize(self, entry: Entry, nbytes: int) -> None:
