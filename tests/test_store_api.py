@@ -362,3 +362,21 @@ def test_entry_larger_than_the_cache_goes_straight_through(make_store, backing) 
     st = make_store(st.path, reopen=True, host_cache="256KiB")
     assert torch.equal(st.get("big"), big)
     assert torch.equal(st.get("small"), torch.arange(10))
+
+
+def test_one_batch_naming_a_key_twice_keeps_the_last_and_frees_the_rest(make_store) -> None:
+    # Within one commit the first version of "a" is carved, replaced and freed: the free
+    # map must end up with exactly what no entry uses (fsck checks it to the byte).
+    st = make_store(host_cache=0)
+    st.put_many([(f"n{i}", torch.full((3000,), float(i))) for i in range(6)])
+    st.put_many([("a", torch.ones(5000)), *[(f"n{i}", torch.zeros(3000)) for i in range(6)],
+                 ("a", torch.full((7000,), 2.0))])
+    assert torch.equal(st.get("a"), torch.full((7000,), 2.0))
+    assert all(torch.equal(st.get(f"n{i}"), torch.zeros(3000)) for i in range(6))
+    report = st.fsck()
+    assert report.ok, report.problems
+    before = st.stats()["free_bytes"]
+    st.delete("a")
+    for i in range(6):
+        st.delete(f"n{i}")
+    assert st.fsck().ok and st.stats()["free_bytes"] > before

@@ -135,6 +135,17 @@ class Record:
         return "crc32c:" + "-".join(f"{c:08x}" for c in self.crc)
 
 
+def _merged(extents: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``extents`` in (segment, offset) order, each run of neighbours as one extent."""
+    out: list[tuple[int, int, int]] = []
+    for seg, off, length in sorted(extents):
+        if out and out[-1][0] == seg and out[-1][1] + out[-1][2] == off:
+            out[-1] = (seg, out[-1][1], out[-1][2] + length)
+        else:
+            out.append((seg, off, length))
+    return out
+
+
 def entry_key(name: str, kind: str) -> bytes:
     return name.encode() + b"\0" + kind.encode()
 
@@ -362,20 +373,30 @@ class Catalog:
         txn.put(ext_key(seg, off), _LEN.pack(length), db=db)
 
     # -- extent references -----------------------------------------------------------
-    def incref(self, txn: lmdb.Transaction, rec: Record) -> None:
+    def incref(self, txn: lmdb.Transaction, rec: Record,
+               carve: list[tuple[int, int, int]] | None = None) -> None:
+        """Add one reference. An extent's first is carved from the free map now, or, where
+        ``carve`` is given, appended to it for :meth:`carve_many` later in the same
+        transaction."""
         if rec.seg < 0:
             return
         key = ext_key(rec.seg, rec.off)
         raw = txn.get(key, db=self.db["refs"])
         if raw is None:
-            self.carve(txn, rec.seg, rec.off, rec.length)
+            if carve is None:
+                self.carve(txn, rec.seg, rec.off, rec.length)
+            else:
+                carve.append(rec.extent)
             txn.put(key, _REF.pack(rec.length, 1), db=self.db["refs"])
         else:
             length, n = _REF.unpack(raw)
             txn.put(key, _REF.pack(length, n + 1), db=self.db["refs"])
 
-    def decref(self, txn: lmdb.Transaction, rec: Record) -> tuple[int, int, int] | None:
-        """Drop one reference; returns the extent if that freed it."""
+    def decref(self, txn: lmdb.Transaction, rec: Record,
+               free: list[tuple[int, int, int]] | None = None) -> tuple[int, int, int] | None:
+        """Drop one reference; returns the extent if that freed it. A freed extent goes
+        back to the free map now, or, where ``free`` is given, is appended to it for
+        :meth:`add_free_many` later in the same transaction."""
         if rec.seg < 0:
             return None
         key = ext_key(rec.seg, rec.off)
@@ -387,8 +408,22 @@ class Catalog:
             txn.put(key, _REF.pack(length, n - 1), db=self.db["refs"])
             return None
         txn.delete(key, db=self.db["refs"])
-        self.add_free(txn, rec.seg, rec.off, length)
+        if free is None:
+            self.add_free(txn, rec.seg, rec.off, length)
+        else:
+            free.append((rec.seg, rec.off, length))
         return rec.seg, rec.off, length
+
+    def carve_many(self, txn: lmdb.Transaction, extents: list[tuple[int, int, int]]) -> None:
+        """:meth:`carve` each extent, neighbours as one: the extents of a batch of small
+        entries sit side by side, and one free-map update serves them all."""
+        for seg, off, length in _merged(extents):
+            self.carve(txn, seg, off, length)
+
+    def add_free_many(self, txn: lmdb.Transaction, extents: list[tuple[int, int, int]]) -> None:
+        """:meth:`add_free` each extent, neighbours as one (see :meth:`carve_many`)."""
+        for seg, off, length in _merged(extents):
+            self.add_free(txn, seg, off, length)
 
     def refs(self, txn: lmdb.Transaction) -> Iterator[tuple[int, int, int, int]]:
         for key, raw in txn.cursor(db=self.db["refs"]):

@@ -398,7 +398,9 @@ class WritePath(LocalState):
         cat = self._catalog
         top = cat.get_meta(txn, "version", 0)
         live = cat.get_meta(txn, "live_bytes", 0)
-        freed = []
+        freed: list[tuple[int, int, int]] = []
+        carve: list[tuple[int, int, int]] = []
+        free: list[tuple[int, int, int]] = []
         for name, kind, rec in records:
             old = cat.get_record(txn, name, kind)
             dead = self._tombstones.get((name, kind))
@@ -407,15 +409,17 @@ class WritePath(LocalState):
                 if rec.seg >= 0:
                     freed.append(rec.extent)  # taken in memory only, never carved
                 continue
-            cat.incref(txn, rec)
+            cat.incref(txn, rec, carve)
             if old is not None:
                 live -= old.nbytes
-                ext = cat.decref(txn, old)
+                ext = cat.decref(txn, old, free)
                 if ext:
                     freed.append(ext)
             live += rec.nbytes
             top = max(top, rec.version)
             txn.put(entry_key(name, kind), rec.encode(), db=cat.db["entries"])
+        cat.carve_many(txn, carve)
+        cat.add_free_many(txn, free)
         cat.put_meta(txn, "version", top)
         cat.put_meta(txn, "live_bytes", live)
         return freed
