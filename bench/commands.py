@@ -188,7 +188,7 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
 @click.option("--threads", type=click.IntRange(min=1),
               help="With --peer: CPU compute threads of every run, the peer's included "
                    "(default: each system's own; tierstore's ring and expert modes leave a "
-                   "core to their reads).")
+                   "core to their reads while the host cache cannot hold every expert).")
 @click.option("--engine", type=click.Choice(["auto", "posix-direct"]), default="auto",
               show_default=True,
               help="The store's NVMe I/O engine (auto: Linux AIO where it runs; "

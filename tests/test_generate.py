@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from tierstore.trainer.infer.generate import generate, make_source
 from tierstore.trainer.infer.loading import load_model
@@ -124,3 +125,21 @@ def test_trainer_checkpoint_generates(tmp_path: Path) -> None:
         src = make_source("resident", st, model)
         prompts = [list(b"def "), list(b"import os")]
         assert generate(model, src, prompts, 6).tokens == got
+
+
+def test_compute_threads_leave_a_core_only_while_experts_stream() -> None:
+    """Without --threads, the ring and expert mode on a CPU leave a core to their read
+    threads while experts stream from the backing tier; a host cache that holds every
+    expert has nothing to stream after the first pass, so they compute on every core, as
+    on-demand and resident mode always do, and as any CUDA run does."""
+    from tierstore.trainer.infer.generate import compute_threads
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    every = 1 << 30
+    for mode in ("ring", "expert"):
+        assert compute_threads(mode, cpu, 4, every // 4, every) == 3
+        assert compute_threads(mode, cpu, 1, every // 4, every) == 1
+        assert compute_threads(mode, cpu, 4, every, every) == 4
+        assert compute_threads(mode, cuda, 4, 0, every) == 4
+    for mode in ("on-demand", "resident"):
+        assert compute_threads(mode, cpu, 4, 0, every) == 4

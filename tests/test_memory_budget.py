@@ -18,7 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tierstore.trainer.infer.budget import FIXED_OVERHEAD_BYTES
+from tierstore.trainer.infer.budget import (
+    FIXED_OVERHEAD_BYTES,
+    GenerationBudget,
+    generation_budget,
+    pooled_host_cache,
+)
 from tierstore.trainer.infer.generate import generate, make_source
 from tierstore.trainer.infer.loading import load_model
 from tierstore.trainer.model import MoEModel, expert_names
@@ -233,3 +238,43 @@ def test_prefetch_budget_is_lowered_after_opening(tiny: Path) -> None:
         store.prefetch_budget("cpu", size)
         assert torch.equal(store.acquire(name), store.get(name))
         store.release(name)
+
+
+def test_expert_mode_and_on_demand_pool_their_share_with_the_host_cache(tiny: Path) -> None:
+    """On a CPU, with experts streaming from the backing tier, expert mode's and on demand's
+    share of the device budget goes to the host cache: one cache instead of two holding the
+    same experts. The two together come to the unpooled bound (host cache + the experts'
+    share), the source holds at most one layer's routed experts, expert mode caches nothing
+    of its own and guesses nothing, and the tokens are the resident model's."""
+    prompt = [list(range(3, 19))]  # a prefill routes to more experts than the queue holds
+    with tierstore.open(tiny, host_cache="16KiB") as probe:
+        model = load_model(probe, "cpu")
+        cfg = model.cfg
+        one = sum(probe.info(n).nbytes for n in expert_names(cfg.moe_layers[0], 0))
+        want = generate(model, make_source("resident", probe, model), prompt, 5).tokens
+    sized = generation_budget(cfg, 0, 1, len(prompt[0]), 5, model.dtype)
+    plan = GenerationBudget(device=sized.reserved + 5 * one, kv_cache=sized.kv_cache,
+                            activations=sized.activations)
+    host = 2 * one  # far below the experts: they stream
+    arena, working = pooled_host_cache(plan, host, one, cfg.top_k)
+    assert arena + working == host + plan.experts
+    assert working == cfg.top_k * one and arena == host + (5 - cfg.top_k) * one
+    for mode in ("expert", "on-demand"):
+        with tierstore.open(tiny, host_cache=arena) as store:
+            assert store.stats()["cache"]["capacity_bytes"] <= arena  # rounded to slots
+            store.prefetch_budget("cpu", working)
+            src = make_source(mode, store, model, budget=working, host_pool=True)
+            try:
+                got = generate(model, src, prompt, 5)
+            finally:
+                src.close()
+            assert got.tokens == want, mode
+            if mode == "expert":
+                stats = got.source
+                assert stats["host_pool"] and stats["cached_experts"] == 0
+                assert stats["spec_requested"] == 0 and stats["hit_rate"] is not None
+                assert store.stats()["prefetch"]["cpu"]["peak_in_use_bytes"] <= working
+    # A share of no more than one layer's routed experts is all working set: nothing pooled.
+    tight = GenerationBudget(device=sized.reserved + one, kv_cache=sized.kv_cache,
+                             activations=sized.activations)
+    assert pooled_host_cache(tight, host, one, cfg.top_k) == (host, one)

@@ -340,7 +340,8 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
               help="Host-memory cache in front of the backing tier (default: the store's, 1GiB).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="CPU compute threads (default: torch's; on a CPU device, ring and expert "
-                   "modes use one fewer, leaving a core to the prefetch queue's copy thread).")
+                   "modes use one fewer while their host cache cannot hold every expert, "
+                   "leaving a core to their read threads).")
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
                    "cache --trace`).")

@@ -121,6 +121,26 @@ def generation_budget(cfg: ModelConfig, device_budget: int, batch: int, prompt_l
         activations=activation_bytes(cfg, batch, prompt_len, context, dtype))
 
 
+def pooled_host_cache(plan: GenerationBudget, host_cache: int, expert_bytes: int,
+                      per_layer: int) -> tuple[int, int]:
+    """Expert mode or on demand on a CPU, streaming from the backing tier: ``(host cache
+    bytes, the source's budget)`` that pool the host cache and the experts' share of the
+    device budget into one cache.
+
+    On a CPU the "device" is host memory and the prefetch queue lends views of host-cache
+    slots, so a device-side expert cache would hold the same experts as the host cache:
+    the two overlap instead of adding up (on demand borrows host-cache slots for one layer
+    and keeps nothing, so the rest of its share held nothing). Pooled, the source (for
+    expert mode, through its prefetch queue) keeps only the working set, one
+    MoE layer's routed experts (``per_layer`` of ``expert_bytes``; a layer that routes to
+    more is served in groups), and the host cache takes the rest of the experts' share.
+    What the source holds is a pin of a host-cache slot or, where the cache refused the
+    entry, a buffer of the store's within the source's budget; so the two together
+    never hold more than ``host_cache + plan.experts``, the bound of the unpooled split."""
+    working = min(plan.experts, per_layer * expert_bytes)
+    return host_cache + plan.experts - working, working
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident set so far: its memory's high-water mark (``VmHWM``).
     Not ``getrusage``: Linux counts there the peak of the process that forked this one

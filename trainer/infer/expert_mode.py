@@ -19,6 +19,19 @@ Three parts, all on the store's device prefetch queue (:meth:`tierstore.Store.pr
 - **Budget.** Everything held (cached experts, the current layer's others, predictions in
   flight) stays within the queue's byte budget; when a layer needs room, cached experts are
   evicted in the policy's order and predictions are made only in the room that is left.
+- **One cache on a CPU** (``host_pool``). There the queue lends views of host-cache slots,
+  so a device cache would pin experts the host cache already holds, and the two budgets
+  would overlap instead of adding up. Where the experts stream from the backing tier,
+  ``tierstore generate`` gives the experts' share of the device budget to the host cache
+  instead (:func:`trainer.infer.budget.pooled_host_cache`), and the source keeps no cache
+  of its own and makes no guesses: the queue holds the layer running, and the hit rate
+  reported is the host cache's over the experts read through it. Guessing does not pay
+  there: a CPU computes a layer in less time than the backing tier takes to read one
+  expert, so a right guess hides less than a wrong one costs. On the Mixtral-shaped model
+  of docs/inference.md (24 MiB experts, a 555 MiB pool, about 2 GB/s) guessing read 228 MB
+  per decoded token against 157 MB without (the top-2 guesses were right 0.57 of the time;
+  the top-1 guess alone, right 0.70 of the time, still read 182 MB), and it decoded no
+  faster.
 """
 
 from __future__ import annotations
@@ -60,27 +73,32 @@ class ExpertModeSource(ExpertSource):
     experts at most, ``2 · min(experts, top_k · tokens)``, so decoding one token keeps a
     larger cache than a prefill; at least a quarter of the budget).
     ``policy``/``policy_args``: the cache's eviction policy (see ``tierstore.lab.POLICIES``).
-    ``speculate=False`` turns the next-layer prediction off.
+    ``speculate=False`` turns the next-layer prediction off. ``host_pool``: the store's
+    host cache is the expert cache (see the module docstring): no cache of the source's
+    own, no guesses, and ``hit_rate`` is the host cache's over the expert entries loaded
+    since the first pass.
     """
 
     def __init__(self, store: tierstore.Store, device: str | torch.device, *,
                  budget: int | None = None, cache_bytes: int | None = None,
                  policy: str = "lfu-decay", policy_args: Mapping[str, Any] | None = None,
-                 speculate: bool = True, dtype: torch.dtype | None = None) -> None:
+                 speculate: bool = True, dtype: torch.dtype | None = None,
+                 host_pool: bool = False) -> None:
         self.store = store
         self.device = torch.device(device)
         self.dtype = dtype
         queue = queue_budget(store, self.device)
         self.budget = queue if budget is None else min(int(budget), queue)
         self.views = lend_views(store, self.device)  # on the CPU: pins, not copies
-        self._cache_bytes_arg = cache_bytes
+        self.host_pool = host_pool
+        self._cache_bytes_arg = 0 if host_pool else cache_bytes
         args = dict(DEFAULT_POLICY_ARGS if policy == "lfu-decay" and policy_args is None
                     else policy_args or {})
         try:
             self.policy = make_policy(policy, **args)
         except (TypeError, ValueError) as e:
             raise tierstore.StoreError(f"expert cache policy {policy!r}: {e}") from None
-        self.speculate = speculate
+        self.speculate = speculate and not host_pool
         self.model: Any = None
         self.expert_bytes = 0
         self.cache_bytes = 0
@@ -99,6 +117,7 @@ class ExpertModeSource(ExpertSource):
         self.busy_s = 0.0
         self._pass_start = 0.0
         self._moved_start = self._read_start = 0
+        self._pool_start = (0, 0)  # the host cache's hits and misses when bound
 
     # -- set-up -----------------------------------------------------------------------
     def _bind(self, model: Any) -> None:
@@ -118,6 +137,11 @@ class ExpertModeSource(ExpertSource):
         self.policy.attach(self.cache_bytes)
         self._moved_start = queue_bytes_moved(self.store, self.device)
         self._read_start = queue_bytes_moved(self.store, self.device, "bytes_read")
+        self._pool_start = self._pool_counts()
+
+    def _pool_counts(self) -> tuple[int, int]:
+        cache = self.store.stats().get("cache") or {}
+        return int(cache.get("hits", 0)), int(cache.get("misses", 0))
 
     # -- bookkeeping --------------------------------------------------------------------
     def _size_cache(self, n_tokens: int) -> None:
@@ -228,7 +252,7 @@ class ExpertModeSource(ExpertSource):
                         if (layer, e) not in wanted and self._state.get((layer, e)) == _PREDICTED])
 
     def _serve(self, layer: int, keys: list[Key], x: Tensor, speculate: bool
-               ) -> dict[int, ExpertWeights]:
+               ) -> Mapping[int, ExpertWeights]:
         """``keys``' weights on the device (``speculate``: guess the next layer's too)."""
         wanted = set(keys)
         # This layer's missing experts first, so that they lead the queue.
@@ -240,19 +264,22 @@ class ExpertModeSource(ExpertSource):
                 self._set(k, _TRANSIENT)
         if speculate:
             self._speculate(layer, x, wanted)
-        t0 = time.perf_counter()
-        out: dict[int, ExpertWeights] = {}
-        for k in keys:
-            w = self._weights.get(k)
-            if w is None:
-                w = tuple(self._convert(self.store.acquire(n, device=self.device))
-                          for n in self._names(k))  # type: ignore[assignment]
-                self._weights[k] = w
-            out[k[1]] = w
-        self.stall_s += time.perf_counter() - t0
         for k in keys:
             self._account(k, wanted)
-        return out
+        # Each expert is waited for when the model looks it up, in ascending id order: the
+        # ones already here run while the later ones are still being read.
+        return _Landing(self, keys)
+
+    def _weights_of(self, k: Key) -> ExpertWeights:
+        """``k``'s weights on the device, waiting for its transfer (the stall)."""
+        w = self._weights.get(k)
+        if w is None:
+            t0 = time.perf_counter()
+            w = tuple(self._convert(self.store.acquire(n, device=self.device))
+                      for n in self._names(k))  # type: ignore[assignment]
+            self.stall_s += time.perf_counter() - t0
+            self._weights[k] = w
+        return w
 
     def spec_precision(self) -> float:
         """Running fraction of the experts read on a guess that their layer then routed to
@@ -327,6 +354,11 @@ class ExpertModeSource(ExpertSource):
 
     def stats(self) -> dict[str, Any]:
         accesses = self.hits + self.misses
+        hit_rate = self.hits / accesses if accesses else None
+        if self.host_pool and self.model is not None:
+            hits, misses = (now - then for now, then in zip(self._pool_counts(),
+                                                            self._pool_start))
+            hit_rate = hits / (hits + misses) if hits + misses else None
         return {
             "mode": "expert",
             "budget_bytes": self.budget,
@@ -336,7 +368,8 @@ class ExpertModeSource(ExpertSource):
             "policy": self.policy.name,
             "hits": self.hits,
             "misses": self.misses,
-            "hit_rate": self.hits / accesses if accesses else None,
+            "hit_rate": hit_rate,
+            "host_pool": self.host_pool,
             "spec_accuracy": (self.spec_correct / self.spec_routed if self.spec_routed
                               else None),
             "spec_requested": self.spec_requested,
@@ -357,6 +390,26 @@ class ExpertModeSource(ExpertSource):
         }
 
 
+class _Landing(Mapping[int, ExpertWeights]):
+    """A layer's routed experts, each acquired when it is first looked up."""
+
+    def __init__(self, source: ExpertModeSource, keys: list[Key]) -> None:
+        self._source = source
+        self._keys = {k[1]: k for k in keys}
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        return self._source._weights_of(self._keys[e])  # KeyError for one not routed to
+
+    def __contains__(self, e: object) -> bool:
+        return e in self._keys
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class _Groups(Mapping[int, ExpertWeights]):
     """A layer's routed experts when they are more than the budget holds: looked up in
     ascending id order (as the model does), they are fetched ``group`` at a time, the group
@@ -367,7 +420,7 @@ class _Groups(Mapping[int, ExpertWeights]):
         self._source, self._layer, self._keys, self._group, self._x = (
             source, layer, keys, group, x)
         self._index = {k[1]: i for i, k in enumerate(keys)}
-        self._got: dict[int, ExpertWeights] = {}
+        self._got: Mapping[int, ExpertWeights] = {}
         self._current: list[Key] = []
 
     def __getitem__(self, e: int) -> ExpertWeights:
