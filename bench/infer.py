@@ -376,6 +376,9 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
         results.setdefault("compute_threads", {})[phase] = torch.get_num_threads()
         stats = {"prompt_tokens": sum(len(p) for p in prompts)}
         generate(model, resident_src, prompts, min(new, 2))  # warm-up: thread pools, caches
+        # The queue holds four layers at once where get_many holds one: unmeasured, once,
+        # so that neither is timed faulting in memory the process has not touched yet.
+        measure_queue_bandwidth(store, cfg, dev)
         tries: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in modes}
         # Rounds interleave the modes, so that load from other work on a shared machine
         # falls on all of them alike; each mode reports its median round. The bandwidth is
