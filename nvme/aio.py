@@ -1,21 +1,6 @@
 """Linux native AIO (libaio) engine: deep queues, one system call per batch of requests.
 
-Why libaio through ctypes, and not io_uring or a compiled extension:
-
-- **No compiler, no new wheel.** ``io_setup``/``io_submit``/``io_getevents`` are ordinary
-  symbols of ``libaio.so.1`` (Debian's ``libaio1``), so ctypes calls them directly; the
-  fallback when the library is missing is the thread-pool :class:`PosixEngine`, never a
-  broken import. A C extension would have to build on every machine CI and users run.
-- **A small, frozen ABI.** ``struct iocb`` and ``struct io_event`` have not changed since
-  Linux 2.6; the whole binding is two ctypes structures and four calls. io_uring from
-  Python means either a binding that lags the kernel or our own ring handling over shared
-  memory, whose correctness rests on memory ordering that ctypes cannot express portably.
-- **It is what the peers measure.** DeepNVMe (ZeRO-Infinity) and fio's ``libaio`` run the
-  same kernel path, and on this project's disk fio ``libaio`` and ``io_uring`` at queue
-  depth 32 are within the disk's run-to-run noise of each other. For O_DIRECT on a block
-  device or ext4/xfs file, libaio is truly asynchronous; for buffered files it is not
-  (io_submit then does the I/O itself), which is why this engine opens files O_DIRECT and
-  leaves buffered I/O to the POSIX engine.
+The kernel interface, and why it is bound through ctypes, is in :mod:`nvme.libaio`.
 
 How it is driven: :meth:`AioEngine.run` takes a batch of requests, keeps up to ``depth`` of
 them in flight, submits every request that fits in one ``io_submit`` and reaps completions
@@ -46,7 +31,6 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -56,102 +40,22 @@ from typing import Any
 import numpy as np
 
 from .engines import FileHandle, PosixEngine, _full_preadv, _full_pwritev, _open_fd
+from .libaio import (
+    IOCB_CMD_PREAD,
+    IOCB_CMD_PREADV,
+    IOCB_CMD_PWRITE,
+    IOCB_CMD_PWRITEV,
+    Iovec,
+    Ring,
+    load,
+)
 
-IOCB_CMD_PREAD = 0
-IOCB_CMD_PWRITE = 1
-IOCB_CMD_PREADV = 7
-IOCB_CMD_PWRITEV = 8
 # Pieces one vectored request may gather, at most (the kernel's UIO_MAXIOV is 1024).
 MAX_PIECES = 256
 DEFAULT_DEPTH = 32
 # Bytes a batch keeps in flight, at most (but always one request): past a few MiB in
 # flight a disk is no faster, and a writer staging unaligned bytes needs a buffer for each.
 DEFAULT_WINDOW = 64 << 20
-
-
-class _Iocb(ctypes.Structure):
-    # The kernel's struct iocb (include/uapi/linux/aio_abi.h), little-endian field order.
-    _fields_ = [
-        ("aio_data", ctypes.c_uint64),
-        ("aio_key", ctypes.c_uint32),
-        ("aio_rw_flags", ctypes.c_int32),
-        ("aio_lio_opcode", ctypes.c_uint16),
-        ("aio_reqprio", ctypes.c_int16),
-        ("aio_fildes", ctypes.c_uint32),
-        ("aio_buf", ctypes.c_uint64),
-        ("aio_nbytes", ctypes.c_uint64),
-        ("aio_offset", ctypes.c_int64),
-        ("aio_reserved2", ctypes.c_uint64),
-        ("aio_flags", ctypes.c_uint32),
-        ("aio_resfd", ctypes.c_uint32),
-    ]
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_uint64), ("iov_len", ctypes.c_uint64)]
-
-
-class _Event(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_uint64),
-        ("obj", ctypes.c_uint64),
-        ("res", ctypes.c_int64),
-        ("res2", ctypes.c_int64),
-    ]
-
-
-assert ctypes.sizeof(_Iocb) == 64 and ctypes.sizeof(_Event) == 32
-
-_lib: Any = None
-_lib_error: str | None = None
-_lib_lock = threading.Lock()
-
-
-def _load() -> Any:
-    """libaio, loaded once; raises OSError naming why it cannot be used."""
-    global _lib, _lib_error
-    with _lib_lock:
-        if _lib is None and _lib_error is None:
-            _lib_error = _try_load()
-        if _lib_error is not None:
-            raise OSError(errno.ENOSYS, _lib_error)
-        return _lib
-
-
-def _try_load() -> str | None:
-    global _lib
-    if not sys.platform.startswith("linux"):
-        return "Linux AIO needs Linux"
-    if sys.byteorder != "little":
-        return "the iocb layout here is the little-endian one"
-    name = ctypes.util.find_library("aio") or "libaio.so.1"
-    try:
-        lib = ctypes.CDLL(name, use_errno=True)
-    except OSError:
-        return "libaio is not installed (apt-get install libaio1t64, or libaio1)"
-    lib.io_setup.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
-    lib.io_destroy.argtypes = [ctypes.c_void_p]
-    lib.io_submit.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    lib.io_getevents.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                                 ctypes.c_void_p, ctypes.c_void_p]
-    for fn in (lib.io_setup, lib.io_destroy, lib.io_submit, lib.io_getevents):
-        fn.restype = ctypes.c_int
-    ctx = ctypes.c_void_p(0)
-    rc = lib.io_setup(1, ctypes.byref(ctx))  # returns -errno (e.g. seccomp's ENOSYS/EPERM)
-    if rc < 0:
-        return f"io_setup failed: {os.strerror(-rc)}"
-    lib.io_destroy(ctx)
-    _lib = lib
-    return None
-
-
-def unavailable() -> str | None:
-    """Why the AIO engine cannot run here, or None when it can."""
-    try:
-        _load()
-    except OSError as e:
-        return e.strerror
-    return None
 
 
 class BatchError(OSError):
@@ -202,30 +106,6 @@ def _pieces_after(buf: Buffer, nbytes: int, moved: int) -> list[tuple[int, int]]
 Inject = Callable[[str, int, Request], "int | None"]
 
 
-class _Ring:
-    """One AIO context and the structures a batch fills: owned by one batch at a time."""
-
-    def __init__(self, lib: Any, depth: int) -> None:
-        self.lib, self.depth = lib, depth
-        self.ctx = ctypes.c_void_p(0)
-        rc = lib.io_setup(depth, ctypes.byref(self.ctx))
-        if rc < 0:
-            raise OSError(-rc, f"io_setup({depth}): {os.strerror(-rc)}")
-        self.iocbs = (_Iocb * depth)()
-        self.ptrs = (ctypes.c_void_p * depth)()
-        self.events = (_Event * depth)()
-        base = ctypes.addressof(self.iocbs)
-        self.slot_addr = [base + i * 64 for i in range(depth)]
-        # Each slot's iovec array, made the first time the slot carries a vectored request.
-        self.iovs: list[Any] = [None] * depth
-        self.idle = True  # nothing in flight: safe to hand to the next batch
-
-    def close(self) -> None:
-        if self.ctx:
-            self.lib.io_destroy(self.ctx)
-            self.ctx = ctypes.c_void_p(0)
-
-
 class AioEngine(PosixEngine):
     """Linux native AIO, O_DIRECT, ``depth`` requests in flight per batch (see the module
     docstring). ``threads`` sizes the inherited pool that serves single ``pread``/``pwrite``
@@ -233,13 +113,13 @@ class AioEngine(PosixEngine):
 
     def __init__(self, threads: int = 8, depth: int = DEFAULT_DEPTH,
                  window: int = DEFAULT_WINDOW) -> None:
-        self._lib = _load()
+        self._lib = load()
         super().__init__(threads=threads, direct=True)
         if depth < 1:
             raise ValueError("depth must be >= 1")
         self.depth, self.window = depth, window
-        self._rings: list[_Ring] = []  # idle, ready for the next batch
-        self._all: list[_Ring] = []  # every live context, idle or owned by a batch
+        self._rings: list[Ring] = []  # idle, ready for the next batch
+        self._all: list[Ring] = []  # every live context, idle or owned by a batch
         self._rings_lock = threading.Lock()
         self._ring_free = threading.Condition(self._rings_lock)
         # Contexts live or being set up, and the most there may be: a context pins kernel
@@ -298,7 +178,7 @@ class AioEngine(PosixEngine):
     def closed(self) -> bool:
         return self._closed
 
-    def _take_ring(self) -> _Ring | None:
+    def _take_ring(self) -> Ring | None:
         """An idle context, a new one while under :attr:`max_rings`, else the next one a
         batch gives back. None where the kernel refuses a new context (EAGAIN, ENOMEM:
         ``fs.aio-max-nr`` reached) and none exists to wait for: the caller runs the batch
@@ -316,7 +196,7 @@ class AioEngine(PosixEngine):
                     break
                 self._ring_free.wait()
         try:
-            ring = _Ring(self._lib, self.depth)
+            ring = Ring(self._lib, self.depth)
         except OSError as e:
             with self._ring_free:
                 self._made -= 1
@@ -337,7 +217,7 @@ class AioEngine(PosixEngine):
             self._all.append(ring)
         return ring
 
-    def _give_ring(self, ring: _Ring) -> None:
+    def _give_ring(self, ring: Ring) -> None:
         """Back to the pool; destroyed instead where it may still have requests in flight
         or the engine has been closed meanwhile."""
         with self._ring_free:
@@ -421,7 +301,7 @@ class AioEngine(PosixEngine):
             count += 1
         return count
 
-    def _run(self, ring: _Ring, todo: Any, done: Callable[[int], object] | None) -> int:
+    def _run(self, ring: Ring, todo: Any, done: Callable[[int], object] | None) -> int:
         lib, ctx, depth = self._lib, ring.ctx, ring.depth
         iocbs, ptrs, events, slot_addr = ring.iocbs, ring.ptrs, ring.events, ring.slot_addr
         inject = self.inject
@@ -463,7 +343,7 @@ class AioEngine(PosixEngine):
             left = _pieces_after(buf, nbytes, moved)
             iov = ring.iovs[slot]
             if iov is None or len(iov) < len(left):
-                iov = ring.iovs[slot] = (_Iovec * max(len(left), MAX_PIECES))()
+                iov = ring.iovs[slot] = (Iovec * max(len(left), MAX_PIECES))()
             for k, (addr, length) in enumerate(left):
                 iov[k].iov_base, iov[k].iov_len = addr, length
             cb.aio_lio_opcode = IOCB_CMD_PWRITEV if write else IOCB_CMD_PREADV

@@ -306,7 +306,7 @@ def resolve_engine(name: str = "auto") -> str:
     measured faster (see the module docstring)."""
     if name != "auto":
         return name
-    from .aio import unavailable
+    from .libaio import unavailable
 
     return "aio" if unavailable() is None else "posix-direct"
 

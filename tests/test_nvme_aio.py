@@ -18,15 +18,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tierstore.nvme import AioEngine, BatchError, FileHandle, aligned_empty
+from tierstore.nvme import AioEngine, BatchError, FileHandle, aligned_empty, libaio
 from tierstore.nvme import aio as aio_mod
 from tierstore.nvme.aio import address
 from tierstore.nvme.engines import make_engine, resolve_engine
 
 import tierstore
 
-pytestmark = pytest.mark.skipif(aio_mod.unavailable() is not None,
-                                reason=f"Linux AIO unavailable: {aio_mod.unavailable()}")
+pytestmark = pytest.mark.skipif(libaio.unavailable() is not None,
+                                reason=f"Linux AIO unavailable: {libaio.unavailable()}")
 
 MiB = 1 << 20
 
@@ -46,7 +46,7 @@ def test_auto_picks_aio_and_the_fallback_when_it_cannot_run(monkeypatch) -> None
         assert isinstance(eng, AioEngine) and "queue depth 32" in eng.describe()
     finally:
         eng.close()
-    monkeypatch.setattr(aio_mod, "unavailable", lambda: "libaio is not installed")
+    monkeypatch.setattr(libaio, "unavailable", lambda: "libaio is not installed")
     assert resolve_engine("auto") == "posix-direct"
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 
 from ..devices import DeviceCopier
 from ..tensors import dtype_from_name, from_bytes
-from .entries import COPIES_IN_FLIGHT, RESIDENT, Entry, QueueStats, settle
+from .entries import COPIES_IN_FLIGHT, RESIDENT, Entry, Key, Loader, QueueStats, settle
 
 # torch dtypes that numpy has too (same bytes, same layout)
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
@@ -82,9 +82,10 @@ class _Pinned:
 
 
 class DeviceStage:
-    """Stage 2 of :class:`~tierstore.prefetch.PrefetchQueue`, which sets up the state below
-    and gives the two calls this stage makes back into it: ``_retire`` (an entry's credits
-    go back) and ``_fail`` (an entry's transfer failed)."""
+    """Stage 2 of :class:`~tierstore.prefetch.PrefetchQueue`, and the shape of what stage 1
+    hands it (:meth:`_load_batch`). The queue sets up the state below and gives the two
+    calls this stage makes back into it: ``_retire`` (an entry's credits go back) and
+    ``_fail`` (an entry's transfer failed)."""
 
     device: torch.device
     _cv: threading.Condition
@@ -95,6 +96,38 @@ class DeviceStage:
     # Copy jobs, and (zero-copy) lists of handles whose views have died.
     _copies: queue.SimpleQueue[tuple[Entry, Any, Any, list[Any]] | list[Any] | None]
     _unpin_direct: bool  # set once the copy thread is gone
+    _load: Loader  # stage 1's loader (the store's ``_host_bytes``, or the daemon client's)
+
+    def _load_batch(self, batch: list[Entry]) -> list[Any]:
+        """Stage 1 of a batch: per entry ``(meta, raw bytes, handles)`` or the exception
+        its load raised. Handles are a list per key where the loader's handles name their
+        keys (the store's cache handles), else (one lease over the whole load) a
+        :class:`_Pins` that the batch's views share, released when the last one is gone,
+        or on the copy path a :class:`_Shared` of which each entry releases its part."""
+        keys = [e.key for e in batch]
+        try:
+            found, handles = self._load(keys)
+        except Exception as e:
+            if len(batch) == 1:
+                return [e]
+            # One bad entry (corrupt, deleted) must fail alone: load them one at a time.
+            return [self._load_batch([entry])[0] for entry in batch]
+        per_key: Mapping[Key, Any]
+        wanted = set(keys)
+        if len(batch) == 1:
+            per_key = {keys[0]: handles}
+        elif all(getattr(h, "key", None) in wanted for h in handles):
+            mine: dict[Key, list[Any]] = {k: [] for k in keys}
+            for h in handles:
+                mine[h.key].append(h)
+            per_key = mine
+        elif batch[0].zero_copy:  # fixed for the whole batch
+            pins = _Pins(handles, self._unpin)
+            per_key = {k: pins for k in keys}
+        else:
+            shared = _Shared(handles, len(keys))
+            per_key = {k: [shared] for k in keys}
+        return [(found[k][0], found[k][1], per_key[k]) for k in keys]
 
     def _view(self, entry: Entry, meta: Any, raw: np.ndarray | torch.Tensor,
               handles: list[Any] | _Pins) -> torch.Tensor | None:

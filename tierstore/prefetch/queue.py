@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -473,37 +473,6 @@ class PrefetchQueue(DeviceStage):
             with self._cv:
                 self._stats.bytes_read += read
             self._landed_many(landed)
-
-    def _load_batch(self, batch: list[Entry]) -> list[Any]:
-        """Stage 1 of a batch: per entry ``(meta, raw bytes, handles)`` or the exception
-        its load raised. Handles are a list per key where the loader's handles name their
-        keys (the store's cache handles), else (one lease over the whole load) a
-        :class:`_Pins` that the batch's views share, released when the last one is gone,
-        or on the copy path a :class:`_Shared` of which each entry releases its part."""
-        keys = [e.key for e in batch]
-        try:
-            found, handles = self._load(keys)
-        except Exception as e:
-            if len(batch) == 1:
-                return [e]
-            # One bad entry (corrupt, deleted) must fail alone: load them one at a time.
-            return [self._load_batch([entry])[0] for entry in batch]
-        per_key: Mapping[Key, Any]
-        wanted = set(keys)
-        if len(batch) == 1:
-            per_key = {keys[0]: handles}
-        elif all(getattr(h, "key", None) in wanted for h in handles):
-            mine: dict[Key, list[Any]] = {k: [] for k in keys}
-            for h in handles:
-                mine[h.key].append(h)
-            per_key = mine
-        elif batch[0].zero_copy:  # fixed for the whole batch
-            pins = _Pins(handles, self._unpin)
-            per_key = {k: pins for k in keys}
-        else:
-            shared = _Shared(handles, len(keys))
-            per_key = {k: [shared] for k in keys}
-        return [(found[k][0], found[k][1], per_key[k]) for k in keys]
 
     def _resize(self, entry: Entry, nbytes: int) -> None:
         """The entry was rewritten with another size after it was queued: give the credits
