@@ -45,6 +45,7 @@ import torch
 import tierstore
 
 CHUNK = 8 << 20
+FRESH = "store, fresh results"
 
 
 def _fio(path: str, op: str, bs: int, threads: int, offset: int, span: int, direct: bool,
@@ -145,16 +146,24 @@ def _page_aligned(data: torch.Tensor) -> torch.Tensor:
     return out.copy_(data)
 
 
-def _store_read(st: tierstore.Store, names: list[str], block: int, paths: set[str]) -> float:
-    """GB/s of reading every name with ``get_many`` (crc32c-verified), 256 MiB per call, the
-    results dropped as a caller moving on to the next batch would. ``paths`` are evicted from
-    the page cache first, so buffered reads start cold as fio's do."""
+def _store_read(st: tierstore.Store, names: list[str], block: int, paths: set[str],
+                into: torch.Tensor | None = None) -> float:
+    """GB/s of reading every name with ``get_many`` (crc32c-verified), 256 MiB per call:
+    into ``into`` (``out=``, one slice per name: memory the caller reuses, as fio and
+    DeepNVMe reuse theirs), or as fresh results dropped as a caller moving on to the next
+    batch would. ``paths`` are evicted from the page cache first, so buffered reads start
+    cold as fio's do."""
     if paths:
         drop_page_cache(paths)
     group = max(1, (256 << 20) // block)
     t0 = time.perf_counter()
     for i in range(0, len(names), group):
-        st.get_many(names[i : i + group])
+        part = names[i : i + group]
+        if into is None:
+            st.get_many(part)
+        else:
+            st.get_many(part, out={name: into[j * block : (j + 1) * block]
+                                   for j, name in enumerate(part)})
     return len(names) * block / (time.perf_counter() - t0) / 1e9
 
 
@@ -263,10 +272,11 @@ def measure_nvme(
     Writes: the store's second ``put_many`` of ``n`` entries (the first, untimed, sets up its
     staging buffers as fio sets up its own before timing), then each ceiling writing as many
     bytes into a never-written region of the slab of its own, ending with an fsync as the
-    store's fdatasync. Reads: one untimed store pass (so the store reads into memory it
-    already has, as fio reads into buffers allocated before its clock starts), then the
-    store and every ceiling read the same region, in an order reversed every round and
-    rotated between repeats, so a drift of the shared disk lands on all sides alike."""
+    store's fdatasync. Reads: one untimed store pass of each kind, then the store (into
+    memory allocated before its clock starts and reused, as fio's and DeepNVMe's buffers
+    are; and, reported beside it, as fresh results) and every ceiling read the same region,
+    in an order reversed every round and rotated between repeats, so a drift of the shared
+    disk lands on all sides alike."""
     n = max(threads, total // block)
     path = os.path.join(root, f"{engine}-{ceiling}-{block}")
     direct = engine_reads_direct(engine)  # kvikio: settled once its store says (below)
@@ -278,6 +288,10 @@ def measure_nvme(
     # row does too. A tensor of torch's allocator is not page-aligned, and O_DIRECT then
     # needs a staging copy: that write is timed as well (``write_unaligned_gbps``).
     aligned = _page_aligned(data)
+    # The store reads into memory allocated before the clock starts and reused every
+    # round, as fio's and DeepNVMe's buffers are; fresh results are timed too.
+    into = tierstore.read_buffer(min(n * block, 256 << 20))
+    fresh: list[float] = []
     names = [f"bench.experts.{i}.w" for i in range(n)]
     runs: dict[str, dict[str, list[float]]] = {}
     unaligned: list[float] = []
@@ -309,15 +323,19 @@ def measure_nvme(
                 paths = {slab} if not direct or engine == "kvikio" else set()
                 used = (min(i.offset for i in infos) // bs * bs,
                         max(i.offset + block for i in infos))
-                fresh = -(-used[1] // bs) * bs
+                unused = -(-used[1] // bs) * bs
                 for j, (name, fn) in enumerate(ceilings.items()):
-                    runs["write"][name].append(fn(slab, "write", fresh + j * n * block, n * block))
+                    runs["write"][name].append(fn(slab, "write", unused + j * n * block, n * block))
+                _store_read(st, names, block, paths, into)
                 _store_read(st, names, block, paths)
-                sides = ["store", *ceilings]
+                sides = ["store", FRESH, *ceilings]
                 sides = sides[r % len(sides):] + sides[: r % len(sides)]
                 for side in sides + sides[::-1]:
                     if side == "store":
-                        runs["read"]["store"].append(_store_read(st, names, block, paths))
+                        runs["read"]["store"].append(
+                            _store_read(st, names, block, paths, into))
+                    elif side == FRESH:
+                        fresh.append(_store_read(st, names, block, paths))
                     else:
                         span = (used[1] - used[0]) // bs * bs
                         runs["read"][side].append(ceilings[side](slab, "read", used[0], span))
@@ -335,6 +353,8 @@ def measure_nvme(
                              "rss_mb": max(c for _, c in rss)}
     extra_write = {"write_unaligned_gbps": round(statistics.median(unaligned), 3),
                    "write_unaligned_runs": [round(x, 3) for x in unaligned]}
+    extra_read = {"read_fresh_gbps": round(statistics.median(fresh), 3),
+                  "read_fresh_runs": [round(x, 3) for x in fresh]}
     if ceiling == "gdsio":
         extra["compares"] = "store into host memory vs gdsio into device memory"
     rows = []
@@ -344,7 +364,7 @@ def measure_nvme(
         rows.append(_row(
             tier, op, engine, block, threads, statistics.median(runs[op]["store"]), lat[op],
             medians[best], best, repeats=repeats, **extra,
-            **(extra_write if op == "write" else {}),
+            **(extra_write if op == "write" else extra_read),
             ceilings={k: round(v, 3) for k, v in medians.items()},
             store_runs=[round(x, 3) for x in runs[op]["store"]],
             ceiling_runs={k: [round(x, 3) for x in v] for k, v in runs[op].items()

@@ -240,6 +240,33 @@ def test_get_into_out_fills_in_place(store) -> None:
     assert torch.equal(out, t)
 
 
+def test_read_buffer_is_page_aligned_and_page_rounded() -> None:
+    small = tierstore.read_buffer((3, 1000), torch.float32)
+    assert small.shape == (3, 1000) and small.dtype == torch.float32
+    assert small.data_ptr() % 4096 == 0 and small.untyped_storage().nbytes() == 12288
+    big = tierstore.read_buffer(5 << 20)
+    assert big.data_ptr() % (2 << 20) == 0  # where 2 MiB pages can back it
+
+
+def test_out_takes_the_read_itself_without_a_host_cache(tmp_path) -> None:
+    """With no host cache, ``out=`` tensors that O_DIRECT can read into receive the read
+    itself, as with ``cache=False``: the store takes no buffer of its own (none is left
+    idle for reuse), where fresh results do take one."""
+    vals = {f"e{i}": tierstore.read_buffer((64, 1024), torch.float32).normal_()
+            for i in range(4)}  # 256 KiB each, page-aligned: written with no staging copy
+    with tierstore.open(tmp_path / "s", create=True, host_cache=0) as st:
+        st.put_many(vals)
+        assert st._results.idle_bytes == 0
+        outs = {k: tierstore.read_buffer((64, 1024), torch.float32) for k in vals}
+        got = st.get_many(list(vals), out=outs)
+        assert all(got[k] is outs[k] and torch.equal(outs[k], vals[k]) for k in vals)
+        assert st._results.idle_bytes == 0
+        fresh = st.get_many(list(vals))
+        assert all(torch.equal(fresh[k], vals[k]) for k in vals)
+        del fresh
+        assert st._results.idle_bytes == 4 * 256 * 1024
+
+
 def test_get_into_non_contiguous_out(store) -> None:
     t = torch.randn(8, 5)
     store.put("w", t)

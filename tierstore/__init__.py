@@ -29,6 +29,7 @@ from .local import LocalStore
 from .opening import open_store as open
 from .repair import RepairReport, repair_store
 from .sizes import format_size, parse_size
+from .tensors import read_buffer
 
 __version__ = "0.1.0"
 
@@ -64,5 +65,6 @@ __all__ = [
     "open",
     "parse_size",
     "probes",
+    "read_buffer",
     "repair_store",
 ]

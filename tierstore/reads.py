@@ -104,13 +104,14 @@ class ReadPath(LocalState):
 
     def _read(self, keys: list[Key], device: str | torch.device | None,
               outs: list[torch.Tensor | None], cache: bool = True) -> list[torch.Tensor]:
-        # Without caching, a miss whose out= can take the read lands there with no copy.
+        # Without caching (or a cache), a miss whose out= can take the read lands there
+        # with no copy.
         # A miss read into a buffer of its own is handed out as a tensor over that buffer,
         # made while the batch's later requests are in flight (``views``).
         views: dict[Key, torch.Tensor] | None = None
         if device is None or torch.device(device).type == "cpu":
             views = {}
-        if cache:
+        if cache and self._cache is not None:
             found, handles = self._host_bytes(keys, views=views)
         else:
             once = {k for k, n in collections.Counter(keys).items() if n == 1}
