@@ -127,19 +127,47 @@ def test_trainer_checkpoint_generates(tmp_path: Path) -> None:
         assert generate(model, src, prompts, 6).tokens == got
 
 
+def test_decode_threads_take_over_after_the_prefill(mixtral: Path) -> None:
+    """``generate(..., decode_threads=n)`` computes the prefill on the threads it was
+    called with and every decode step on ``n``: the layers' expert calls see which."""
+    with tierstore.open(mixtral) as st:
+        model = load_model(st, "cpu")
+        src = make_source("resident", st, model)
+        threads: list[int] = []
+        experts = src.experts
+
+        def watched(layer: int, ids: list[int], x: torch.Tensor):  # noqa: ANN202
+            threads.append(torch.get_num_threads())
+            return experts(layer, ids, x)
+
+        src.experts = watched  # type: ignore[method-assign]
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            res = generate(model, src, [[1, 2, 3, 4]], 3, eos_token_ids=(), decode_threads=2)
+            assert torch.get_num_threads() == 2
+        finally:
+            torch.set_num_threads(before)
+    layers = len(model.cfg.moe_layers)
+    assert res.new_tokens == 3 and len(threads) == 3 * layers
+    assert threads[:layers] == [1] * layers and threads[layers:] == [2] * (2 * layers)
+
+
 def test_compute_threads_leave_a_core_only_while_experts_stream() -> None:
     """Without --threads, the ring and expert mode on a CPU leave a core to their read
-    threads while experts stream from the backing tier; a host cache that holds every
-    expert has nothing to stream after the first pass, so they compute on every core, as
-    on-demand and resident mode always do, and as any CUDA run does."""
+    threads while experts stream from the backing tier: every pass where the host cache
+    is smaller than the experts, the first pass (the prefill) where it holds them all.
+    After it they compute on every core, as on-demand and resident mode always do, and as
+    any CUDA run does. (prefill, decode) threads:"""
     from tierstore.trainer.infer.generate import compute_threads
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     every = 1 << 30
     for mode in ("ring", "expert"):
-        assert compute_threads(mode, cpu, 4, every // 4, every) == 3
-        assert compute_threads(mode, cpu, 1, every // 4, every) == 1
-        assert compute_threads(mode, cpu, 4, every, every) == 4
-        assert compute_threads(mode, cuda, 4, 0, every) == 4
+        assert compute_threads(mode, cpu, 4, every // 4, every) == (3, 3)
+        assert compute_threads(mode, cpu, 1, every // 4, every) == (1, 1)
+        assert compute_threads(mode, cpu, 4, every, every) == (3, 4)
+        assert compute_threads(mode, cuda, 4, 0, every) == (4, 4)
     for mode in ("on-demand", "resident"):
-        assert compute_threads(mode, cpu, 4, 0, every) == 4
+        assert compute_threads(mode, cpu, 4, 0, every) == (4, 4)
+        assert compute_threads(mode, cpu, 4, every, every) == (4, 4)

@@ -325,8 +325,10 @@ class Catalog:
         txn.put(key.encode(), json.dumps(value).encode(), db=self.db["meta"])
 
     # -- entries --------------------------------------------------------------------
-    def get_record(self, txn: lmdb.Transaction, name: str, kind: str) -> Record | None:
-        raw = txn.get(entry_key(name, kind), db=self.db["entries"])
+    def get_record(self, txn: lmdb.Transaction, name: str, kind: str,
+                   key: bytes | None = None) -> Record | None:
+        """``key``: the entry's key where the caller has it (:func:`entry_key`)."""
+        raw = txn.get(key or entry_key(name, kind), db=self.db["entries"])
         return None if raw is None else Record.decode(raw)
 
     def iter_records(
@@ -395,16 +397,16 @@ class Catalog:
         if rec.seg < 0:
             return
         key = ext_key(rec.seg, rec.off)
-        raw = txn.get(key, db=self.db["refs"])
-        if raw is None:
+        # A write's extents are fresh: one insert that fails where a reference exists
+        # (a snapshot's restore) does for the usual case what a lookup and a put did.
+        if txn.put(key, _REF.pack(rec.length, 1), db=self.db["refs"], overwrite=False):
             if carve is None:
                 self.carve(txn, rec.seg, rec.off, rec.length)
             else:
                 carve.append(rec.extent)
-            txn.put(key, _REF.pack(rec.length, 1), db=self.db["refs"])
-        else:
-            length, n = _REF.unpack(raw)
-            txn.put(key, _REF.pack(length, n + 1), db=self.db["refs"])
+            return
+        length, n = _REF.unpack(txn.get(key, db=self.db["refs"]))
+        txn.put(key, _REF.pack(length, n + 1), db=self.db["refs"])
 
     def decref(self, txn: lmdb.Transaction, rec: Record,
                free: list[tuple[int, int, int]] | None = None) -> tuple[int, int, int] | None:
@@ -414,14 +416,13 @@ class Catalog:
         if rec.seg < 0:
             return None
         key = ext_key(rec.seg, rec.off)
-        raw = txn.get(key, db=self.db["refs"])
+        raw = txn.pop(key, db=self.db["refs"])  # the usual last reference: one operation
         if raw is None:
             raise StoreError(f"reference map has no extent at segment {rec.seg} offset {rec.off}")
         length, n = _REF.unpack(raw)
         if n > 1:
             txn.put(key, _REF.pack(length, n - 1), db=self.db["refs"])
             return None
-        txn.delete(key, db=self.db["refs"])
         if free is None:
             self.add_free(txn, rec.seg, rec.off, length)
         else:

@@ -401,8 +401,10 @@ class WritePath(LocalState):
         freed: list[tuple[int, int, int]] = []
         carve: list[tuple[int, int, int]] = []
         free: list[tuple[int, int, int]] = []
+        entries = cat.db["entries"]
         for name, kind, rec in records:
-            old = cat.get_record(txn, name, kind)
+            key = entry_key(name, kind)
+            old = cat.get_record(txn, name, kind, key)
             dead = self._tombstones.get((name, kind))
             if (old is not None and old.version > rec.version) or (
                     dead is not None and dead > rec.version):
@@ -417,7 +419,7 @@ class WritePath(LocalState):
                     freed.append(ext)
             live += rec.nbytes
             top = max(top, rec.version)
-            txn.put(entry_key(name, kind), rec.encode(), db=cat.db["entries"])
+            txn.put(key, rec.encode(), db=entries)
         cat.carve_many(txn, carve)
         cat.add_free_many(txn, free)
         cat.put_meta(txn, "version", top)

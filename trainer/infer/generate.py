@@ -199,7 +199,8 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
              max_new_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
              top_p: float = 1.0, seed: int | None = None,
              eos_token_ids: Sequence[int] | None = None, pad_token_id: int | None = None,
-             trace: Any = None, trace_nbytes: int | None = None) -> GenerationResult:
+             trace: Any = None, trace_nbytes: int | None = None,
+             decode_threads: int | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids).
     Sampling (``greedy=False``) with a ``seed`` repeats its tokens; without one it does not.
 
@@ -207,6 +208,8 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
     first end-of-sequence id, else 0. ``trace``: a ``tierstore.lab.TraceRecorder`` that
     receives every MoE layer's routed experts per step (step 0 is the prefill, step n the
     n-th decode step), each access ``trace_nbytes`` long (default: one expert's bytes).
+    ``decode_threads``: torch's thread count from the first decode step on (default: as
+    it is).
     """
     if max_new_tokens < 0:
         raise tierstore.StoreError("max_new_tokens must be >= 0")
@@ -246,6 +249,8 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
             wrapped.last = max_new_tokens == 1
             logits = model.decode(ids, wrapped, cache, mask)[:, -1]
             prefill_s = clock.seconds(first, clock.mark())
+            if decode_threads is not None:
+                torch.set_num_threads(decode_threads)
             while True:
                 tok = next_tokens(logits, greedy=greedy, temperature=temperature, top_p=top_p,
                                   generator=generator)
@@ -302,19 +307,22 @@ def decode_tokens(tok: Any, ids: Sequence[int]) -> str:
 
 
 def compute_threads(mode: str, device: torch.device, default: int, host_cache: int,
-                    expert_bytes: int) -> int:
-    """Compute threads for ``mode`` when the user gives none: torch's ``default``, or one
-    fewer for the ring and expert mode on a CPU while they stream experts from the backing
-    tier (a host cache of ``host_cache`` bytes smaller than the model's ``expert_bytes``).
-    Their read threads then need a core of their own: compute threads spinning on every
-    core starve them while a step waits for experts. A host cache that holds every expert
-    is read from the backing tier only on the first pass, and the core is better spent
-    computing: on the issue's model (2 vCPUs, host cache 2 GiB, quiet machine) two threads
-    decoded at 26.4 tokens/s against one thread's 16.4 for the ring, and at 22.8–25.7
-    against 15.5–16.5 for expert mode."""
-    if device.type != "cpu" or mode not in ("ring", "expert") or host_cache >= expert_bytes:
-        return default
-    return max(1, default - 1)
+                    expert_bytes: int) -> tuple[int, int]:
+    """Compute threads for ``mode`` when the user gives none, for the prefill and for the
+    decode steps after it: torch's ``default``, or one fewer for the ring and expert mode
+    on a CPU while they stream experts from the backing tier. Their read threads then need
+    a core of their own: compute threads spinning on every core starve them while a step
+    waits for experts. A host cache of ``host_cache`` bytes smaller than the model's
+    ``expert_bytes`` streams on every pass. One that holds every expert streams only on
+    the first, the prefill; after it the core is better spent computing. On the issue's
+    model (2 vCPUs, host cache 2 GiB, quiet machine) two threads decoded at 26.4 tokens/s
+    against one thread's 16.4 for the ring, and at 22.8–25.7 against 15.5–16.5 for expert
+    mode; the ring's cold prefill reached 0.75 of its physical limit on two threads, and
+    0.90 on one."""
+    if device.type != "cpu" or mode not in ("ring", "expert"):
+        return default, default
+    fewer = max(1, default - 1)
+    return fewer, (default if host_cache >= expert_bytes else fewer)
 
 
 def _least(mode: str, model: MoEModel, resident_bounded: bool) -> tuple[str, int]:
@@ -406,9 +414,10 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
                 plan, host_cache_bytes(st), one, min(cfg.n_experts, cfg.top_k * len(ids)))
             st.close()
             st = open_store(arena)
+        decode_threads = threads
         if threads is None:
-            threads = compute_threads(mode, torch.device(dev), before, host_cache_bytes(st),
-                                      every_expert)
+            threads, decode_threads = compute_threads(
+                mode, torch.device(dev), before, host_cache_bytes(st), every_expert)
         torch.set_num_threads(threads)
         # What the queue holds (transfers cancelled in flight included) is the experts'.
         st.prefetch_budget(torch.device(dev), experts_budget)
@@ -420,7 +429,8 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
                                      "step 0 is the prefill, then one step per token")
         try:
             res = generate(model, source, ids, max_new_tokens, greedy=greedy,
-                           temperature=temperature, top_p=top_p, seed=seed, trace=recorder)
+                           temperature=temperature, top_p=top_p, seed=seed, trace=recorder,
+                           decode_threads=decode_threads)
         except BudgetError as e:  # the source's share was too small: name the whole
             plan.check(e.what, e.need)
             raise

@@ -48,9 +48,10 @@ def _align(n: int, a: int) -> int:
 
 
 def _aligned_bytes(n: int) -> Tensor:
-    """``n`` uninitialised bytes the store reads into with no copy (see
-    :func:`tierstore.read_buffer`: on a page, on 2 MiB pages where large enough)."""
-    return tierstore.read_buffer(n)
+    """``n`` uninitialised bytes starting on a page (O_DIRECT reads need that)."""
+    raw = torch.empty(n + ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + n]
 
 
 class PartLayout:
