@@ -357,3 +357,33 @@ def test_bad_tags_rejected(store, tag) -> None:
     with pytest.raises(tierstore.SnapshotError):
         store.snapshot(tag)
     assert store.snapshots() == []
+
+
+# -- batch calls given the wrong shape of argument -----------------------------------------
+BAD_BATCHES = {
+    "get_many of an int": (lambda st: st.get_many(5), "names or (name, kind) pairs"),
+    "get_many of ints": (lambda st: st.get_many([5]), "a name or a (name, kind) pair"),
+    "get_many of a triple": (lambda st: st.get_many([("w", "param", "x")]), "(name, kind)"),
+    "out= a list": (lambda st: st.get_many(["w"], out=[torch.zeros(3)]), "out= maps"),
+    "put_many of an int": (lambda st: st.put_many(5), "a mapping of names to tensors"),
+    "put_many of a str": (lambda st: st.put_many("ab"), "a mapping of names to tensors"),
+    "put_many of a 1-tuple": (lambda st: st.put_many([("a",)]), "(name, tensor)"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_BATCHES))
+def test_batch_calls_say_what_they_take(store, what: str) -> None:
+    store.put("w", torch.arange(3.0))
+    call, says = BAD_BATCHES[what]
+    with pytest.raises(tierstore.StoreError) as ei:
+        call(store)
+    assert says in str(ei.value)
+    assert store.names() == ["w"]
+
+
+def test_one_name_alone_is_one_key(store) -> None:
+    store.put("weights", torch.arange(3.0))
+    got = store.get_many("weights")
+    assert list(got) == ["weights"] and torch.equal(got["weights"], torch.arange(3.0))
+    pair = store.get_many([["weights", "param"]])  # a list pair keys the dict as a tuple
+    assert list(pair) == [("weights", "param")]

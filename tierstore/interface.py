@@ -330,7 +330,7 @@ class Store(abc.ABC):
         check_key(name, kind)
         return self._read([(name, kind)], device, [out])[0]
 
-    def get_many(self, names: Iterable[str | Key], kind: str = "param", *,
+    def get_many(self, names: str | Iterable[str | Key], kind: str = "param", *,
                  device: Device = None,
                  out: Mapping[str | Key, torch.Tensor] | None = None,
                  cache: bool = True) -> dict[str | Key, torch.Tensor]:
@@ -346,6 +346,9 @@ class Store(abc.ABC):
         """
         self._check_open()
         asked, keys = read_keys(names, kind)
+        if out is not None and not isinstance(out, Mapping):
+            raise StoreError(f"out= maps the names asked for to tensors (a dict), got "
+                             f"{type(out).__name__}")
         outs = [None] * len(keys) if not out else [out.get(a) for a in asked]
         if cache:  # the plain call, which every implementation's _read takes
             return dict(zip(asked, self._read(keys, device, outs)))

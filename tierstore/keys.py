@@ -70,24 +70,44 @@ def as_key(key: str | Key) -> Key:
     return (key, "param") if isinstance(key, str) else key
 
 
-def read_keys(names: Iterable[str | Key], kind: str) -> tuple[list[str | Key], list[Key]]:
-    """The keys as asked (for the caller's dict) and as validated ``(name, kind)`` pairs."""
-    asked = list(names)
-    keys = [(a, kind) if isinstance(a, str) else tuple(a) for a in asked]
-    for name, k in keys:
-        check_key(name, k)
-    return asked, keys  # type: ignore[return-value]
+def _iterable(what: str, items: object, expected: str) -> Iterable[object]:
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise StoreError(f"{what} takes {expected}, got {type(items).__name__} {items!r:.60}")
+    return items
+
+
+def read_keys(names: str | Iterable[str | Key], kind: str
+              ) -> tuple[list[str | Key], list[Key]]:
+    """The keys as asked (for the caller's dict) and as validated ``(name, kind)`` pairs;
+    one name alone is one key."""
+    asked = [names] if isinstance(names, str) else list(
+        _iterable("reading several entries", names, "names or (name, kind) pairs"))
+    keys: list[Key] = []
+    for i, a in enumerate(asked):
+        if isinstance(a, str):
+            keys.append((a, kind))
+        elif isinstance(a, (tuple, list)) and len(a) == 2:
+            keys.append((a[0], a[1]))
+            asked[i] = keys[-1]  # a list pair keys the caller's dict as a tuple
+        else:
+            raise StoreError(f"expected a name or a (name, kind) pair, got {a!r:.60}")
+        check_key(*keys[-1])
+    return asked, keys
 
 
 def put_items(items: PutItems, kind: str) -> Iterator[tuple[str, str, torch.Tensor]]:
     """``put_many``'s items as validated ``(name, kind, tensor)``."""
     if isinstance(items, Mapping):
         items = items.items()
-    for item in items:
-        if len(item) == 3:
+    for item in _iterable("put_many", items, "a mapping of names to tensors, or "
+                          "(name, tensor) or (name, kind, tensor) items"):
+        if isinstance(item, (tuple, list)) and len(item) == 3:
             name, k, tensor = item
-        else:
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
             (name, tensor), k = item, kind
+        else:
+            raise StoreError(f"put_many takes (name, tensor) or (name, kind, tensor) items, "
+                             f"got {item!r:.60}")
         check_name(name)
         check_kind(k)
         yield name, k, tensor
