@@ -246,6 +246,10 @@ def test_read_buffer_is_page_aligned_and_page_rounded() -> None:
     assert small.data_ptr() % 4096 == 0 and small.untyped_storage().nbytes() == 12288
     big = tierstore.read_buffer(5 << 20)
     assert big.data_ptr() % (2 << 20) == 0  # where 2 MiB pages can back it
+    assert tierstore.read_buffer((), torch.float64).shape == ()
+    assert tierstore.read_buffer((0, 5), torch.bfloat16).shape == (0, 5)
+    with pytest.raises(tierstore.UnsupportedTensorError):
+        tierstore.read_buffer((-1, 2))
 
 
 def test_out_takes_the_read_itself_without_a_host_cache(tmp_path) -> None:
