@@ -340,8 +340,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
               help="Host-memory cache in front of the backing tier (default: the store's, 1GiB).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="CPU compute threads (default: torch's; on a CPU device, ring and expert "
-                   "modes use one fewer while their host cache cannot hold every expert, "
-                   "leaving a core to their read threads).")
+                   "modes use one fewer while they stream experts from the backing tier, "
+                   "leaving a core to their read threads: every pass where the host cache "
+                   "cannot hold every expert, else the prefill only).")
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
                    "cache --trace`).")
