@@ -61,22 +61,12 @@ def _fits(out: torch.Tensor, rec: Record) -> bool:
 
 
 def _bytes_at(tensor: torch.Tensor, length: int) -> np.ndarray:
-    """``length`` bytes from ``tensor``'s first, as a numpy array that does not keep the
-    tensor alive: for a read's duration only, while the caller (or the cache handle)
-    holds the tensor. A sixth of the cost of a torch view of the storage, per entry."""
+    """``length`` bytes from ``tensor``'s first: an ``out=`` widened to its extent's length
+    (see :func:`_fits`), or the cache slot under a view (slots are 4 KiB-aligned powers of
+    two, so the widened range stays inside the slot). A numpy array that does not keep the
+    tensor alive, for a read's duration only, while the caller (or the cache handle) holds
+    the tensor: a sixth of the cost of a torch view of the storage, per entry."""
     return np.frombuffer((ctypes.c_uint8 * length).from_address(tensor.data_ptr()), np.uint8)
-
-
-def _widened(out: torch.Tensor, length: int) -> np.ndarray:
-    """``out``'s bytes widened to ``length`` (see :func:`_fits`)."""
-    return _bytes_at(out, length)
-
-
-def _slot_buffer(view: torch.Tensor, length: int) -> np.ndarray:
-    """The cache slot under ``view`` widened to ``length`` bytes (the entry rounded up to
-    4 KiB, as O_DIRECT reads need). Slots are 4 KiB-aligned powers of two, so the widened
-    range stays inside the slot."""
-    return _bytes_at(view, length)
 
 
 class _Request(NamedTuple):
@@ -217,7 +207,7 @@ class ReadPath(LocalState):
                     found[key] = (meta, _DIRECT)
                     todo_keys.append(key)
                     todo_recs.append(rec)
-                    bufs.append(_widened(into, rec.length))
+                    bufs.append(_bytes_at(into, rec.length))
                     continue
                 h = None
                 if admit and self._cache is not None and rec.nbytes:
@@ -231,7 +221,7 @@ class ReadPath(LocalState):
                     if not h.new:
                         continue  # loaded by another thread meanwhile
                     new.append(h)
-                    buf = _slot_buffer(h.view, rec.length)
+                    buf = _bytes_at(h.view, rec.length)
                 else:
                     own[len(bufs)] = meta
                     buf = None  # taken by ``provide``

@@ -101,12 +101,13 @@ def read_buffer(shape: int | tuple[int, ...], dtype: torch.dtype = torch.uint8) 
     whole pages), and on 2 MiB pages from 2 MiB up: on the machine the benchmarks ran on,
     reads into memory on 4 KiB pages ran at 0.7-0.9 of the rate into 2 MiB pages. Allocate
     once and reuse it: fresh memory costs a page fault per page on every read."""
+    bad = UnsupportedTensorError(f"read_buffer's shape is sizes of 0 or more, got {shape!r}")
     try:
         dims = tuple(operator.index(d) for d in ((shape,) if isinstance(shape, int) else shape))
     except TypeError:
-        dims = (-1,)
+        raise bad from None
     if any(d < 0 for d in dims):
-        raise UnsupportedTensorError(f"read_buffer's shape is sizes of 0 or more, got {shape!r}")
+        raise bad
     nbytes = math.prod(dims) * element_size(dtype)
     raw = torch.from_numpy(huge_empty(max(-(-nbytes // ALIGNMENT) * ALIGNMENT, ALIGNMENT)))
     return raw[:nbytes].view(dtype).view(dims)

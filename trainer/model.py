@@ -34,7 +34,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -503,6 +503,25 @@ def moe_combine(x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
     inverse[order] = torch.arange(order.numel(), device=order.device)
     y = y_sorted[inverse].view(n_tok, k, -1)
     return (y.float() * topk_weight.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+class RoutedExperts(Mapping[int, ExpertWeights]):
+    """A layer's routed experts, ``ids``, whose weights a source finds as the model looks
+    each one up (in ascending id order): a subclass gives :meth:`__getitem__`; membership,
+    order and length are the ids'."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self._ids = list(ids)
+        self._wanted = frozenset(self._ids)
+
+    def __contains__(self, e: object) -> bool:
+        return e in self._wanted
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class ExpertSource(abc.ABC):

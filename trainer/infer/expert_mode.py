@@ -37,7 +37,7 @@ Three parts, all on the store's device prefetch queue (:meth:`tierstore.Store.pr
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from torch import Tensor
 import tierstore
 from tierstore.lab import make_policy
 
-from ..model import ExpertSource, ExpertWeights, expert_names
+from ..model import ExpertSource, ExpertWeights, RoutedExperts, expert_names
 from .budget import too_small
 from .device_queue import lend_views, queue_budget, queue_bytes_moved
 
@@ -390,27 +390,19 @@ class ExpertModeSource(ExpertSource):
         }
 
 
-class _Landing(Mapping[int, ExpertWeights]):
+class _Landing(RoutedExperts):
     """A layer's routed experts, each acquired when it is first looked up."""
 
     def __init__(self, source: ExpertModeSource, keys: list[Key]) -> None:
         self._source = source
         self._keys = {k[1]: k for k in keys}
+        super().__init__(list(self._keys))
 
     def __getitem__(self, e: int) -> ExpertWeights:
         return self._source._weights_of(self._keys[e])  # KeyError for one not routed to
 
-    def __contains__(self, e: object) -> bool:
-        return e in self._keys
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
-class _Groups(Mapping[int, ExpertWeights]):
+class _Groups(RoutedExperts):
     """A layer's routed experts when they are more than the budget holds: looked up in
     ascending id order (as the model does), they are fetched ``group`` at a time, the group
     before let go of first (the ones the cache took stay, evictable)."""
@@ -420,6 +412,7 @@ class _Groups(Mapping[int, ExpertWeights]):
         self._source, self._layer, self._keys, self._group, self._x = (
             source, layer, keys, group, x)
         self._index = {k[1]: i for i, k in enumerate(keys)}
+        super().__init__(list(self._index))
         self._got: Mapping[int, ExpertWeights] = {}
         self._current: list[Key] = []
 
@@ -433,12 +426,3 @@ class _Groups(Mapping[int, ExpertWeights]):
             self._got = src._serve(self._layer, self._current, self._x, False)
             weights = self._got[e]
         return weights
-
-    def __contains__(self, e: object) -> bool:
-        return e in self._index
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(k[1] for k in self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)

@@ -4,11 +4,11 @@ the parts of a borrow still land (:class:`Streamed`), and a borrow made in line
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from ..model import ExpertWeights
+from ..model import ExpertWeights, RoutedExperts
 
 
 class Loan:
@@ -54,7 +54,7 @@ class Loan:
         return True
 
 
-class Streamed(Mapping[int, ExpertWeights]):
+class Streamed(RoutedExperts):
     """A layer's routed experts while its parts are still landing: looking an expert up
     waits for its own part only. The model applies experts in ascending id order, so it
     computes on the first part while the rest are read."""
@@ -62,8 +62,7 @@ class Streamed(Mapping[int, ExpertWeights]):
     def __init__(self, ring: Any, loan: Loan, held: dict[int, ExpertWeights],
                  names: list[tuple[str, str, str]], ids: Sequence[int]) -> None:
         self._ring, self._loan, self._held, self._names = ring, loan, held, names
-        self._ids = ids
-        self._wanted = set(ids)
+        super().__init__(ids)
 
     def __getitem__(self, e: int) -> ExpertWeights:
         if e not in self._wanted:
@@ -79,15 +78,6 @@ class Streamed(Mapping[int, ExpertWeights]):
             ring.hits += 1
         ring.accesses += 1
         return weights
-
-    def __contains__(self, e: object) -> bool:
-        return e in self._wanted
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids)
-
-    def __len__(self) -> int:
-        return len(self._ids)
 
 
 class Done:

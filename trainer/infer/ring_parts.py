@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
@@ -34,7 +34,7 @@ from torch import Tensor
 
 import tierstore
 
-from ..model import ExpertWeights, expert_names
+from ..model import ExpertWeights, RoutedExperts, expert_names
 from .budget import too_small
 
 ALIGN = 4096
@@ -242,15 +242,14 @@ class PartRing:
         return sum(self.part_bytes for a in self._arenas if a is not None)
 
 
-class PartsOfLayer(Mapping[int, ExpertWeights]):
+class PartsOfLayer(RoutedExperts):
     """A layer's routed experts as their parts land: looking an expert up gives the parts
     of the layer before its own back to the ring and waits for its own part only."""
 
     def __init__(self, ring: Any, base: int, names: list[tuple[str, str, str]],
                  ids: Sequence[int], held: dict[int, ExpertWeights]) -> None:
         self._ring, self._base, self._names, self._held = ring, base, names, held
-        self._ids = ids
-        self._wanted = set(ids)
+        super().__init__(ids)
 
     def __getitem__(self, e: int) -> ExpertWeights:
         if e not in self._wanted:
@@ -270,12 +269,3 @@ class PartsOfLayer(Mapping[int, ExpertWeights]):
             ring.hits += 1
         ring.accesses += 1
         return weights
-
-    def __contains__(self, e: object) -> bool:
-        return e in self._wanted
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids)
-
-    def __len__(self) -> int:
-        return len(self._ids)

@@ -4,7 +4,7 @@ its layer asks. The prefetching ones are :mod:`trainer.infer.ring` and
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from torch import Tensor
 
 import tierstore
 
-from ..model import ExpertSource, ExpertWeights, MoEModel, expert_names
+from ..model import ExpertSource, ExpertWeights, MoEModel, RoutedExperts, expert_names
 from .budget import too_small
 
 
@@ -114,12 +114,13 @@ class OnDemandSource(ExpertSource):
         return _Grouped(self, layer, list(ids), group)
 
 
-class _Grouped(Mapping[int, ExpertWeights]):
+class _Grouped(RoutedExperts):
     """A layer's routed experts read ``group`` at a time, as the model reaches them."""
 
     def __init__(self, source: OnDemandSource, layer: int, ids: list[int], group: int) -> None:
-        self._source, self._layer, self._ids, self._group = source, layer, ids, group
+        self._source, self._layer, self._group = source, layer, group
         self._index = {e: i for i, e in enumerate(ids)}
+        super().__init__(ids)
         self._loaded: dict[int, ExpertWeights] = {}
 
     def __getitem__(self, e: int) -> ExpertWeights:
@@ -130,12 +131,3 @@ class _Grouped(Mapping[int, ExpertWeights]):
             self._loaded = self._source._load(self._layer, self._ids[i:i + self._group])
             weights = self._loaded[e]
         return weights
-
-    def __contains__(self, e: object) -> bool:
-        return e in self._index
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids)
-
-    def __len__(self) -> int:
-        return len(self._ids)
