@@ -157,7 +157,8 @@ def test_compute_threads_leave_a_core_only_while_experts_stream() -> None:
     """Without --threads, the ring and expert mode on a CPU leave a core to their read
     threads while experts stream from the backing tier: every pass where the host cache
     is smaller than the experts, the first pass (the prefill) where it holds them all.
-    After it they compute on every core, as on-demand and resident mode always do, and as
+    After it they compute on every core, as on-demand and resident mode always do, as
+    expert mode does with the host cache pooled (it reads on the calling thread), and as
     any CUDA run does. (prefill, decode) threads:"""
     from tierstore.trainer.infer.generate import compute_threads
 
@@ -168,6 +169,7 @@ def test_compute_threads_leave_a_core_only_while_experts_stream() -> None:
         assert compute_threads(mode, cpu, 1, every // 4, every) == (1, 1)
         assert compute_threads(mode, cpu, 4, every, every) == (3, 4)
         assert compute_threads(mode, cuda, 4, 0, every) == (4, 4)
+    assert compute_threads("expert", cpu, 4, every // 4, every, pooled=True) == (4, 4)
     for mode in ("on-demand", "resident"):
         assert compute_threads(mode, cpu, 4, 0, every) == (4, 4)
         assert compute_threads(mode, cpu, 4, every, every) == (4, 4)

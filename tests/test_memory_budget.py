@@ -245,7 +245,8 @@ def test_expert_mode_and_on_demand_pool_their_share_with_the_host_cache(tiny: Pa
     share of the device budget goes to the host cache: one cache instead of two holding the
     same experts. The two together come to the unpooled bound (host cache + the experts'
     share), the source holds at most one layer's routed experts, expert mode caches nothing
-    of its own and guesses nothing, and the tokens are the resident model's."""
+    of its own, guesses nothing and reads on the calling thread, and the tokens are the
+    resident model's."""
     prompt = [list(range(3, 19))]  # a prefill routes to more experts than the queue holds
     with tierstore.open(tiny, host_cache="16KiB") as probe:
         model = load_model(probe, "cpu")
@@ -273,7 +274,11 @@ def test_expert_mode_and_on_demand_pool_their_share_with_the_host_cache(tiny: Pa
                 stats = got.source
                 assert stats["host_pool"] and stats["cached_experts"] == 0
                 assert stats["spec_requested"] == 0 and stats["hit_rate"] is not None
-                assert store.stats()["prefetch"]["cpu"]["peak_in_use_bytes"] <= working
+                # read on the calling thread: what it read is the tier's, nothing queued
+                tier = sum(t["bytes_read"] for t in store.stats()["tiers"].values())
+                assert 0 < stats["bytes_read"] == tier
+                assert stats["bytes_moved"] >= stats["bytes_read"]
+                assert store.stats()["prefetch"]["cpu"]["peak_in_use_bytes"] == 0
     # A share of no more than one layer's routed experts is all working set: nothing pooled.
     tight = GenerationBudget(device=sized.reserved + one, kv_cache=sized.kv_cache,
                              activations=sized.activations)

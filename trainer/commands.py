@@ -342,7 +342,8 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
               help="CPU compute threads (default: torch's; on a CPU device, ring and expert "
                    "modes use one fewer while they stream experts from the backing tier, "
                    "leaving a core to their read threads: every pass where the host cache "
-                   "cannot hold every expert, else the prefill only).")
+                   "cannot hold every expert, else the prefill only. Expert mode with the "
+                   "host cache pooled reads on the calling thread and uses every core).")
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
                    "cache --trace`).")

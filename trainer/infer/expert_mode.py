@@ -24,14 +24,19 @@ Three parts, all on the store's device prefetch queue (:meth:`tierstore.Store.pr
   would overlap instead of adding up. Where the experts stream from the backing tier,
   ``tierstore generate`` gives the experts' share of the device budget to the host cache
   instead (:func:`trainer.infer.budget.pooled_host_cache`), and the source keeps no cache
-  of its own and makes no guesses: the queue holds the layer running, and the hit rate
-  reported is the host cache's over the experts read through it. Guessing does not pay
-  there: a CPU computes a layer in less time than the backing tier takes to read one
-  expert, so a right guess hides less than a wrong one costs. On the Mixtral-shaped model
-  of docs/inference.md (24 MiB experts, a 555 MiB pool, about 2 GB/s) guessing read 228 MB
-  per decoded token against 157 MB without (the top-2 guesses were right 0.57 of the time;
-  the top-1 guess alone, right 0.70 of the time, still read 182 MB), and it decoded no
-  faster.
+  of its own and makes no guesses, and the hit rate reported is the host cache's over the
+  experts read through it. Guessing does not pay there: a CPU computes a layer in less
+  time than the backing tier takes to read one expert, so a right guess hides less than a
+  wrong one costs. On the Mixtral-shaped model of docs/inference.md (24 MiB experts, a
+  555 MiB pool, about 2 GB/s) guessing read 228 MB per decoded token against 157 MB
+  without (the top-2 guesses were right 0.57 of the time; the top-1 guess alone, right
+  0.70 of the time, still read 182 MB), and it decoded no faster. With nothing left to
+  read ahead, the source reads each layer's routed experts on the calling thread, as on
+  demand does (:class:`~trainer.infer.sources.OnDemandSource`), and the model computes on
+  every core: a queue's read thread would only overlap the layer's hits, and on a core
+  the compute threads also spin on, it slows them more than it hides. On that model
+  (2 vCPUs, 15 decode steps) the queue's thread decoded in 1.94-2.44 s on two compute
+  threads and 2.08-2.21 s on one, reads on the calling thread in 1.66-1.81 s on two.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from tierstore.lab import make_policy
 from ..model import ExpertSource, ExpertWeights, RoutedExperts, expert_names
 from .budget import too_small
 from .device_queue import lend_views, queue_budget, queue_bytes_moved
+from .sources import OnDemandSource
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -75,8 +81,8 @@ class ExpertModeSource(ExpertSource):
     ``policy``/``policy_args``: the cache's eviction policy (see ``tierstore.lab.POLICIES``).
     ``speculate=False`` turns the next-layer prediction off. ``host_pool``: the store's
     host cache is the expert cache (see the module docstring): no cache of the source's
-    own, no guesses, and ``hit_rate`` is the host cache's over the expert entries loaded
-    since the first pass.
+    own, no guesses, each layer's routed experts are read on the calling thread, and
+    ``hit_rate`` is the host cache's over the expert entries loaded since the first pass.
     """
 
     def __init__(self, store: tierstore.Store, device: str | torch.device, *,
@@ -99,6 +105,9 @@ class ExpertModeSource(ExpertSource):
         except (TypeError, ValueError) as e:
             raise tierstore.StoreError(f"expert cache policy {policy!r}: {e}") from None
         self.speculate = speculate and not host_pool
+        # Pooled, the source reads as on demand does (see the module docstring).
+        self._reader = OnDemandSource(store, budget=self.budget) if host_pool else None
+        self._tier_read_start = 0
         self.model: Any = None
         self.expert_bytes = 0
         self.cache_bytes = 0
@@ -138,10 +147,15 @@ class ExpertModeSource(ExpertSource):
         self._moved_start = queue_bytes_moved(self.store, self.device)
         self._read_start = queue_bytes_moved(self.store, self.device, "bytes_read")
         self._pool_start = self._pool_counts()
+        self._tier_read_start = self._tier_bytes_read()
 
     def _pool_counts(self) -> tuple[int, int]:
         cache = self.store.stats().get("cache") or {}
         return int(cache.get("hits", 0)), int(cache.get("misses", 0))
+
+    def _tier_bytes_read(self) -> int:
+        tiers = self.store.stats().get("tiers") or {}
+        return sum(int(t.get("bytes_read", 0)) for t in tiers.values())
 
     # -- bookkeeping --------------------------------------------------------------------
     def _size_cache(self, n_tokens: int) -> None:
@@ -222,8 +236,12 @@ class ExpertModeSource(ExpertSource):
             self._bind(model)
         self._size_cache(n_tokens)
         self._pass_start = time.perf_counter()
+        if self._reader is not None:
+            self._reader.begin_pass(model, n_tokens)
 
     def experts(self, layer: int, ids: Sequence[int], x: Tensor) -> Mapping[int, ExpertWeights]:
+        if self._reader is not None:
+            return self._reader.experts(layer, list(ids), x)
         keys = [(layer, int(e)) for e in ids]
         self._resolve_guess(layer, keys)
         group = self.budget // self.expert_bytes
@@ -340,14 +358,20 @@ class ExpertModeSource(ExpertSource):
         self._set(k, _CACHED)
 
     def layer_done(self, layer: int) -> None:
+        if self._reader is not None:
+            self._reader.layer_done(layer)
         self._drop([k for k in self._in[_TRANSIENT] if k[0] == layer])
 
     def end_pass(self) -> None:
+        if self._reader is not None:
+            self._reader.end_pass()
         self.busy_s += time.perf_counter() - self._pass_start
         self._pass += 1
 
     def close(self) -> None:
         """Give every expert back to the device budget."""
+        if self._reader is not None:
+            self._reader.close()
         self._drop(list(self._state))
         self._predicted.clear()
         self._fetched.clear()
@@ -355,10 +379,17 @@ class ExpertModeSource(ExpertSource):
     def stats(self) -> dict[str, Any]:
         accesses = self.hits + self.misses
         hit_rate = self.hits / accesses if accesses else None
-        if self.host_pool and self.model is not None:
+        stall_s = self.stall_s
+        bound = self.model is not None
+        moved = queue_bytes_moved(self.store, self.device) - self._moved_start if bound else 0
+        read = (queue_bytes_moved(self.store, self.device, "bytes_read") - self._read_start
+                if bound else 0)
+        if self._reader is not None and bound:
             hits, misses = (now - then for now, then in zip(self._pool_counts(),
                                                             self._pool_start))
             hit_rate = hits / (hits + misses) if hits + misses else None
+            stall_s, moved = self._reader.load_s, self._reader.loaded_bytes
+            read = self._tier_bytes_read() - self._tier_read_start
         return {
             "mode": "expert",
             "budget_bytes": self.budget,
@@ -378,15 +409,13 @@ class ExpertModeSource(ExpertSource):
             "spec_useful": self.spec_useful,
             "spec_precision": self.spec_precision(),
             "spec_skipped": self.spec_skipped,
-            "stall_s": self.stall_s,
+            "stall_s": stall_s,
             "busy_s": self.busy_s,
-            "stall_frac": self.stall_s / self.busy_s if self.busy_s else 0.0,
+            "stall_frac": stall_s / self.busy_s if self.busy_s else 0.0,
             # as the ring's: landed on the device (on the CPU pinned, not copied), and read
             # from the backing tier (speculation that was cancelled in flight counts here)
-            "bytes_moved": (queue_bytes_moved(self.store, self.device) - self._moved_start
-                            if self.model is not None else 0),
-            "bytes_read": (queue_bytes_moved(self.store, self.device, "bytes_read")
-                           - self._read_start if self.model is not None else 0),
+            "bytes_moved": moved,
+            "bytes_read": read,
         }
 
 

@@ -307,7 +307,7 @@ def decode_tokens(tok: Any, ids: Sequence[int]) -> str:
 
 
 def compute_threads(mode: str, device: torch.device, default: int, host_cache: int,
-                    expert_bytes: int) -> tuple[int, int]:
+                    expert_bytes: int, *, pooled: bool = False) -> tuple[int, int]:
     """Compute threads for ``mode`` when the user gives none, for the prefill and for the
     decode steps after it: torch's ``default``, or one fewer for the ring and expert mode
     on a CPU while they stream experts from the backing tier. Their read threads then need
@@ -318,8 +318,9 @@ def compute_threads(mode: str, device: torch.device, default: int, host_cache: i
     model (2 vCPUs, host cache 2 GiB, quiet machine) two threads decoded at 26.4 tokens/s
     against one thread's 16.4 for the ring, and at 22.8–25.7 against 15.5–16.5 for expert
     mode; the ring's cold prefill reached 0.75 of its physical limit on two threads, and
-    0.90 on one."""
-    if device.type != "cpu" or mode not in ("ring", "expert"):
+    0.90 on one. Expert mode with the host cache ``pooled`` reads on the calling thread
+    (see :mod:`trainer.infer.expert_mode`): no read thread to leave a core to."""
+    if device.type != "cpu" or mode not in ("ring", "expert") or pooled:
         return default, default
     fewer = max(1, default - 1)
     return fewer, (default if host_cache >= expert_bytes else fewer)
@@ -417,7 +418,8 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
         decode_threads = threads
         if threads is None:
             threads, decode_threads = compute_threads(
-                mode, torch.device(dev), before, host_cache_bytes(st), every_expert)
+                mode, torch.device(dev), before, host_cache_bytes(st), every_expert,
+                pooled=pooled)
         torch.set_num_threads(threads)
         # What the queue holds (transfers cancelled in flight included) is the experts'.
         st.prefetch_budget(torch.device(dev), experts_budget)

@@ -4,6 +4,7 @@ its layer asks. The prefetching ones are :mod:`trainer.infer.ring` and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ class OnDemandSource(ExpertSource):
         self.budget = budget
         self.loaded_bytes = 0  # bytes moved to the device, for the bandwidth arithmetic
         self.loads = 0  # experts loaded
+        self.load_s = 0.0  # time spent loading them
         self._expert_bytes: int | None = None
         self._lent: tierstore.Borrowed | None = None
 
@@ -69,6 +71,7 @@ class OnDemandSource(ExpertSource):
 
     def _load(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
         assert self.model is not None, "begin_pass was not called"
+        t0 = time.perf_counter()
         dev, dt = self.model.device, self.model.dtype
         names = [n for e in ids for n in expert_names(layer, e)]
         self._give_back()  # the layer or group before is done with
@@ -81,6 +84,7 @@ class OnDemandSource(ExpertSource):
         out = {e: _expert_tensors(got, layer, e, dev, dt) for e in ids}
         self.loads += len(ids)
         self.loaded_bytes += sum(t.numel() * t.element_size() for t in got.values())
+        self.load_s += time.perf_counter() - t0
         return out
 
     def _give_back(self) -> None:
@@ -96,6 +100,11 @@ class OnDemandSource(ExpertSource):
 
     def close(self) -> None:
         self._give_back()
+
+    def stats(self) -> dict[str, Any]:
+        # The loads of a layer served in groups happen as the model looks experts up,
+        # after experts() has returned: timing that call alone would miss them.
+        return {"stall_s": self.load_s, "bytes_moved": self.loaded_bytes}
 
     def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
         if self.budget is None:
