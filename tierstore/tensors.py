@@ -100,7 +100,10 @@ def read_buffer(shape: int | tuple[int, ...], dtype: torch.dtype = torch.uint8) 
     Page-aligned, with its memory running on to the next page boundary (O_DIRECT reads
     whole pages), and on 2 MiB pages from 2 MiB up: on the machine the benchmarks ran on,
     reads into memory on 4 KiB pages ran at 0.7-0.9 of the rate into 2 MiB pages. Allocate
-    once and reuse it: fresh memory costs a page fault per page on every read."""
+    once and reuse it: fresh memory costs a page fault per page on every read. For many
+    small entries read together, slice one buffer of their total size: 1,024 entries of
+    256 KiB read at 0.89-0.91 of 16 MiB entries' rate into slices of one buffer, at
+    0.69-0.76 into a buffer each."""
     bad = UnsupportedTensorError(f"read_buffer's shape is sizes of 0 or more, got {shape!r}")
     try:
         dims = tuple(operator.index(d) for d in ((shape,) if isinstance(shape, int) else shape))
