@@ -67,6 +67,7 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -195,32 +196,18 @@ def saved_run(store_path: PathLike | tierstore.Store) -> dict[str, Any] | None:
 
 
 def initialise_experts(store: tierstore.Store, cfg: TrainModel, seed: int) -> None:
-    """Write every expert's initial weights, zero moments and zero step counts.
+    """Write every expert's initial weights, zero moments and zero step counts."""
+    zeros = {w: torch.zeros(shape) for w, shape in cfg.expert_shapes().items()}
 
-    Writes are flushed whenever about half the host cache has been filled, so that making
-    room evicts clean entries instead of writing dirty ones back one commit at a time.
-    """
-    shapes = cfg.expert_shapes()
-    expert_bytes = sum(4 * a * b for a, b in shapes.values())  # fp32 w1+w2+w3
-    cache = store.stats()["cache"]
-    flush_every = cache["capacity_bytes"] // 2 if cache else 0
-    zeros = {w: torch.zeros(shape) for w, shape in shapes.items()}
-    pending = 0
-    for layer in cfg.moe_layers:
-        for e in range(cfg.n_experts):
-            items: list[tuple[str, str, Tensor]] = []
-            for w, t in zip(EXPERT_WEIGHTS, init_expert(cfg, seed, layer, e)):
-                name = expert_name(layer, e, w)
-                items += [(name, "param", t), (name, MOMENTS[0], zeros[w]),
-                          (name, MOMENTS[1], zeros[w])]
-            store.put_many(items)
-            pending += 3 * expert_bytes
-            if flush_every and pending >= flush_every:
-                store.flush()
-                pending = 0
-        store.put(step_counts_name(layer), torch.zeros(cfg.n_experts, dtype=torch.int64),
-                  kind=STEP_KIND)
-    store.flush()
+    def states(layer: int, e: int) -> list[tuple[str, str, Tensor]]:
+        items: list[tuple[str, str, Tensor]] = []
+        for w, t in zip(EXPERT_WEIGHTS, init_expert(cfg, seed, layer, e)):
+            name = expert_name(layer, e, w)
+            items += [(name, "param", t), (name, MOMENTS[0], zeros[w]),
+                      (name, MOMENTS[1], zeros[w])]
+        return items
+
+    _write_expert_states(store, cfg, states)
 
 
 def initialise_imported(store: tierstore.Store, cfg: ModelConfig) -> None:
@@ -229,20 +216,35 @@ def initialise_imported(store: tierstore.Store, cfg: ModelConfig) -> None:
     step counts. Done again after an interruption it changes nothing it had done (the cast
     is exact), so an interrupted start is simply started again."""
     zeros = {w: torch.zeros(shape) for w, shape in cfg.expert_shapes().items()}
+
+    def states(layer: int, e: int) -> list[tuple[str, str, Tensor]]:
+        names = [expert_name(layer, e, w) for w in EXPERT_WEIGHTS]
+        got = store.get_many(names)
+        items: list[tuple[str, str, Tensor]] = []
+        for w, name in zip(EXPERT_WEIGHTS, names):
+            if got[name].dtype != torch.float32:
+                items.append((name, "param", got[name].to(torch.float32)))
+            items += [(name, MOMENTS[0], zeros[w]), (name, MOMENTS[1], zeros[w])]
+        return items
+
+    _write_expert_states(store, cfg, states)
+
+
+def _write_expert_states(store: tierstore.Store, cfg: TrainModel,
+                         states: Callable[[int, int], list[tuple[str, str, Tensor]]]) -> None:
+    """Put ``states(layer, expert)`` for every expert, then zero step counts per layer.
+
+    Writes are flushed whenever about half the host cache has been filled, so that making
+    room evicts clean entries instead of writing dirty ones back one commit at a time.
+    """
     cache = store.stats()["cache"]
     flush_every = cache["capacity_bytes"] // 2 if cache else 0
     pending = 0
     for layer in cfg.moe_layers:
         for e in range(cfg.n_experts):
-            names = [expert_name(layer, e, w) for w in EXPERT_WEIGHTS]
-            got = store.get_many(names)
-            items: list[tuple[str, str, Tensor]] = []
-            for w, name in zip(EXPERT_WEIGHTS, names):
-                if got[name].dtype != torch.float32:
-                    items.append((name, "param", got[name].to(torch.float32)))
-                items += [(name, MOMENTS[0], zeros[w]), (name, MOMENTS[1], zeros[w])]
+            items = states(layer, e)
             store.put_many(items)
-            pending += sum(t.numel() * 4 for _, _, t in items)
+            pending += sum(t.numel() * t.element_size() for _, _, t in items)
             if flush_every and pending >= flush_every:
                 store.flush()
                 pending = 0
