@@ -437,6 +437,7 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
             paired = [r[key] / peer_by_round[r["round"]][key] for r in ok
                       if r["round"] in peer_by_round and peer_by_round[r["round"]][key] > 0]
             s[f"{phase}_vs_{peer}"] = _median_or_none(paired)
+            s[f"{phase}_vs_{peer}_runs"] = paired  # each run against the peer's in its round
             base = [r[key] for r in peer_by_round.values()]
             s[f"{phase}_vs_{peer}_of_medians"] = (s[key] / statistics.median(base)
                                                   if rates and base else None)
@@ -494,7 +495,10 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
             echo(f"{name:10s} did not complete: {'; '.join(s['outcomes'])}")
             continue
         vs = "" if name == peer else (
-            f"  ({s[f'prefill_vs_{peer}']:.2f} / {s[f'decode_vs_{peer}']:.2f} x {peer})"
+            f"  ({s[f'prefill_vs_{peer}']:.2f} / {s[f'decode_vs_{peer}']:.2f} x {peer}"
+            + (f"; decode per round {min(s[f'decode_vs_{peer}_runs']):.2f}-"
+               f"{max(s[f'decode_vs_{peer}_runs']):.2f}"
+               if len(s[f"decode_vs_{peer}_runs"]) > 1 else "") + ")"
             if s[f"prefill_vs_{peer}"] is not None and s[f"decode_vs_{peer}"] is not None
             else "")
         echo(f"{name:10s} prefill {s['prefill_tokens_per_s']:8.1f} tok/s, decode "

@@ -63,6 +63,7 @@ def test_every_mode_and_accelerate_give_transformers_tokens(tmp_path: Path) -> N
             assert s[f"{phase}_vs_accelerate"] == pytest.approx(
                 s[f"{phase}_tokens_per_s"] / res["systems"]["accelerate"][
                     f"{phase}_tokens_per_s"]), name
+            assert s[f"{phase}_vs_accelerate_runs"] == [s[f"{phase}_vs_accelerate"]]
     # measured before and after the round; the faster counts
     assert [b["when"] for b in res["bandwidth_runs"]] == ["before", "after"]
     assert res["bandwidth_bytes_per_s"] == max(b["bytes_per_s"] for b in res["bandwidth_runs"])
