@@ -379,17 +379,16 @@ class ExpertModeSource(ExpertSource):
     def stats(self) -> dict[str, Any]:
         accesses = self.hits + self.misses
         hit_rate = self.hits / accesses if accesses else None
-        stall_s = self.stall_s
-        bound = self.model is not None
-        moved = queue_bytes_moved(self.store, self.device) - self._moved_start if bound else 0
-        read = (queue_bytes_moved(self.store, self.device, "bytes_read") - self._read_start
-                if bound else 0)
-        if self._reader is not None and bound:
+        stall_s, moved, read = self.stall_s, 0, 0
+        if self.model is not None and self._reader is not None:
             hits, misses = (now - then for now, then in zip(self._pool_counts(),
                                                             self._pool_start))
             hit_rate = hits / (hits + misses) if hits + misses else None
             stall_s, moved = self._reader.load_s, self._reader.loaded_bytes
             read = self._tier_bytes_read() - self._tier_read_start
+        elif self.model is not None:
+            moved = queue_bytes_moved(self.store, self.device) - self._moved_start
+            read = queue_bytes_moved(self.store, self.device, "bytes_read") - self._read_start
         return {
             "mode": "expert",
             "budget_bytes": self.budget,
