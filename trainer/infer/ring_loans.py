@@ -1,6 +1,6 @@
 """The ring's slots as host-cache pins: a layer's borrows (:class:`Loan`), its experts while
-the parts of a borrow still land (:class:`Streamed`), and a borrow made in line
-(:class:`Done`). :mod:`trainer.infer.ring` uses them where the host cache holds the ring."""
+the parts of a borrow still land (:class:`Streamed`, on :class:`Landing`, which the ring's
+own slots share), and a borrow made in line (:class:`Done`). :mod:`trainer.infer.ring` uses them where the host cache holds the ring."""
 
 from __future__ import annotations
 
@@ -54,15 +54,24 @@ class Loan:
         return True
 
 
-class Streamed(RoutedExperts):
-    """A layer's routed experts while its parts are still landing: looking an expert up
-    waits for its own part only. The model applies experts in ascending id order, so it
-    computes on the first part while the rest are read."""
+class Landing(RoutedExperts):
+    """A layer's routed experts while the parts that hold them still land: looking an
+    expert up waits for its own part only, so the model (which applies experts in
+    ascending id order) computes on the first part while the rest are read. A subclass
+    says where an expert's part is (:meth:`_part`) and what its outcome holds
+    (:meth:`_tensors`)."""
 
-    def __init__(self, ring: Any, loan: Loan, held: dict[int, ExpertWeights],
+    def __init__(self, ring: Any, held: dict[int, ExpertWeights],
                  names: list[tuple[str, str, str]], ids: Sequence[int]) -> None:
-        self._ring, self._loan, self._held, self._names = ring, loan, held, names
+        self._ring, self._held, self._names = ring, held, names
         super().__init__(ids)
+
+    def _part(self, e: int) -> Any:
+        """The future (or :class:`Done`) of the part that holds expert ``e``."""
+        raise NotImplementedError
+
+    def _tensors(self, landed: Any) -> dict[str, Any]:
+        return landed
 
     def __getitem__(self, e: int) -> ExpertWeights:
         if e not in self._wanted:
@@ -70,14 +79,29 @@ class Streamed(RoutedExperts):
         ring = self._ring
         weights = self._held.get(e)
         if weights is None:
-            part = self._loan.parts[e // ring._per_part]
+            part = self._part(e)
             ring.hits += part.done()
-            tensors = ring._stalled(part).tensors
+            tensors = self._tensors(ring._stalled(part))
             weights = self._held[e] = ring._weights(tensors, self._names[e])
         else:
             ring.hits += 1
         ring.accesses += 1
         return weights
+
+
+class Streamed(Landing):
+    """A layer's routed experts from the parts of a :class:`Loan` (host-cache borrows)."""
+
+    def __init__(self, ring: Any, loan: Loan, held: dict[int, ExpertWeights],
+                 names: list[tuple[str, str, str]], ids: Sequence[int]) -> None:
+        self._loan = loan
+        super().__init__(ring, held, names, ids)
+
+    def _part(self, e: int) -> Any:
+        return self._loan.parts[e // self._ring._per_part]
+
+    def _tensors(self, landed: Any) -> dict[str, Any]:
+        return landed.tensors
 
 
 class Done:

@@ -34,8 +34,9 @@ from torch import Tensor
 
 import tierstore
 
-from ..model import ExpertWeights, RoutedExperts, expert_names
+from ..model import ExpertWeights, expert_names
 from .budget import too_small
+from .ring_loans import Landing
 
 ALIGN = 4096
 # Entries at least this large start on a page, so O_DIRECT reads land in the slot itself;
@@ -242,30 +243,18 @@ class PartRing:
         return sum(self.part_bytes for a in self._arenas if a is not None)
 
 
-class PartsOfLayer(RoutedExperts):
-    """A layer's routed experts as their parts land: looking an expert up gives the parts
-    of the layer before its own back to the ring and waits for its own part only."""
+class PartsOfLayer(Landing):
+    """A layer's routed experts from the ring's own slots: looking an expert up gives the
+    parts of the layer before its own back to the ring and waits for its own part only."""
 
     def __init__(self, ring: Any, base: int, names: list[tuple[str, str, str]],
                  ids: Sequence[int], held: dict[int, ExpertWeights]) -> None:
-        self._ring, self._base, self._names, self._held = ring, base, names, held
-        super().__init__(ids)
+        self._base = base
+        super().__init__(ring, held, names, ids)
 
-    def __getitem__(self, e: int) -> ExpertWeights:
-        if e not in self._wanted:
-            raise KeyError(e)
-        ring = self._ring
-        weights = self._held.get(e)
-        if weights is None:
-            parts: PartRing = ring._parts_ring
-            q = self._base + e // parts.per_part
-            parts.release_below(q)
-            parts.top_up(ring._parts_end())
-            fut = parts.part(q)  # top_up stops at the pass's end, never before q
-            ring.hits += fut.done()
-            tensors = ring._stalled(fut)
-            weights = self._held[e] = ring._weights(tensors, self._names[e])
-        else:
-            ring.hits += 1
-        ring.accesses += 1
-        return weights
+    def _part(self, e: int) -> Future[dict[str, Tensor]]:
+        parts: PartRing = self._ring._parts_ring
+        q = self._base + e // parts.per_part
+        parts.release_below(q)
+        parts.top_up(self._ring._parts_end())
+        return parts.part(q)  # top_up stops at the pass's end, never before q
