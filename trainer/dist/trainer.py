@@ -44,7 +44,7 @@ import tierstore
 from ..model import MoEModel
 from ..presets import TrainModel, config_from_dict
 from ..train.data import Corpus
-from ..train.metrics import MetricsLog, peak_rss, store_counters, store_metrics
+from ..train.metrics import MetricsLog, peak_rss, run_steps, store_counters, store_metrics
 from ..train.optim import clip_coef
 from ..train.resident import (
     Metrics,
@@ -201,19 +201,8 @@ class _Loop:
         path = (None if self.metrics_path is None
                 else f"{os.fspath(self.metrics_path)}.rank{self.world.rank}")
         log = MetricsLog(path, start, None) if path is not None else None
-        history: list[Metrics] = []
-        try:
-            for step in range(start, steps):
-                m = self.step(step, steps)
-                history.append(m)
-                if log is not None:
-                    log.write(m)
-                if self.on_step is not None:
-                    self.on_step(m)
-        finally:
-            if log is not None:
-                log.close()
-        return history
+        return run_steps(range(start, steps), lambda s: self.step(s, steps), log,
+                         self.on_step)
 
     def step(self, step: int, steps: int) -> Metrics:
         tc, world, net, source = self.tc, self.world, self.net, self.source

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import tierstore
@@ -44,6 +45,26 @@ class MetricsLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+def run_steps(steps: range, step: Callable[[int], Metrics], log: MetricsLog | None,
+              on_step: Callable[[Metrics], None] | None) -> list[Metrics]:
+    """Run ``step`` for each of ``steps``: each step's metrics go to ``log`` (closed at the
+    end, whatever happens, so a crash leaves the lines of the steps that ran) and to
+    ``on_step``; returns them all."""
+    history: list[Metrics] = []
+    try:
+        for s in steps:
+            m = step(s)
+            history.append(m)
+            if log is not None:
+                log.write(m)
+            if on_step is not None:
+                on_step(m)
+    finally:
+        if log is not None:
+            log.close()
+    return history
 
 
 def peak_rss() -> int:

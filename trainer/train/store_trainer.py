@@ -44,7 +44,7 @@ from .data import BatchSampler, Corpus
 from .expert_states import ExpertStates
 from .fetch import resolve_fetch_mode
 from .finetune import finetune_config, imported_model, tokenize_corpus
-from .metrics import MetricsLog, peak_rss, store_counters, store_metrics
+from .metrics import MetricsLog, peak_rss, run_steps, store_counters, store_metrics
 from .optim import clip_grads_, grad_norms, total_norm
 from .resident import (
     Metrics,
@@ -258,24 +258,19 @@ class _Run:
             trace = tierstore.lab.TraceRecorder(
                 self.trace_path, comment=f"tierstore train: {self.cfg.n_layers} layers, "
                 f"{self.cfg.n_experts} experts, seed {self.seed}, from step {self.start + 1}")
-        history: list[Metrics] = []
+
+        def one(step: int) -> Metrics:
+            m, routed = self.step(step, steps)
+            if trace is not None:
+                for layer, ids in routed.items():
+                    trace.record(step + 1, layer, ids, 3 * self.experts.expert_bytes)
+            return m
+
         try:
-            for step in range(self.start, steps):
-                m, routed = self.step(step, steps)
-                if trace is not None:
-                    for layer, ids in routed.items():
-                        trace.record(step + 1, layer, ids, 3 * self.experts.expert_bytes)
-                history.append(m)
-                if log is not None:
-                    log.write(m)
-                if self.on_step is not None:
-                    self.on_step(m)
+            return run_steps(range(self.start, steps), one, log, self.on_step)
         finally:
-            if log is not None:
-                log.close()
             if trace is not None:
                 trace.close()
-        return history
 
     def step(self, step: int, steps: int) -> tuple[Metrics, dict[int, list[int]]]:
         """Run update ``step`` (0-based); returns its metrics and the routing it used."""
