@@ -36,3 +36,10 @@ def test_a_dtype_name_json_must_escape_still_round_trips() -> None:
     rec = Record('odd"name', [1], 1, [0], 1, 1, 0, 0, 4096)
     assert rec.encode() == _json(rec)
     assert Record.decode(rec.encode()) == rec
+
+
+@pytest.mark.parametrize("raw", [b' {"dtype":"float32"}', b'{"dtype":"float32"} x', b"[1, 2]",
+                                 b"", b"{"])
+def test_a_record_that_is_not_one_json_object_is_refused(raw: bytes) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        Record.decode(raw)

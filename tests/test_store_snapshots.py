@@ -207,3 +207,25 @@ def test_snapshot_of_empty_store(store) -> None:
     assert store.keys() == []
     assert store.stats()["bytes_stored"] == 0
     check_ok(store)
+
+
+def test_drop_removes_only_its_own_tag_whose_name_prefixes_another(store) -> None:
+    for i in range(20):
+        store.put(f"e{i}", pattern(i, 0, 1_000))
+    store.snapshot("s")
+    for i in range(20):
+        store.put(f"e{i}", pattern(i, 1, 1_000))
+    store.snapshot("s2")  # sorts right after "s"'s records in the catalog
+    store.snapshot("r")  # and this one before them
+    store.drop_snapshot("s")
+    assert sorted(s.tag for s in store.snapshots()) == ["r", "s2"]
+    check_ok(store)
+    for i in range(20):
+        store.put(f"e{i}", pattern(i, 2, 1_000))
+    store.flush()
+    for tag in ("s2", "r"):
+        store.restore(tag)
+        assert all(torch.equal(store.get(f"e{i}"), pattern(i, 1, 1_000)) for i in range(20))
+    store.drop_snapshot("s2")
+    store.drop_snapshot("r")
+    check_ok(store)
