@@ -19,7 +19,7 @@ entries occupy and write never-written parts of the slab, ending with an fsync a
 does. All sides are timed in their steady state (see :func:`measure_nvme`). The store's
 ratio to the best ceiling is the figure of merit. Where CUDA, kvikio and ``gdsio`` are present,
 the same measurement runs with the kvikio engine against gdsio (GPUDirect Storage) as the
-``gds`` rows. Those rows are not like for like, and say so: the store reads into host
+``gds`` rows (gdsio on a file of its own beside the slab). Those rows are not like for like, and say so: the store reads into host
 memory (it never hands the medium a device buffer, see :mod:`nvme.engines`), gdsio reads
 into device memory; the ratio is how far the store's host-staged path is from GDS, not an
 efficiency. Whether kvikio bypasses the page cache depends on what the installed kvikio
@@ -29,6 +29,7 @@ kvikio read pass, and fio's ceiling uses the same O_DIRECT flag as the engine re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,7 +78,7 @@ def _fio(path: str, op: str, bs: int, threads: int, offset: int, span: int, dire
 
 def _gdsio(path: str, op: str, bs: int, threads: int, span: int) -> float:
     """gdsio (GPUDirect Storage, device memory as the target: ``-x 0``) bandwidth in GB/s
-    over ``span`` bytes of ``path`` with ``threads`` workers and ``bs`` requests."""
+    over the first ``span`` bytes of ``path`` with ``threads`` workers and ``bs`` requests."""
     gdsio = _gdsio_path()
     assert gdsio is not None
     cmd = [gdsio, "-f", path, "-d", "0", "-w", str(threads), "-s", str(span), "-i", str(bs),
@@ -87,6 +88,40 @@ def _gdsio(path: str, op: str, bs: int, threads: int, span: int) -> float:
     if m is None:
         raise tierstore.StoreError(f"gdsio printed no throughput: {out.strip()[-200:]}")
     return float(m.group(1)) * 2**30 / 1e9
+
+
+class GdsioCeiling:
+    """The gdsio ceiling on a file of its own beside the store's slab, never the slab: gdsio
+    has no option this bench trusts to keep it inside a region (its ``-s`` starts at the
+    file's first byte), and a write there would overwrite live entries. The file is
+    written in full before its first use, so reads move real data (reading a hole costs
+    the disk nothing), and removed by :meth:`close`."""
+
+    def __init__(self, bs: int, threads: int) -> None:
+        self.bs, self.threads = bs, threads
+        self.path: str | None = None
+
+    def file_for(self, slab: str, span: int) -> str:
+        """The ceiling's file in ``slab``'s directory, at least ``span`` bytes of data."""
+        path = os.path.join(os.path.dirname(os.path.abspath(slab)), "gdsio-ceiling.bin")
+        if self.path != path or os.path.getsize(path) < span:
+            chunk = os.urandom(8 << 20)
+            with open(path, "wb") as f:
+                for done in range(0, span, len(chunk)):
+                    f.write(chunk[: min(len(chunk), span - done)])
+                f.flush()
+                os.fsync(f.fileno())
+            self.path = path
+        return path
+
+    def __call__(self, slab: str, op: str, offset: int, span: int) -> float:
+        return _gdsio(self.file_for(slab, span), op, self.bs, self.threads, span)
+
+    def close(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+            self.path = None
 
 
 def _gdsio_path() -> str | None:
@@ -232,7 +267,8 @@ def nvme_ceilings(ceiling: str, bs: int, threads: int, direct: bool, span: int
     depth 32, and DeepNVMe's ``aio_handle`` where deepspeed is installed. Also returns what
     must be closed afterwards."""
     if ceiling == "gdsio":
-        return {"gdsio GDS": lambda path, op, off, n: _gdsio(path, op, bs, threads, n)}, []
+        gds = GdsioCeiling(bs, threads)
+        return {"gdsio GDS": gds}, [gds]
     queue = _fio_queue_engine()
     out: dict[str, Callable[[str, str, int, int], float]] = {
         "fio psync": lambda path, op, off, n: _fio(path, op, bs, threads, off, n, direct),

@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import mmap
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -102,7 +103,7 @@ class HostArena:
             if not now:
                 _lazy.add(self)
         if now:
-            self.pin()
+            _pin_or_warn(self)
 
     def __del__(self) -> None:
         global _pinned_total
@@ -145,7 +146,19 @@ def cuda_consumer() -> None:
         waiting = list(_lazy)
         _lazy.clear()
     for arena in waiting:
+        _pin_or_warn(arena)
+
+
+def _pin_or_warn(arena: HostArena) -> None:
+    """Pin an arena that asked to be pinned when it can be. Pinning is an optimisation
+    there: where the driver refuses (a locked-memory limit, memory short), copies from the
+    arena go through the device queue's pinned staging chunks instead, so the refusal is
+    a warning, not the failure of the read that made the first CUDA consumer."""
+    try:
         arena.pin()
+    except RuntimeError as e:
+        warnings.warn(f"a host arena of {arena.nbytes} bytes stays unpinned ({e}); copies "
+                      "from it to the GPU are staged", RuntimeWarning, stacklevel=3)
 
 
 def cuda_consumer_started() -> bool:

@@ -225,11 +225,29 @@ class KvikioEngine(PosixEngine):
     # ``pread``/``pwrite`` and the blocking ``read``/``write`` (inherited) end up here.
     def _read_now(self, fh: FileHandle, buf: Any, offset: int) -> int:
         with self._depth:
-            return int(fh.extra.pread(buf, len(buf), offset).get())
+            try:
+                return int(fh.extra.pread(buf, len(buf), offset).get())
+            except RuntimeError as e:
+                raise kvikio_oserror(e, "reading", fh.path, offset, len(buf)) from e
 
     def _write_now(self, fh: FileHandle, buf: Any, offset: int) -> int:
         with self._depth:
-            return int(fh.extra.pwrite(buf, len(buf), offset).get())
+            try:
+                return int(fh.extra.pwrite(buf, len(buf), offset).get())
+            except RuntimeError as e:
+                raise kvikio_oserror(e, "writing", fh.path, offset, len(buf)) from e
+
+
+def kvikio_oserror(e: RuntimeError, doing: str, path: str, offset: int, n: int) -> OSError:
+    """kvikio's failure as the OSError every engine raises. Its C++ exceptions (a cuFile
+    error, a failed system call) reach Python as RuntimeError with the message only; the
+    store tells a full disk (StoreFullError) and a failed read (an error naming the
+    entry) apart by errno, so the errno is taken back from the message where it names one
+    of those, and is EIO otherwise."""
+    text = str(e)
+    code = next((c for c in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                 if os.strerror(c).lower() in text.lower()), errno.EIO)
+    return OSError(code, f"kvikio failed {doing} {n} bytes at offset {offset}: {text}", path)
 
 
 def _kvikio_set(defaults: Any, key: str, value: Any) -> bool:
@@ -276,14 +294,22 @@ def configure_kvikio(kvikio: Any, threads: int, direct: bool) -> dict[str, Any]:
 
 
 def _kvikio_compat_mode(kvikio: Any) -> str:
-    """kvikio's configured compatibility mode (ON, OFF or AUTO), across its API versions."""
+    """kvikio's configured compatibility mode (ON, OFF or AUTO), across its API versions:
+    a bool in the oldest, a ``CompatMode`` enum later (an int enum, so AUTO is truthy and
+    its str() may be just the number)."""
     defaults = kvikio.defaults
+    mode: Any = None
     if hasattr(defaults, "get"):
         with contextlib.suppress(KeyError, ValueError, TypeError):
-            return str(defaults.get("compat_mode")).rsplit(".", 1)[-1]
-    if hasattr(defaults, "compat_mode"):
-        return "ON" if defaults.compat_mode() else "OFF"
-    return "unknown"
+            mode = defaults.get("compat_mode")
+    if mode is None and hasattr(defaults, "compat_mode"):
+        mode = defaults.compat_mode()
+    if mode is None:
+        return "unknown"
+    name = getattr(mode, "name", None)
+    if name is not None:
+        return str(name)
+    return "ON" if mode is True else "OFF" if mode is False else str(mode).rsplit(".", 1)[-1]
 
 
 ENGINES = ("auto", "aio", "posix-direct", "posix-buffered", "kvikio")

@@ -1,5 +1,7 @@
 """The CUDA paths on a real GPU: device memory over training steps, buffer reuse under busy
-consumer streams, how much host memory is pinned, and bf16 through every CUDA path.
+consumer streams, how much host memory is pinned, bf16 through every CUDA path, a store on
+the kvikio engine, staged copies of unpinned sources, strided device destinations and
+checkpoint RNG state from a machine with more GPUs.
 Skipped without CUDA (see conftest). The CPU-side rules behind them are in
 test_gpu_paths.py."""
 
@@ -96,6 +98,8 @@ def test_a_futures_tensor_used_on_another_stream(tmp_path: Path) -> None:
 
 
 def _host_allocator_bytes() -> int:
+    if not hasattr(torch.cuda, "host_memory_stats"):  # newer torch only
+        pytest.skip("this torch has no torch.cuda.host_memory_stats")
     stats = torch.cuda.host_memory_stats()
     return max((int(v) for k, v in stats.items()
                 if k.endswith("bytes.current") and isinstance(v, int)), default=0)
@@ -103,6 +107,7 @@ def _host_allocator_bytes() -> int:
 
 def test_the_cache_pins_exactly_its_capacity_and_only_for_a_cuda_consumer(
         tmp_path: Path) -> None:
+    gc.collect()  # an arena an earlier test left must not go mid-test
     before_torch = _host_allocator_bytes()
     before = pinned_mod.pinned_bytes()
     with _open(tmp_path, host_cache="64MiB") as st:
@@ -141,3 +146,55 @@ def test_bf16_through_every_cuda_path(tmp_path: Path) -> None:
             assert torch.equal(raw(acquired), raw(want))
             assert torch.equal(raw(fut.result(timeout=60)), raw(want))
             st.release("w", device="cuda")
+
+
+def test_a_store_on_the_kvikio_engine_round_trips_and_reopens(tmp_path: Path) -> None:
+    pytest.importorskip("kvikio")
+    gen = torch.Generator().manual_seed(11)
+    want = {f"e{i}": torch.randn(257 * 1024 + i, generator=gen) for i in range(6)}
+    for host_cache in ("64MiB", 0):
+        path = tmp_path / f"kv{host_cache}"
+        with tierstore.open(path, create=True, engine="kvikio", slab_size="256MiB",
+                            host_cache=host_cache) as st:
+            assert "kvikio" in st.describe()
+            st.put_many(want)
+            st.flush()
+            got = st.get_many(list(want), device="cuda")
+            assert all(got[k].is_cuda and torch.equal(got[k].cpu(), v) for k, v in want.items())
+        with tierstore.open(path, engine="kvikio", host_cache=host_cache) as st:
+            assert all(torch.equal(st.get(k), v) for k, v in want.items())
+            assert st.fsck().ok
+
+
+def test_an_unpinned_source_larger_than_the_staging_ring_lands_whole(tmp_path: Path) -> None:
+    # No host cache: the read's own buffer is not page-locked, so the copy goes through
+    # the copier's staging chunks, which wrap more than once for 80 MiB.
+    big = torch.arange(20 * MiB, dtype=torch.float32)
+    with _open(tmp_path, host_cache=0, device_budget={"cuda": 256 * MiB}) as st:
+        st.put("big", big)
+        got = st.get("big", device="cuda")
+        assert got.is_cuda and torch.equal(got.cpu(), big)
+        (fut,) = st.prefetch(["big"], device="cuda")
+        assert torch.equal(fut.result(timeout=120).cpu(), big)
+        st.release("big", device="cuda")
+
+
+def test_reads_into_a_non_contiguous_cuda_tensor(tmp_path: Path) -> None:
+    src = torch.randn(64, 48)
+    with _open(tmp_path) as st:
+        st.put("w", src)
+        base = torch.zeros(48, 64, device="cuda")
+        out = base.t()  # (64, 48), not contiguous
+        assert not out.is_contiguous()
+        st.get("w", out=out)
+        assert torch.equal(out.cpu(), src) and torch.equal(base.t().cpu(), src)
+
+
+def test_rng_state_of_a_machine_with_more_gpus_restores_here() -> None:
+    from tierstore.trainer.train.resident import rng_state, set_rng_state
+
+    state = rng_state()
+    state["cuda"] = list(state["cuda"]) + [state["cuda"][0].clone()] * 7  # saved on 8+ GPUs
+    set_rng_state(state)  # this machine's devices get theirs; the rest are not asked for
+    assert torch.equal(torch.cuda.get_rng_state(0), state["cuda"][0])
+

@@ -8,7 +8,11 @@ thread, in an order the test controls). Nothing here needs or touches CUDA."""
 from __future__ import annotations
 
 import contextlib
+import enum
+import errno
 import gc
+import subprocess
+import sys
 import threading
 import types
 import weakref
@@ -25,7 +29,13 @@ from tierstore.bench.tiers import engine_reads_direct
 from tierstore.cache import HostCache
 from tierstore.cache import pinned as pinned_mod
 from tierstore.cache.slab import PAGE
-from tierstore.nvme.engines import configure_kvikio, make_engine, resolve_engine
+from tierstore.nvme.engines import (
+    _kvikio_compat_mode,
+    configure_kvikio,
+    kvikio_oserror,
+    make_engine,
+    resolve_engine,
+)
 from tierstore.trainer.train.fetch import BufferPool
 
 from tierstore.devices import normalize_device
@@ -80,7 +90,16 @@ def test_buffer_pool_keeps_shapes_and_dtypes_apart() -> None:
 # --------------------------------------------------------------------------- pinned arena
 
 
-def test_cache_arena_is_exactly_its_capacity_page_aligned_and_unpinned() -> None:
+@pytest.fixture
+def no_cuda_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pinning module as in a process with no CUDA consumer yet: on a GPU machine an
+    earlier test of the same run may have made one, which pins every arena from then on."""
+    monkeypatch.setattr(pinned_mod, "_consumer", False)
+    monkeypatch.setattr(pinned_mod, "_lazy", weakref.WeakSet())
+
+
+def test_cache_arena_is_exactly_its_capacity_page_aligned_and_unpinned(
+        no_cuda_consumer: None) -> None:
     cache = HostCache(5 * PAGE + 123)
     assert cache.capacity_bytes == 5 * PAGE
     assert cache.arena.numel() == 5 * PAGE
@@ -88,7 +107,6 @@ def test_cache_arena_is_exactly_its_capacity_page_aligned_and_unpinned() -> None
     host = cache._host
     assert host is not None and host.nbytes == 5 * PAGE  # no alignment page, no rounding
     assert not cache.pinned and not host.pinned
-    assert not torch.cuda.is_initialized()
 
 
 @pytest.fixture
@@ -123,6 +141,24 @@ def test_arena_allocation_asks_for_exact_bytes_and_never_pins_without_a_consumer
     del t, arena, later, never
 
 
+def test_a_refused_registration_leaves_a_lazy_arena_unpinned_with_a_warning(
+        fake_cudart: dict[str, list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(ptr: int, nbytes: int) -> None:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: 2")
+
+    monkeypatch.setattr(pinned_mod, "_register", refuse)
+    t, arena = pinned_mod.arena_tensor(2 * PAGE)
+    with pytest.warns(RuntimeWarning, match="stays unpinned"):
+        pinned_mod.cuda_consumer()  # the consumer's read goes on: it is staged instead
+    assert not arena.pinned and pinned_mod.pinned_bytes() >= 0
+    with pytest.warns(RuntimeWarning, match="stays unpinned"):
+        _, later = pinned_mod.arena_tensor(PAGE)
+    assert not later.pinned
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        pinned_mod.arena_tensor(PAGE, pin=True)  # asked for outright: the caller's error
+    del t, arena, later
+
+
 def test_arena_is_unregistered_and_unmapped_when_its_last_view_goes(
         fake_cudart: dict[str, list[Any]]) -> None:
     gone = fake_cudart["unregister"]
@@ -139,15 +175,22 @@ def test_arena_is_unregistered_and_unmapped_when_its_last_view_goes(
 
 
 def test_opening_a_store_with_a_cache_does_not_touch_cuda(tmp_path: Any) -> None:
-    import tierstore
-
-    with tierstore.open(tmp_path / "s", create=True, slab_size="8MiB",
-                        host_cache="4MiB") as st:
-        st.put("a", torch.arange(10.0))
-        assert torch.equal(st.get("a"), torch.arange(10.0))
-        assert st._cache is not None and st._cache.arena.numel() == 4 << 20
-        assert not st._cache.pinned
-    assert not torch.cuda.is_initialized()
+    # In a fresh interpreter: in this one an earlier test (on a GPU machine) may have
+    # initialised CUDA or made a CUDA consumer already.
+    script = f"""
+import torch, tierstore
+with tierstore.open({str(tmp_path / "s")!r}, create=True, slab_size="8MiB",
+                    host_cache="4MiB") as st:
+    st.put("a", torch.arange(10.0))
+    assert torch.equal(st.get("a"), torch.arange(10.0))
+    assert st._cache is not None and st._cache.arena.numel() == 4 << 20
+    assert not st._cache.pinned
+assert not torch.cuda.is_initialized()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- kvikio engine
@@ -193,6 +236,35 @@ def test_kvikio_legacy_thread_pool_api() -> None:
                                    get_num_threads=lambda: calls[-1])
     applied = configure_kvikio(types.SimpleNamespace(defaults=legacy), 6, False)
     assert calls == [6] and applied == {"num_threads": 6}
+
+
+class _CompatMode(enum.IntEnum):  # kvikio's CompatMode (an int enum, AUTO truthy)
+    OFF = 0
+    ON = 1
+    AUTO = 2
+
+
+@pytest.mark.parametrize("defaults, label", [
+    (types.SimpleNamespace(get=lambda key: _CompatMode.AUTO), "AUTO"),  # 25.x
+    (types.SimpleNamespace(compat_mode=lambda: _CompatMode.AUTO), "AUTO"),  # 24.12-25.02
+    (types.SimpleNamespace(compat_mode=lambda: _CompatMode.OFF), "OFF"),
+    (types.SimpleNamespace(compat_mode=lambda: True), "ON"),  # the oldest: a bool
+    (types.SimpleNamespace(compat_mode=lambda: False), "OFF"),
+    (types.SimpleNamespace(), "unknown"),
+])
+def test_kvikio_compat_mode_is_named_across_versions(defaults: Any, label: str) -> None:
+    assert _kvikio_compat_mode(types.SimpleNamespace(defaults=defaults)) == label
+
+
+@pytest.mark.parametrize("message, code", [
+    ("cuFile error: No space left on device", errno.ENOSPC),
+    ("pwrite failed: Disk quota exceeded", errno.EDQUOT),
+    ("CUfileException: cuFileRead failed", errno.EIO),
+])
+def test_kvikio_failures_become_the_oserrors_the_store_handles(message: str, code: int) -> None:
+    e = kvikio_oserror(RuntimeError(message), "writing", "/s/slab-0", 4096, 1 << 20)
+    assert isinstance(e, OSError) and e.errno == code and e.filename == "/s/slab-0"
+    assert message in str(e) and "at offset 4096" in str(e)
 
 
 def test_real_kvikio_engine_configuration(tmp_path: Any) -> None:

@@ -294,3 +294,20 @@ def test_gds_ceiling_is_skipped_with_a_reason_without_cuda() -> None:
     from tierstore.bench.tiers import gds_unavailable
 
     assert gds_unavailable() == "no CUDA device"
+
+
+def test_gds_ceiling_runs_on_a_file_of_its_own_never_the_slab(tmp_path) -> None:
+    from tierstore.bench.tiers import GdsioCeiling
+
+    slab = tmp_path / "slab-0"
+    slab.write_bytes(b"live entries" * 1000)
+    before = slab.read_bytes()
+    ceiling = GdsioCeiling(1 << 20, 2)
+    path = ceiling.file_for(str(slab), 3 << 20)
+    assert os.path.dirname(path) == str(tmp_path) and path != str(slab)
+    with open(path, "rb") as f:
+        data = f.read()
+    assert len(data) == 3 << 20 and data.count(0) < len(data) // 2  # real bytes, no hole
+    assert ceiling.file_for(str(slab), 1 << 20) == path  # large enough already: kept
+    ceiling.close()
+    assert not os.path.exists(path) and slab.read_bytes() == before

@@ -191,7 +191,10 @@ class ExpertParallel(ExpertSource):
             pieces.append(expert_forward(rows[by_expert[start:start + c]], *weights[e]))
             start += c
         if pieces:
-            out_sorted = torch.cat(pieces)
+            # In the rows' dtype, as the empty answer below is: under autocast the experts
+            # answer in bf16, and a rank that got no rows must not expect other bytes per
+            # row than its peers send.
+            out_sorted = torch.cat(pieces).to(rows.dtype)
             undo = torch.empty_like(by_expert)
             undo[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
             out = out_sorted[undo]

@@ -58,7 +58,14 @@ from .collectives import all_reduce_sum_, sum_over_ranks
 from .exchange import ExpertParallel, choose_paradigms, janus_ratio
 from .owned import OwnedExperts
 from .sidecar import default_run_dir, start_node_daemon
-from .world import DistributedError, World, check_divides, init_world, node_barrier
+from .world import (
+    DistributedError,
+    World,
+    check_divides,
+    close_world,
+    init_world,
+    node_barrier,
+)
 
 PathLike = str | os.PathLike[str]
 
@@ -152,6 +159,7 @@ def train_distributed(
             node_barrier(world)
             if world.is_node_leader:
                 daemon.stop()
+            close_world(world)
 
 
 def _settings(world: World, store: tierstore.Store, model: TrainModel | str | None,

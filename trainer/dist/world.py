@@ -42,6 +42,7 @@ class World:
     node_group: Any = field(default=None, repr=False)  # this node's ranks
     # ranks of equal local rank, one per node (the second stage of a hierarchical exchange)
     peer_group: Any = field(default=None, repr=False)
+    owns_process_group: bool = False  # init_world made it, so close_world ends it
 
     @property
     def n_nodes(self) -> int:
@@ -95,10 +96,13 @@ def init_world(device: str = "cpu", timeout_s: float = 600.0) -> World:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", local_rank)
+        # Modulo the GPUs this process sees: one each where the launcher sets
+        # CUDA_VISIBLE_DEVICES per rank, all of the node's otherwise.
+        dev = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group(backend, init_method="env://",
                                 timeout=timedelta(seconds=timeout_s))
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -114,7 +118,8 @@ def init_world(device: str = "cpu", timeout_s: float = 600.0) -> World:
         if sorted(places[r][1] for r in ranks) != list(range(len(ranks))):
             raise DistributedError(f"node {node_ids[i]}'s local ranks are not 0..{len(ranks) - 1}")
     node = node_ids.index(node_index)
-    world = World(rank, size, local_rank, node, nodes, backend, dev)
+    world = World(rank, size, local_rank, node, nodes, backend, dev,
+                  owns_process_group=owns)
     # Every rank creates every group, in the same order (a torch.distributed rule).
     for ranks in nodes:
         group = dist.new_group(ranks)
@@ -129,6 +134,16 @@ def init_world(device: str = "cpu", timeout_s: float = 600.0) -> World:
     return world
 
 
+def close_world(world: World) -> None:
+    """End the process group :func:`init_world` made (one a caller made is the caller's):
+    NCCL's communicators are released here rather than at exit, where torch warns of a
+    group never destroyed and some versions hang. Every rank calls it, after a run that
+    finished (after a failure the other ranks may be gone)."""
+    if world.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+        world.owns_process_group = False
+
+
 def barrier(world: World) -> None:
     """All ranks here; on gloo a plain barrier, on NCCL one bound to this rank's device."""
     if world.backend == "nccl":
@@ -138,5 +153,9 @@ def barrier(world: World) -> None:
 
 
 def node_barrier(world: World) -> None:
+    """The ranks of this node here (as :func:`barrier`, bound to the device on NCCL)."""
     if world.local_size > 1:
-        dist.barrier(group=world.node_group)
+        if world.backend == "nccl":
+            dist.barrier(group=world.node_group, device_ids=[world.device.index])
+        else:
+            dist.barrier(group=world.node_group)

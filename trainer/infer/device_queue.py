@@ -15,18 +15,20 @@ class DeviceClock:
     """Time points on the device's work, not the host's: kernels on CUDA are queued, so the
     host's clock at the end of a pass says when the pass was *queued*, which would make
     ``t_compute`` (and so the ring size K) and the stall figures meaningless. On CUDA a point
-    is an event recorded on the current stream and a span is read once its end has
+    is an event recorded on the device's current stream and a span is read once its end has
     completed; on the CPU the work runs as the host issues it and ``perf_counter`` is right.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
 
     def mark(self) -> Any:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        # On the model's device's stream, which need not be the current device's.
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def seconds(self, start: Any, end: Any) -> float:

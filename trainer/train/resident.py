@@ -119,7 +119,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state per GPU of the machine that saved it: a resume on a machine with fewer
+        # GPUs sets those it has (set_rng_state_all would index devices that do not exist).
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
 
 
 def save_checkpoint(directory: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
