@@ -291,13 +291,13 @@ def test_kvikio_reads_into_device_memory_match(tmp_path) -> None:
 def test_gds_ceiling_is_skipped_with_a_reason_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the GDS rows run")
-    from tierstore.bench.tiers import gds_unavailable
+    from tierstore.bench.ceilings import gds_unavailable
 
     assert gds_unavailable() == "no CUDA device"
 
 
 def test_gds_ceiling_runs_on_a_file_of_its_own_never_the_slab(tmp_path) -> None:
-    from tierstore.bench.tiers import GdsioCeiling
+    from tierstore.bench.ceilings import GdsioCeiling
 
     slab = tmp_path / "slab-0"
     slab.write_bytes(b"live entries" * 1000)
