@@ -7,11 +7,103 @@ it runs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
-from tierstore.cli_options import SIZE
+from tierstore.cli_options import OUTPUT_FILE, POSITIVE_SIZE, SIZE, CommaList, DeviceType
 from tierstore.cli_options import run_command as _run
-from tierstore.sizes import parse_size
+
+# Benchmarks take a device or none (their default), not "auto".
+DEVICE = DeviceType(auto=False)
+COUNTS = CommaList(click.IntRange(min=1), name="count")
+NAMES = CommaList(click.STRING, name="name")
+TIERS = ("nvme", "pmem", "host", "gpu")
+
+
+def _engines(ctx: click.Context, _param: Any, value: list[str]) -> list[str]:
+    # An unknown engine would fail only when its turn comes, after the others' figures.
+    from tierstore.nvme.engines import ENGINES
+
+    unknown = [e for e in value if e not in ENGINES]
+    if unknown and not ctx.resilient_parsing:
+        raise click.BadParameter(f"unknown I/O engine {unknown[0]!r}; choose from "
+                                 f"{', '.join(ENGINES)}")
+    return value
+
+
+class _Capacity(click.ParamType):
+    """One ``bench cache`` capacity: a fraction of the trace's distinct bytes in (0, 1], or
+    a size; read as the benchmark reads it, and kept as text for it."""
+
+    name = "capacity"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        from tierstore.bench.cache_lab import parse_capacities
+
+        import tierstore
+
+        text = str(value).strip()
+        try:
+            [got] = parse_capacities(text, 1)
+        except (ValueError, tierstore.StoreError) as e:
+            self.fail(str(e), param, ctx)
+        if got <= 0:
+            self.fail(f"capacity {text} is not above 0", param, ctx)
+        return text
+
+
+def _policies(ctx: click.Context, _param: Any, value: list[str]) -> list[str]:
+    from tierstore import lab
+
+    unknown = sorted(set(value) - {"all", *lab.POLICIES})
+    if unknown and not ctx.resilient_parsing:
+        raise click.BadParameter(f"unknown policies {unknown}; choose from "
+                                 f"{', '.join(lab.POLICIES)}, or all")
+    return value
+
+
+def _trace_spec(ctx: click.Context, _param: Any, value: str | None) -> str | None:
+    if value is None or ctx.resilient_parsing:
+        return value
+    from tierstore import lab
+
+    try:
+        lab.parse_spec(value)
+    except ValueError as e:  # a bad field, or a value not a number
+        raise click.BadParameter(f"{value!r}: {e}") from None
+    return value
+
+
+def _memory_limit(ctx: click.Context, _param: Any, value: str | None) -> str | None:
+    # Read as the peer study reads it (against a 1 TiB model, so that any fraction it would
+    # take is bytes here), which it does only after building the checkpoint.
+    if value is None or ctx.resilient_parsing:
+        return value
+    from tierstore.bench.peers import resolve_limit
+
+    from tierstore import StoreError
+
+    try:
+        limit = resolve_limit(value, 1 << 40)
+    except StoreError:
+        limit = None
+    if not limit:
+        raise click.BadParameter(f"{value!r} is neither a size above 0 (1.4GiB) nor a "
+                                 "fraction of the model's size (0.75)")
+    return value
+
+
+def _check_synthetic(layers: int, experts: int, hidden: int, ffn: int) -> None:
+    # The synthetic model checks its shape only once the benchmark builds it, and names its
+    # own fields (top_k, head dimension) rather than the options.
+    from tierstore.bench.infer import synthetic_config
+
+    try:
+        synthetic_config(layers, experts, hidden, ffn)
+    except ValueError as e:
+        raise click.UsageError(f"--layers {layers} --experts {experts} --hidden {hidden} "
+                               f"--ffn {ffn} make no synthetic model: {e}") from None
 
 
 @click.group()
@@ -26,79 +118,90 @@ def bench() -> None:
 @click.option("--quick", is_flag=True,
               help="4 and 64 MiB entries, 8 threads, O_DIRECT only, 256 MiB per figure: about "
                    "a minute.")
-@click.option("--blocks", default="256KiB,1MiB,4MiB,16MiB,64MiB", show_default=True,
+@click.option("--blocks", type=CommaList(POSITIVE_SIZE),
+              default="256KiB,1MiB,4MiB,16MiB,64MiB", show_default=True,
               help="Comma-separated entry sizes.")
-@click.option("--threads", default="1,8", show_default=True,
+@click.option("--threads", type=COUNTS, default="1,8", show_default=True,
               help="Comma-separated I/O thread counts (NVMe and PMem tiers).")
 @click.option("--total", type=SIZE, default="1GiB", show_default=True,
               help="Bytes moved per measurement.")
-@click.option("--tiers", "tiers", default="nvme,pmem,host,gpu", show_default=True,
+@click.option("--tiers", "tiers", type=CommaList(click.Choice(TIERS), name="tier"),
+              default="nvme,pmem,host,gpu", show_default=True,
               help="Comma-separated tiers: nvme, pmem, host (cache hits), gpu (if CUDA).")
-@click.option("--engines", default="auto,posix-direct", show_default=True,
+@click.option("--engines", type=CommaList(click.STRING, name="engine"), callback=_engines,
+              default="auto,posix-direct", show_default=True,
               help="NVMe I/O engines (auto: Linux AIO where it runs; posix-direct: the "
                    "thread-pool fallback; posix-buffered). Add kvikio where CUDA and kvikio are present (reads "
                    "into host memory with its threads and direct I/O set from the store's; "
                    "the store's `auto` never picks it, as it is unmeasured).")
-@click.option("--pmem-dir", type=click.Path(file_okay=False),
+@click.option("--pmem-dir", type=click.Path(exists=True, file_okay=False),
               help="Directory for the PMem pool (a DAX mount such as /mnt/pmem0 in production; "
                    "default: the scratch directory).")
-@click.option("--repeat", "repeats", default=5, show_default=True,
+@click.option("--repeat", "repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="NVMe: store and ceilings measured in turn this many times; medians "
                    "reported.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
-@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+@click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
+@click.option("--plot", "plot_out", type=OUTPUT_FILE,
               help="Write a PNG: GB/s against entry size per tier, ceilings dashed.")
-def bench_tiers(store: str | None, quick: bool, blocks: str, threads: str, total: int,
-                tiers: str, engines: str, pmem_dir: str | None, repeats: int,
-                json_out: str | None, plot_out: str | None) -> None:
+def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list[int],
+                total: int, tiers: list[str], engines: list[str], pmem_dir: str | None,
+                repeats: int, json_out: str | None, plot_out: str | None) -> None:
     """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
     run: NVMe through the store's engines against fio (psync, and io_uring at queue depth 32)
     and DeepNVMe on the same file with the same request size and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy; host cache
     hits against memcpy; host<->device against plain pinned copies."""
     from tierstore.bench.tiers import run_tiers
 
-    sizes = [parse_size(b) for b in blocks.split(",")]
-    counts = [int(t) for t in threads.split(",")]
-    engine_list = tuple(engines.split(","))
+    sizes, counts, engine_list = blocks, threads, tuple(engines)
     if quick:
         sizes, counts, total, repeats = [4 << 20, 64 << 20], [8], min(total, 256 << 20), 1
         engine_list = tuple(e for e in engine_list if e != "posix-buffered")
     _run(lambda: run_tiers(store, sizes, counts, total, json_out, engines=engine_list,
-                           tiers=tuple(tiers.split(",")), pmem_dir=pmem_dir,
+                           tiers=tuple(tiers), pmem_dir=pmem_dir,
                            plot_out=plot_out, repeats=repeats, echo=click.echo))
 
 
 @bench.command(name="cache")
 @click.option("--trace", "trace_file", type=click.Path(exists=True, dir_okay=False),
               help="A routing trace: CSV with header step,layer,expert[,nbytes].")
-@click.option("--synthetic", metavar="SPEC",
+@click.option("--synthetic", metavar="SPEC", callback=_trace_spec,
               help="Generate a trace, e.g. 'zipf:a=1.1,layers=8,experts=64,steps=200,topk=2,"
                    "drift=0.05,burst=0.1,seed=0' (tokens=1 gives a decode-like trace).")
-@click.option("--capacity", "capacities", default="0.1,0.25,0.5", show_default=True,
+@click.option("--capacity", "capacities", type=CommaList(_Capacity()), default="0.1,0.25,0.5",
+              show_default=True,
               help="Capacities: fractions of the trace's distinct bytes, or sizes (64MiB).")
-@click.option("--policies", default="all", show_default=True,
+@click.option("--policies", type=CommaList(click.STRING, name="policy"), callback=_policies,
+              default="all", show_default=True,
               help="Comma-separated policies (lfu-decay, semoe, lru, lfu, arc, belady) or all.")
-@click.option("--write-fraction", default=0.0, show_default=True,
+@click.option("--write-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True,
               help="Share of accesses that update the entry (1.0 for training traces).")
 @click.option("--policy-arg", "policy_args", multiple=True, metavar="POLICY:K=V,...",
               help="Policy parameters, e.g. lfu-decay:beta=0.5,period=512,theta=4.")
-@click.option("--overhead", "overhead_entries", default=0, show_default=True,
+@click.option("--overhead", "overhead_entries", type=click.IntRange(min=0), default=0,
+              show_default=True,
               help="Also time each policy's per-access cost with this many resident entries.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
-@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+@click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
+@click.option("--plot", "plot_out", type=OUTPUT_FILE,
               help="Write a PNG of hit rate against capacity, every policy, belady on top.")
-def bench_cache(trace_file: str | None, synthetic: str | None, capacities: str, policies: str,
-                write_fraction: float, policy_args: tuple[str, ...], overhead_entries: int,
-                json_out: str | None, plot_out: str | None) -> None:
+def bench_cache(trace_file: str | None, synthetic: str | None, capacities: list[str],
+                policies: list[str], write_fraction: float, policy_args: tuple[str, ...],
+                overhead_entries: int, json_out: str | None, plot_out: str | None) -> None:
     """Replay a routing trace against every eviction policy at each capacity, beside
     Belady's offline optimum on the same trace."""
     from tierstore.bench.cache_lab import parse_policy_args, run_cache_lab
 
-    _run(lambda: run_cache_lab(
-        trace_file=trace_file, synthetic=synthetic, capacities=capacities, policies=policies,
-        write_fraction=write_fraction, policy_args=parse_policy_args(policy_args),
-        json_out=json_out, plot_out=plot_out, overhead_entries=overhead_entries,
-        echo=click.echo))
+    def go() -> int:
+        try:
+            return run_cache_lab(
+                trace_file=trace_file, synthetic=synthetic, capacities=",".join(capacities),
+                policies=",".join(policies), write_fraction=write_fraction,
+                policy_args=parse_policy_args(policy_args), json_out=json_out,
+                plot_out=plot_out, overhead_entries=overhead_entries, echo=click.echo)
+        except ValueError as e:  # a malformed --trace file: one line that names it
+            click.echo(f"tierstore bench cache: {e}", err=True)
+            return 2
+
+    _run(go)
 
 
 @bench.command(name="prefetch")
@@ -110,7 +213,7 @@ def bench_cache(trace_file: str | None, synthetic: str | None, capacities: str, 
               help="Size of one expert (a multiple of 4 x hidden).")
 @click.option("--hidden", default=1024, show_default=True, help="Matmul width.")
 @click.option("--tokens", default=256, show_default=True, help="Tokens per layer's matmuls.")
-@click.option("--repeat", type=int, default=None,
+@click.option("--repeat", type=click.IntRange(min=1), default=None,
               help="Matmul repeats per expert (default: calibrated so a layer computes for "
                    "about 1.5x its transfer time).")
 @click.option("--steps", default=5, show_default=True, help="Measured steps per mode.")
@@ -118,8 +221,8 @@ def bench_cache(trace_file: str | None, synthetic: str | None, capacities: str, 
               help="Prefetch budget (default: three layers).")
 @click.option("--host-cache", type=SIZE, default=None,
               help="Host cache (default: half a layer, so reads hit the backing tier).")
-@click.option("--device", default=None, help="Compute device (default: cpu).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+@click.option("--device", type=DEVICE, default=None, help="Compute device (default: cpu).")
+@click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
 def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: int, hidden: int,
                    tokens: int, repeat: int | None, steps: int, device_budget: int | None,
                    host_cache: int | None, device: str | None, json_out: str | None) -> None:
@@ -140,15 +243,23 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
                    "to a temporary store here).")
 @click.option("--model-dir", type=click.Path(exists=True, file_okay=False),
               help="A Hugging Face model directory, imported into a temporary store first.")
-@click.option("--layers", default=8, show_default=True, help="Synthetic model: MoE layers.")
-@click.option("--experts", default=8, show_default=True, help="Synthetic model: experts/layer.")
-@click.option("--hidden", default=512, show_default=True, help="Synthetic model: width.")
-@click.option("--ffn", default=1024, show_default=True, help="Synthetic model: expert width.")
-@click.option("--prefill-batch", default=4, show_default=True, help="Prompts in the prefill run.")
-@click.option("--prefill-len", default=128, show_default=True, help="Tokens per prefill prompt.")
-@click.option("--decode-batch", default=1, show_default=True, help="Prompts in the decode run.")
-@click.option("--decode-tokens", default=8, show_default=True, help="Tokens generated per prompt.")
-@click.option("--ring-slots", default="2,4", show_default=True,
+@click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Synthetic model: MoE layers.")
+@click.option("--experts", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Synthetic model: experts/layer.")
+@click.option("--hidden", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Synthetic model: width.")
+@click.option("--ffn", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Synthetic model: expert width.")
+@click.option("--prefill-batch", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Prompts in the prefill run.")
+@click.option("--prefill-len", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per prefill prompt.")
+@click.option("--decode-batch", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Prompts in the decode run.")
+@click.option("--decode-tokens", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Tokens generated per prompt.")
+@click.option("--ring-slots", type=COUNTS, default="2,4", show_default=True,
               help="Comma-separated ring sizes K to measure (besides auto).")
 @click.option("--tier", type=click.Choice(["backing", "nvme", "host"]), default="backing",
               show_default=True,
@@ -156,13 +267,15 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
                    "so every transfer reads it ('nvme' also checks that it is NVMe), or host "
                    "memory (a host cache holding every expert).")
 @click.option("--host-cache", type=SIZE, help="Host cache size (overrides --tier).")
-@click.option("--expert-budget", default=0.6, show_default=True,
+@click.option("--expert-budget", type=click.FloatRange(0, 1, min_open=True), default=0.6,
+              show_default=True,
               help="Expert mode's device budget as a fraction of all experts' bytes.")
 @click.option("--repeats", "--rounds", "repeats", type=click.IntRange(min=1), default=5,
               show_default=True,
               help="Rounds over every mode (interleaved, or alternated with --peer); each mode "
                    "reports its median.")
-@click.option("--device", default=None, help="Compute device (default: cuda if available).")
+@click.option("--device", type=DEVICE, default=None,
+              help="Compute device (default: cuda if available).")
 @click.option("--vocab", type=click.IntRange(min=8),
               help="Synthetic model: vocabulary [512; 32000 with --peer].")
 @click.option("--peer", type=click.Choice(["accelerate"]),
@@ -173,7 +286,7 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
                    "on-demand) with one prompt of --prefill-len tokens and --decode-tokens "
                    "greedy tokens; tokens are checked equal, and prefill and decode tokens/s, "
                    "peak RSS and the ratios to the peer reported. Needs the `peers` extra.")
-@click.option("--memory-limit", metavar="SIZE|FRACTION",
+@click.option("--memory-limit", metavar="SIZE|FRACTION", callback=_memory_limit,
               help="With --peer: run every offloading mode and the peer in a memory cgroup "
                    "with this limit (page cache included), a size (1.4GiB) or a fraction of "
                    "the checkpoint's size (0.75). Resident runs without it (it holds every "
@@ -193,10 +306,10 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
               show_default=True,
               help="The store's NVMe I/O engine (auto: Linux AIO where it runs; "
                    "posix-direct: the thread-pool fallback).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+@click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
 def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: int, hidden: int,
                 ffn: int, prefill_batch: int, prefill_len: int, decode_batch: int,
-                decode_tokens: int, ring_slots: str, tier: str, host_cache: int | None,
+                decode_tokens: int, ring_slots: list[int], tier: str, host_cache: int | None,
                 expert_budget: float, repeats: int, device: str | None, vocab: int | None,
                 peer: str | None, memory_limit: str | None, cold: bool,
                 device_budget: int | None, threads: int | None, engine: str,
@@ -226,16 +339,14 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
         raise click.UsageError("--memory-limit applies to the fresh processes of --peer")
     if peer and engine != "auto":
         raise click.UsageError("--engine applies to the in-process benchmark, not --peer")
-    try:
-        ks = [int(k) for k in ring_slots.split(",") if k]
-    except ValueError:
-        raise click.UsageError(f"--ring-slots takes integers, got {ring_slots!r}") from None
+    if store is None and model_dir is None:
+        _check_synthetic(layers, experts, hidden, ffn)
     from tierstore.bench.infer import run_infer
 
     def go() -> None:
         run_infer(store, model_dir, json_out=json_out, layers=layers, experts=experts,
                   hidden=hidden, ffn=ffn, prefill_batch=prefill_batch, prefill_len=prefill_len,
-                  decode_batch=decode_batch, decode_tokens=decode_tokens, ring_slots=ks,
+                  decode_batch=decode_batch, decode_tokens=decode_tokens, ring_slots=ring_slots,
                   host_cache=host_cache, expert_budget=expert_budget, device=device,
                   repeats=repeats, tier=tier, vocab=vocab, peer=peer,
                   memory_limit=memory_limit, cold=cold, device_budget=device_budget,
@@ -258,7 +369,8 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
                    "working set).")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per step [8].")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence [128].")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--device", type=DEVICE, default="cpu", show_default=True,
+              help="cpu, cuda or cuda:N.")
 @click.option("--store", "store", type=click.Path(file_okay=False),
               help="Scratch directory (default: a temporary directory here, removed after).")
 @click.option("--model-dir", type=click.Path(exists=True, file_okay=False),
@@ -269,7 +381,7 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
               show_default=True,
               help="The store's NVMe I/O engine (auto: Linux AIO where it runs; "
                    "posix-direct: the thread-pool fallback).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
+@click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
 def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: int,
                 batch_size: int | None, seq_len: int | None, device: str, store: str | None,
                 model_dir: str | None, engine: str, json_out: str | None) -> None:
@@ -299,50 +411,46 @@ def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: in
 
 
 @bench.command(name="daemon")
-@click.option("--store", "store", type=click.Path(file_okay=False),
+@click.option("--store", "store", type=click.Path(exists=True, file_okay=False),
               help="Scratch directory (default: a temporary directory here, removed after).")
 @click.option("--entry-bytes", type=SIZE, default="4MiB", show_default=True,
               help="Size of each entry (an expert's tensor).")
-@click.option("--entries", default=32, show_default=True, help="Entries in the store.")
-@click.option("--clients", default="1,2,4,8", show_default=True,
+@click.option("--entries", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Entries in the store.")
+@click.option("--clients", type=COUNTS, default="1,2,4,8", show_default=True,
               help="Comma-separated client counts (threads in-process, processes via the daemon).")
-@click.option("--gets", default=200, show_default=True, help="Gets per client per measurement.")
-@click.option("--repeat", default=3, show_default=True,
+@click.option("--gets", default=200, show_default=True, type=click.IntRange(min=1),
+              help="Gets per client per measurement.")
+@click.option("--repeat", default=3, show_default=True, type=click.IntRange(min=1),
               help="In-process and daemon measured in turn this many times; medians reported.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
-def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: str, gets: int,
-                 repeat: int, json_out: str | None) -> None:
+@click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
+def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: list[int],
+                 gets: int, repeat: int, json_out: str | None) -> None:
     """Get throughput of cached entries through the daemon (client processes copying out of
     the shared cache, and taking zero-copy views) against the same gets in-process (threads
     on one store), for each client count; the ratio is daemon / in-process."""
     from tierstore.bench.daemon import run_daemon_bench
 
-    try:
-        counts = [int(c) for c in clients.split(",")]
-    except ValueError:
-        raise click.UsageError("--clients is a comma-separated list of integers") from None
-    if not counts or min(counts) < 1:
-        raise click.UsageError("--clients counts are positive")
     def go() -> None:
-        run_daemon_bench(store, entry_bytes=entry_bytes, entries=entries, clients=counts,
+        run_daemon_bench(store, entry_bytes=entry_bytes, entries=entries, clients=clients,
                          gets=gets, repeat=repeat, json_out=json_out, echo=click.echo)
 
     _run(go)
 
 
 @bench.command(name="dist")
-@click.option("--model", "presets", default="tiny", show_default=True,
+@click.option("--model", "presets", type=NAMES, default="tiny", show_default=True,
               help="Comma-separated model presets (tiny, small, ...).")
-@click.option("--batch-sizes", default="2,8,32", show_default=True,
+@click.option("--batch-sizes", type=COUNTS, default="2,8,32", show_default=True,
               help="Comma-separated per-rank batch sizes (sequences per rank per step).")
 @click.option("--seq-len", default=64, show_default=True, type=click.IntRange(min=1),
               help="Tokens per sequence.")
 @click.option("--steps", default=4, show_default=True, type=click.IntRange(min=2),
               help="Steps per run; the first is not timed.")
-@click.option("--worlds", default="1,2,4", show_default=True,
+@click.option("--worlds", type=NAMES, default="1,2,4", show_default=True,
               help="Comma-separated worlds: W (1: one rank; even W: two nodes of W/2 ranks) "
                    "or NODESxRANKS, e.g. 2x2.")
-@click.option("--paradigms", default="token,data", show_default=True,
+@click.option("--paradigms", type=NAMES, default="token,data", show_default=True,
               help="Comma-separated paradigms: token, data, and token-2stage (token-centric "
                    "with the two-stage all-to-all, --hierarchical-a2a; run on worlds of several "
                    "nodes of several ranks only).")
@@ -360,11 +468,12 @@ def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: str
               help="Scratch directory for the node stores (default: a temporary directory "
                    "here, removed afterwards).")
 @click.option("--timeout", default=600.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
               help="Seconds one configuration may run before it is stopped.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write results here.")
-def bench_dist(presets: str, batch_sizes: str, seq_len: int, steps: int, worlds: str,
-               paradigms: str, host_cache: int, threads: int, peer: str | None,
-               peer_batch: int | None, scratch: str | None, timeout: float,
+@click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
+def bench_dist(presets: list[str], batch_sizes: list[int], seq_len: int, steps: int,
+               worlds: list[str], paradigms: list[str], host_cache: int, threads: int,
+               peer: str | None, peer_batch: int | None, scratch: str | None, timeout: float,
                json_out: str | None) -> None:
     """Distributed training on this machine: bytes moved between ranks per step, token- and
     data-centric, split intra-node/cross-node and tokens/experts/gradients, beside Janus's
@@ -380,16 +489,10 @@ def bench_dist(presets: str, batch_sizes: str, seq_len: int, steps: int, worlds:
         --paradigms token,data,token-2stage --steps 4 --peer deepspeed --json dist.json"""
     from tierstore.bench.dist import run_dist_bench
 
-    try:
-        sizes = [int(b) for b in batch_sizes.split(",") if b]
-    except ValueError:
-        raise click.UsageError("--batch-sizes is a comma-separated list of integers") from None
-
     def go() -> int:
         try:
             result = run_dist_bench(
-                [p for p in presets.split(",") if p], sizes, seq_len, steps,
-                [w for w in worlds.split(",") if w], [p for p in paradigms.split(",") if p],
+                presets, batch_sizes, seq_len, steps, worlds, paradigms,
                 host_cache=host_cache, threads=threads, scratch=scratch, peer=peer,
                 peer_batch=peer_batch, json_out=json_out, timeout=timeout, echo=click.echo)
         except ValueError as e:

@@ -121,3 +121,184 @@ def test_bench_cache_bad_policy_arguments_are_one_line_errors() -> None:
                       ("beta=0.5", "unknown policies")):
         out = run(*common, arg, code=2)
         assert says in out and len(out.strip().splitlines()) == 1, out
+
+
+# Bad values a user could type, each refused while click parses the command line (or before
+# the command does anything): exit status 2 and one `Error:` line naming the option, instead
+# of a traceback, a silently empty run, or a failure after a long run. In the arguments,
+# {new} is a path that must stay absent, {dir} an existing empty directory (the current
+# one) and {missing} a directory that does not exist.
+SYNTH = ("--synthetic", "zipf:layers=2,experts=4,steps=5")
+BAD_VALUES: list[tuple[tuple[str, ...], str]] = [
+    # init and serve
+    (("init", "{new}", "--backing", "pmem", "--pmem-path", "{dir}/pool", "--pmem-size", "0"),
+     "--pmem-size"),
+    (("init", "{new}", "--backing", "pmem", "--pmem-path", "{missing}/pool",
+      "--pmem-size", "16MiB"), "--pmem-path"),
+    (("init", "{new}", "--pmem-size", "16MiB"), "--pmem-size"),
+    (("init", "{new}", "--pmem-path", "{dir}/pool"), "--pmem-path"),
+    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--policy", "nosuch"),
+     "--policy"),
+    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--max-request", "0"),
+     "--max-request"),
+    # train, generate, demo
+    (("train", "--store", "{new}", "--steps", "1", "--device", "cuda:99"), "--device"),
+    (("train", "--store", "{new}", "--steps", "1", "--device", "tpu"), "--device"),
+    (("train", "--store", "{new}", "--steps", "1", "--device", ""), "--device"),
+    (("train", "--store", "{new}", "--steps", "1", "--model", "nosuch"), "--model"),
+    (("train", "--store", "{new}", "--steps", "1", "--metrics", "{missing}/m.jsonl"),
+     "--metrics"),
+    (("train", "--store", "{new}", "--steps", "1", "--trace", "{missing}/t.csv"), "--trace"),
+    (("train", "--store", "{new}", "--steps", "1", "--backing", "pmem", "--pmem-path",
+      "{dir}/pool", "--pmem-size", "0"), "--pmem-size"),
+    (("generate", "--store", "{dir}", "--prompt-ids", "1", "--max-new-tokens", "1",
+      "--device", "cuda:99"), "--device"),
+    (("generate", "--store", "{dir}", "--prompt-ids", "1", "--max-new-tokens", "1",
+      "--trace", "{missing}/t.csv"), "--trace"),
+    (("demo", "--store", "{new}", "--layers", "0"), "--layers"),
+    (("demo", "--store", "{new}", "--experts", "0"), "--experts"),
+    (("demo", "--store", "{new}", "--hidden", "0"), "--hidden"),
+    (("demo", "--store", "{new}", "--ffn", "0"), "--ffn"),
+    (("demo", "--store", "{new}", "--model", "nosuch"), "--model"),
+    # bench tiers
+    (("bench", "tiers", "--blocks", "3XB"), "--blocks"),
+    (("bench", "tiers", "--blocks", "1.5.5GiB"), "--blocks"),
+    (("bench", "tiers", "--blocks", "-1"), "--blocks"),
+    (("bench", "tiers", "--blocks", "0"), "--blocks"),
+    (("bench", "tiers", "--blocks", ""), "--blocks"),
+    (("bench", "tiers", "--blocks", "1MiB,,4MiB"), "--blocks"),
+    (("bench", "tiers", "--threads", "a,b"), "--threads"),
+    (("bench", "tiers", "--threads", "1,-2"), "--threads"),
+    (("bench", "tiers", "--threads", "0"), "--threads"),
+    (("bench", "tiers", "--tiers", "foo"), "--tiers"),
+    (("bench", "tiers", "--engines", "auto,nosuch"), "--engines"),
+    (("bench", "tiers", "--repeat", "0"), "--repeat"),
+    (("bench", "tiers", "--pmem-dir", "{missing}"), "--pmem-dir"),
+    (("bench", "tiers", "--json", "{missing}/t.json"), "--json"),
+    (("bench", "tiers", "--plot", "{missing}/t.png"), "--plot"),
+    # bench cache
+    (("bench", "cache", *SYNTH, "--capacity", "3XB"), "--capacity"),
+    (("bench", "cache", *SYNTH, "--capacity", "a,b"), "--capacity"),
+    (("bench", "cache", *SYNTH, "--capacity", "0.5,,0.25"), "--capacity"),
+    (("bench", "cache", *SYNTH, "--capacity", ""), "--capacity"),
+    (("bench", "cache", *SYNTH, "--capacity", "0"), "--capacity"),
+    (("bench", "cache", *SYNTH, "--capacity", "1.5"), "--capacity"),
+    (("bench", "cache", *SYNTH, "--policies", "nosuch"), "--policies"),
+    (("bench", "cache", *SYNTH, "--policies", "lru,,arc"), "--policies"),
+    (("bench", "cache", *SYNTH, "--write-fraction", "2"), "--write-fraction"),
+    (("bench", "cache", *SYNTH, "--overhead", "-1"), "--overhead"),
+    (("bench", "cache", *SYNTH, "--json", "{missing}/c.json"), "--json"),
+    (("bench", "cache", *SYNTH, "--plot", "{missing}/c.png"), "--plot"),
+    (("bench", "cache", "--synthetic", "nosuch"), "--synthetic"),
+    (("bench", "cache", "--synthetic", "zipf:layers=0"), "--synthetic"),
+    (("bench", "cache", "--synthetic", "zipf:a=x"), "--synthetic"),
+    (("bench", "cache", "--synthetic", "zipf:bogus=1"), "--synthetic"),
+    # bench prefetch, infer, train
+    (("bench", "prefetch", "--repeat", "0"), "--repeat"),
+    (("bench", "prefetch", "--device", "auto"), "--device"),
+    (("bench", "prefetch", "--device", "cuda:99"), "--device"),
+    (("bench", "prefetch", "--json", "{missing}/p.json"), "--json"),
+    (("bench", "infer", "--ring-slots", "a"), "--ring-slots"),
+    (("bench", "infer", "--ring-slots", "0"), "--ring-slots"),
+    (("bench", "infer", "--ring-slots", "2,,4"), "--ring-slots"),
+    (("bench", "infer", "--layers", "0"), "--layers"),
+    (("bench", "infer", "--experts", "0"), "--experts"),
+    (("bench", "infer", "--experts", "1"), "--experts"),
+    (("bench", "infer", "--hidden", "12"), "--hidden"),
+    (("bench", "infer", "--prefill-len", "0"), "--prefill-len"),
+    (("bench", "infer", "--prefill-batch", "0"), "--prefill-batch"),
+    (("bench", "infer", "--decode-tokens", "0"), "--decode-tokens"),
+    (("bench", "infer", "--decode-batch", "0"), "--decode-batch"),
+    (("bench", "infer", "--expert-budget", "0"), "--expert-budget"),
+    (("bench", "infer", "--device", "auto"), "--device"),
+    (("bench", "infer", "--peer", "accelerate", "--memory-limit", "0"), "--memory-limit"),
+    (("bench", "infer", "--peer", "accelerate", "--memory-limit", "3XB"), "--memory-limit"),
+    (("bench", "infer", "--json", "{missing}/i.json"), "--json"),
+    (("bench", "train", "--device", "cuda:99"), "--device"),
+    (("bench", "train", "--json", "{missing}/t.json"), "--json"),
+    # bench daemon, dist
+    (("bench", "daemon", "--store", "{missing}"), "--store"),
+    (("bench", "daemon", "--entries", "0"), "--entries"),
+    (("bench", "daemon", "--gets", "0"), "--gets"),
+    (("bench", "daemon", "--repeat", "0"), "--repeat"),
+    (("bench", "daemon", "--clients", "x"), "--clients"),
+    (("bench", "daemon", "--clients", "0"), "--clients"),
+    (("bench", "daemon", "--clients", "1,,2"), "--clients"),
+    (("bench", "daemon", "--json", "{missing}/d.json"), "--json"),
+    (("bench", "dist", "--batch-sizes", "a"), "--batch-sizes"),
+    (("bench", "dist", "--batch-sizes", "0"), "--batch-sizes"),
+    (("bench", "dist", "--worlds", ""), "--worlds"),
+    (("bench", "dist", "--model", ""), "--model"),
+    (("bench", "dist", "--paradigms", "token,,data"), "--paradigms"),
+    (("bench", "dist", "--timeout", "0"), "--timeout"),
+    (("bench", "dist", "--json", "{missing}/x.json"), "--json"),
+]
+
+
+def refused(tmp_path, monkeypatch, args: tuple[str, ...], option: str) -> None:
+    """Run ``args`` in an empty current directory ``tmp_path``: exit 2, ``Error:`` naming
+    ``option``, no traceback, and nothing created (no store, scratch directory or pool)."""
+    monkeypatch.chdir(tmp_path)
+    where = {"new": str(tmp_path / "new"), "dir": str(tmp_path),
+             "missing": str(tmp_path / "missing")}
+    result = CliRunner().invoke(main, [a.format(**where) for a in args],
+                                catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert "Error:" in result.output and option in result.output, result.output
+    assert "Traceback" not in result.output
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("args", "option"), BAD_VALUES,
+                         ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_bad_values_are_one_line_usage_errors(tmp_path, monkeypatch, args: tuple[str, ...],
+                                              option: str) -> None:
+    refused(tmp_path, monkeypatch, args, option)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="cuda is a valid device here")
+@pytest.mark.parametrize("args", [
+    ("train", "--resident", "--steps", "1", "--device", "cuda"),
+    ("generate", "--store", "{dir}", "--prompt-ids", "1", "--max-new-tokens", "1",
+     "--device", "cuda"),
+    ("bench", "infer", "--device", "cuda"),
+])
+def test_cuda_without_a_gpu_is_a_usage_error(tmp_path, monkeypatch,
+                                             args: tuple[str, ...]) -> None:
+    refused(tmp_path, monkeypatch, args, "--device")
+
+
+def test_bench_cache_malformed_trace_is_one_line(tmp_path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("not,a,trace\n1,2,3\n")
+    result = CliRunner().invoke(main, ["bench", "cache", "--trace", str(trace),
+                                       "--capacity", "0.5"], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and str(trace) in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_option_types_accept_what_they_document() -> None:
+    from tierstore.cli_options import POSITIVE_SIZE, CommaList, DeviceType
+
+    assert CommaList(POSITIVE_SIZE).convert("4KiB, 1MiB,512", None, None) == [4096, 1 << 20, 512]
+    assert CommaList(POSITIVE_SIZE).convert([1, 2], None, None) == [1, 2]
+    assert DeviceType().convert("auto", None, None) == "auto"
+    assert DeviceType(auto=False).convert("cpu", None, None) == "cpu"
+
+
+def test_a_reader_that_stops_early_ends_the_listing_quietly(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    with tierstore.open(tmp_path / "s", create=True) as st:
+        # ~1 MB of listing: far more than a pipe holds, so writes go on after the close
+        st.put_many({f"layers.{i:06d}.experts.{'x' * 24}": torch.zeros(1) for i in range(20000)})
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "ls", str(tmp_path / "s")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"layers.000000")
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert err == b"", err  # no "Broken pipe", no traceback

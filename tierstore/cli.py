@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from .cli_daemon import serve, status
-from .cli_options import SIZE
+from .cli_options import OUTPUT_FILE, POSITIVE_SIZE, SIZE
 from .cli_options import run_command as _run
 from .errors import StoreError
 from .sizes import format_size
@@ -88,12 +88,15 @@ def main() -> None:
               help="Backing tier: slab files under STORE, or a persistent-memory pool file.")
 @click.option("--slab-size", type=SIZE, default="1GiB", show_default=True,
               help="Size of each preallocated NVMe slab file.")
-@click.option("--pmem-path", type=click.Path(dir_okay=False),
+@click.option("--pmem-path", type=OUTPUT_FILE,
               help="Pool file for --backing pmem (on a DAX mount in production).")
-@click.option("--pmem-size", type=SIZE, help="Initial pool size for --backing pmem, e.g. 16GiB.")
+@click.option("--pmem-size", type=POSITIVE_SIZE,
+              help="Initial pool size for --backing pmem, e.g. 16GiB.")
 def init(store: str, backing: str, slab_size: int, pmem_path: str | None,
          pmem_size: int | None) -> None:
     """Create an empty store at STORE."""
+    if backing != "pmem" and (pmem_path is not None or pmem_size is not None):
+        raise click.UsageError("--pmem-path and --pmem-size go with --backing pmem")
 
     def go() -> None:
         if os.path.exists(os.path.join(store, "TIERSTORE")):

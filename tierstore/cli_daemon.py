@@ -4,12 +4,23 @@ daemon``. ``tierstore/cli.py`` registers them."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
-from .cli_options import SIZE
+from .cli_options import POSITIVE_SIZE, SIZE
 from .cli_options import run_command as _run
 from .sizes import format_size
+
+
+def _known_policy(ctx: click.Context, _param: Any, value: str) -> str:
+    # Checked while parsing: the server only finds out once the store is open, and then
+    # as a ValueError (a traceback), not a store error.
+    from .cache import POLICIES
+
+    if not ctx.resilient_parsing and value not in POLICIES:
+        raise click.BadParameter(f"unknown policy {value!r}; choose one of {', '.join(POLICIES)}")
+    return value
 
 
 @click.command()
@@ -22,7 +33,7 @@ from .sizes import format_size
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus /metrics and /healthz on 127.0.0.1:PORT (0: any free port).")
 @click.option("--group", help="Let this group's members connect: socket mode 0660, this group.")
-@click.option("--max-request", type=SIZE, default="4GiB", show_default=True,
+@click.option("--max-request", type=POSITIVE_SIZE, default="4GiB", show_default=True,
               help="Largest put (payload bytes per request, so per connection) the daemon "
                    "accepts; a larger one is refused before any of it is read.")
 @click.option("--max-inflight", type=SIZE,
@@ -30,7 +41,8 @@ from .sizes import format_size
                    "together; a request that would go over waits (30 s at most), then is "
                    "refused. At least --max-request.  [default: 8GiB, or --max-request if "
                    "larger]")
-@click.option("--policy", default="lfu-decay", show_default=True, help="Cache eviction policy.")
+@click.option("--policy", default="lfu-decay", show_default=True, callback=_known_policy,
+              help="Cache eviction policy.")
 @click.option("--create", is_flag=True, help="Create the store if it does not exist.")
 def serve(store: str, socket_path: str, host_cache: int, metrics_port: int | None,
           group: str | None, max_request: int, max_inflight: int | None, policy: str,

@@ -1,9 +1,12 @@
-"""What every ``tierstore`` command module shares: the size option type and the wrapper that
-turns store errors into one line. A module of its own, so that command modules need not
-import ``tierstore.cli`` (which ``python -m tierstore.cli`` runs as ``__main__``)."""
+"""What every ``tierstore`` command module shares: the option types that check a value while
+click parses it (so a bad value is one ``Error: Invalid value for '--option': ...`` line,
+exit status 2, before any work starts) and the wrapper that turns store errors into one
+line. A module of its own, so that command modules need not import ``tierstore.cli`` (which
+``python -m tierstore.cli`` runs as ``__main__``)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -11,22 +14,109 @@ from typing import Any
 import click
 
 from .errors import StoreError
-from .sizes import parse_size
+from .sizes import format_size, parse_size
 
 
 class SizeType(click.ParamType):
-    """Bytes, or a size string such as ``4MiB`` or ``2GiB``."""
+    """Bytes, or a size string such as ``4MiB`` or ``2GiB``; at least ``minimum`` bytes."""
 
     name = "size"
 
+    def __init__(self, minimum: int = 0) -> None:
+        self.minimum = minimum
+
     def convert(self, value: Any, param: Any, ctx: Any) -> int:
         try:
-            return parse_size(value)
+            n = parse_size(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+        if n < self.minimum:
+            self.fail(f"{value!r} is below the minimum of {format_size(self.minimum)}", param, ctx)
+        return n
 
 
 SIZE = SizeType()
+#: A size where zero means nothing useful (a pool, a request limit, an entry).
+POSITIVE_SIZE = SizeType(minimum=1)
+
+
+class CommaList(click.ParamType):
+    """A comma-separated list (``--blocks 4MiB,64MiB``), each item converted by ``item``
+    (a size, an int range, a choice): a bad item fails with the item type's own message.
+    An empty list or an empty item (``1,,2``) is an error rather than silently dropped."""
+
+    def __init__(self, item: click.ParamType, name: str | None = None) -> None:
+        self.item = item
+        self.name = f"{name or item.name},..."
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> list[Any]:
+        if isinstance(value, (list, tuple)):  # a default given as a list, or converted before
+            return [self.item.convert(v, param, ctx) for v in value]
+        items = [p.strip() for p in str(value).split(",")]
+        if items == [""]:
+            self.fail("give at least one value (a comma-separated list)", param, ctx)
+        if "" in items:
+            self.fail(f"{value!r} has an empty item: separate values with single commas",
+                      param, ctx)
+        return [self.item.convert(p, param, ctx) for p in items]
+
+
+class DeviceType(click.ParamType):
+    """``cpu``, ``cuda`` or ``cuda:N`` (and ``auto`` where the command picks one), checked
+    against this machine: a GPU that is not there is a usage error now, not a traceback
+    from the first tensor moved to it."""
+
+    name = "device"
+
+    def __init__(self, auto: bool = True) -> None:
+        self.auto = auto
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        text = str(value).strip()
+        if self.auto and text == "auto":
+            return text
+        import torch  # only once a device is named: `--help` needs none of it
+
+        accepted = "cpu, cuda or cuda:N" + (" (or auto)" if self.auto else "")
+        try:
+            dev = torch.device(text)
+        except (RuntimeError, ValueError):
+            self.fail(f"{text!r} is not a device; use {accepted}", param, ctx)
+        if dev.type == "cpu":
+            return text
+        if dev.type != "cuda":
+            self.fail(f"{text!r}: only {accepted} are supported", param, ctx)
+        if not torch.cuda.is_available():
+            self.fail(f"{text!r}: CUDA is not available on this machine "
+                      "(torch.cuda.is_available() is false); use cpu", param, ctx)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            self.fail(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA "
+                      "device(s)", param, ctx)
+        return text
+
+
+#: A device option that takes ``auto`` (the command's own choice).
+DEVICE = DeviceType()
+
+
+class OutputFile(click.Path):
+    """A file the command writes (results, metrics, a trace): its directory must exist and
+    be writable now, since the file is often only opened after a long run."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        path = super().convert(value, param, ctx)
+        parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+        if not os.path.isdir(parent):
+            self.fail(f"directory {parent!r} does not exist", param, ctx)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            self.fail(f"directory {parent!r} is not writable", param, ctx)
+        return path
+
+
+OUTPUT_FILE = OutputFile()
 
 
 def run_command(fn: Callable[[], int | None]) -> None:
@@ -38,6 +128,12 @@ def run_command(fn: Callable[[], int | None]) -> None:
     except StoreError as e:
         click.echo(f"tierstore: {e}", err=True)
         sys.exit(2)
+    except BrokenPipeError:
+        # The reader of the output went away (`tierstore ls STORE | head`): stop quietly,
+        # as other tools do. Later writes (and the interpreter's final flush) go nowhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(1)
     except OSError as e:  # a file the user named (or its directory) could not be used
         where = f"{e.filename}: " if e.filename else ""
         click.echo(f"tierstore: {where}{e.strerror or e}", err=True)

@@ -10,10 +10,23 @@ from typing import Any
 
 import click
 
-from tierstore.cli_options import SIZE
+from tierstore.cli_options import DEVICE, OUTPUT_FILE, POSITIVE_SIZE, SIZE
 from tierstore.cli_options import run_command as _run
 
 DEFAULT_DEMO_STORE = "demo-store"
+
+
+def _preset(ctx: click.Context, _param: Any, value: str | None) -> str | None:
+    # Checked while parsing: demo reaches its training part only after the tier
+    # walk-through, and an unknown name there is a ValueError (a traceback).
+    if value is None or ctx.resilient_parsing:
+        return value
+    from tierstore.trainer.presets import PRESETS
+
+    if value not in PRESETS:
+        raise click.BadParameter(f"unknown model preset {value!r}; "
+                                 f"choose from {', '.join(PRESETS)}")
+    return value
 
 
 @click.command(name="import-hf")
@@ -91,13 +104,17 @@ def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, forc
               type=click.Path(file_okay=False),
               help="Store directory for the tier walk-through (created if missing); the "
                    "training run uses STORE-model next to it.")
-@click.option("--layers", default=8, show_default=True, help="MoE layers (tier walk-through).")
-@click.option("--experts", default=16, show_default=True, help="Experts per layer.")
-@click.option("--hidden", default=512, show_default=True, help="Model width.")
-@click.option("--ffn", default=1024, show_default=True, help="Expert hidden width.")
+@click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1),
+              help="MoE layers (tier walk-through).")
+@click.option("--experts", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Experts per layer.")
+@click.option("--hidden", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Model width.")
+@click.option("--ffn", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Expert hidden width.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--fresh", is_flag=True, help="Delete the demo store first.")
-@click.option("--model", default="small", show_default=True,
+@click.option("--model", default="small", show_default=True, callback=_preset,
               help="Preset trained in the second part (tierstore train --list-models).")
 @click.option("--train-steps", default=60, show_default=True, type=click.IntRange(min=0),
               help="Optimizer steps of the training part (0: skip training and generation).")
@@ -147,7 +164,7 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
 @click.option("--resident", is_flag=True,
               help="Train the same model with everything in memory as plain torch modules "
                    "(the reference and the performance baseline).")
-@click.option("--model",
+@click.option("--model", callback=_preset,
               help="Model preset: tiny, small, medium, large, xl (see --list-models) [tiny; "
                    "none for an imported model].")
 @click.option("--list-models", is_flag=True, is_eager=True, expose_value=False,
@@ -155,7 +172,7 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
 @click.option("--steps", type=click.IntRange(min=0), required=True,
               help="Total optimizer steps; --resume continues up to this count.")
 @click.option("--seed", type=int, help="Initial weights and batch order [0].")
-@click.option("--device", default="auto", show_default=True,
+@click.option("--device", type=DEVICE, default="auto", show_default=True,
               help="Where dense parameters and compute live: cpu, cuda, cuda:N (auto: cuda if "
                    "available).")
 @click.option("--device-budget", type=SIZE,
@@ -169,8 +186,8 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Host-memory cache in front of the backing tier (0: none).")
 @click.option("--backing", type=click.Choice(["nvme", "pmem"]),
               help="Backing tier of a new store (default nvme); checked against an existing one.")
-@click.option("--pmem-path", type=click.Path(dir_okay=False), help="Pool file for --backing pmem.")
-@click.option("--pmem-size", type=SIZE, help="Pool size for --backing pmem, e.g. 16GiB.")
+@click.option("--pmem-path", type=OUTPUT_FILE, help="Pool file for --backing pmem.")
+@click.option("--pmem-size", type=POSITIVE_SIZE, help="Pool size for --backing pmem, e.g. 16GiB.")
 @click.option("--slab-size", type=SIZE, default="1GiB", show_default=True,
               help="NVMe slab file size of a new store.")
 @click.option("--fetch", type=click.Choice(["auto", "queue", "direct"]), default="auto",
@@ -182,10 +199,10 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
 @click.option("--resume", is_flag=True,
               help="Continue from the latest checkpoint, with the model, hyperparameters and "
                    "seed the run started with (options given must agree with them).")
-@click.option("--metrics", type=click.Path(dir_okay=False),
+@click.option("--metrics", type=OUTPUT_FILE,
               help="Write one JSON object per step (step, loss, tokens_per_s, hit_rate, "
                    "stall_frac, ...).")
-@click.option("--trace", type=click.Path(dir_okay=False),
+@click.option("--trace", type=OUTPUT_FILE,
               help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
                    "cache --trace`).")
 @click.option("--corpus", multiple=True, type=click.Path(exists=True),
@@ -334,7 +351,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                    "experts only, predicted one layer ahead, with a device expert cache; "
                    "resident: every expert loaded first; on-demand: routed experts read when "
                    "needed, nothing kept.")
-@click.option("--device", default="auto", show_default=True,
+@click.option("--device", type=DEVICE, default="auto", show_default=True,
               help="cpu, cuda, cuda:N (auto: cuda if available).")
 @click.option("--host-cache", type=SIZE,
               help="Host-memory cache in front of the backing tier (default: the store's, 1GiB).")
@@ -344,7 +361,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                    "leaving a core to their read threads: every pass where the host cache "
                    "cannot hold every expert, else the prefill only. Expert mode with the "
                    "host cache pooled reads on the calling thread and uses every core).")
-@click.option("--trace", type=click.Path(dir_okay=False),
+@click.option("--trace", type=OUTPUT_FILE,
               help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
                    "cache --trace`).")
 @click.option("--json", "as_json", is_flag=True,
