@@ -704,11 +704,15 @@ def test_train_and_generate_through_the_daemon(tmp_path: Path) -> None:
     sock = tmp_path / "s.sock"
     daemon = Daemon(tmp_path / "store", sock)
     try:
+        # On the CPU everywhere (auto would pick CUDA on a GPU machine; the tokens compared
+        # are the CPU's, and the CUDA paths are tested where marked gpu).
         common = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every",
-                  "0", "--checkpoint-every", "2")
+                  "0", "--checkpoint-every", "2", "--device", "cpu")
         assert "steps 1-2" in cli("train", "--connect", str(sock), "--steps", "2", *common)
-        assert "steps 3-4" in cli("train", "--connect", str(sock), "--steps", "4", "--resume")
-        ask = ("--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--greedy", "--json")
+        assert "steps 3-4" in cli("train", "--connect", str(sock), "--steps", "4", "--resume",
+                                  "--device", "cpu")
+        ask = ("--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--greedy", "--json",
+               "--device", "cpu")
         remote = json.loads(cli("generate", "--connect", str(sock), *ask).splitlines()[-1])
         # expert mode too: both modes compute on views of the daemon's slots
         expert = json.loads(cli("generate", "--connect", str(sock), *ask, "--mode",
@@ -721,3 +725,38 @@ def test_train_and_generate_through_the_daemon(tmp_path: Path) -> None:
     bad = CliRunner().invoke(main, ["train", "--connect", str(sock), "--store", "x",
                                     "--steps", "1"])
     assert bad.exit_code == 2 and "--connect" in bad.output
+
+
+def test_a_socket_that_never_answers_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    from tierstore.daemon.connection import Connection
+
+    path = str(tmp_path / "silent.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)  # accepts (the kernel completes the connect) and never answers
+    try:
+        with pytest.raises(tierstore.StoreError, match="no tierstore daemon answered"):
+            Connection(path, "t", want_arena=False, hello_timeout_s=0.2)
+    finally:
+        listener.close()
+
+
+@pytest.mark.gpu
+def test_a_client_prefetches_and_gets_onto_cuda_through_the_daemon(tmp_path: Path) -> None:
+    with tierstore.open(tmp_path / "store", create=True, slab_size="64MiB"):
+        pass
+    sock = tmp_path / "s.sock"
+    daemon = Daemon(tmp_path / "store", sock)
+    try:
+        with tierstore.connect(sock) as st:
+            want = {f"e{i}": torch.randn(4096 + i) for i in range(4)}
+            st.put_many(want)
+            futures = st.prefetch(list(want), device="cuda")
+            for (name, x), fut in zip(want.items(), futures):
+                got = fut.result(timeout=60)
+                assert got.is_cuda and torch.equal(got.cpu(), x)
+                st.release(name, device="cuda")
+            got = st.get_many(list(want), device="cuda")
+            assert all(got[k].is_cuda and torch.equal(got[k].cpu(), v) for k, v in want.items())
+    finally:
+        assert daemon.terminate() == 0, daemon.log.read_text()

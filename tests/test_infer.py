@@ -619,7 +619,7 @@ def test_bench_infer_reports_every_mode_against_its_tier(tmp_path: Path) -> None
         res = run_infer(layers=2, experts=4, hidden=32, ffn=64, prefill_batch=2,
                         prefill_len=8, decode_tokens=3, ring_slots=(1,), repeats=3,
                         tier=tier, engine=engine, json_out=str(tmp_path / f"{tier}.json"),
-                        echo=lines.append)
+                        echo=lines.append, device="cpu")
         assert res["tier"] == tier and (tmp_path / f"{tier}.json").exists()
         # the store ran on the engine named (auto names one)
         assert res["backend"].startswith("nvme: posix") == (engine == "posix-direct")

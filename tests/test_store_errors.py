@@ -387,3 +387,18 @@ def test_one_name_alone_is_one_key(store) -> None:
     assert list(got) == ["weights"] and torch.equal(got["weights"], torch.arange(3.0))
     pair = store.get_many([["weights", "param"]])  # a list pair keys the dict as a tuple
     assert list(pair) == [("weights", "param")]
+
+
+@pytest.mark.parametrize("size, pool, why", [
+    (0, "pool", "at least 8 KiB"),
+    ("1MiB", "missing/pool", "does not exist"),
+])
+def test_a_pmem_store_that_cannot_have_its_pool_is_refused_leaving_nothing(
+        tmp_path, size, pool, why) -> None:
+    with pytest.raises(tierstore.StoreError, match=why):
+        tierstore.open(tmp_path / "s", create=True, backing="pmem", pmem_size=size,
+                       pmem_path=tmp_path / pool)
+    assert not (tmp_path / "s").exists()  # so the same init, corrected, succeeds
+    with tierstore.open(tmp_path / "s", create=True, backing="pmem", pmem_size="8MiB",
+                        pmem_path=tmp_path / "pool") as st:
+        st.put("a", torch.ones(3))

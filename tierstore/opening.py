@@ -128,8 +128,17 @@ def init_dir(
         pool_bytes = align_up(parse_size(pmem_size))
         conf = {"kind": "pmem", "pool": os.path.abspath(os.fspath(pmem_path)),
                 "pool_bytes": pool_bytes, "grow_bytes": max(1 << 20, pool_bytes // 4)}
+        # The pool is made when the store is first opened, after the marker is written:
+        # what would stop it is refused here, so a failed init never leaves a store
+        # directory that names a pool that cannot exist.
+        if pool_bytes < 2 * ALIGNMENT:
+            raise StoreError("pmem_size must be at least 8 KiB (a 4 KiB header and data)")
         if os.path.exists(conf["pool"]):
             raise StoreError(f"{conf['pool']} exists; a new pmem store needs a new pool file")
+        parent = os.path.dirname(conf["pool"])
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise StoreError(f"cannot make the pool file {conf['pool']}: its directory "
+                             f"{parent} does not exist or is not writable")
     else:
         raise StoreError(f"unknown backing {backing!r}; choose nvme or pmem")
     sid = uuid.uuid4().hex

@@ -15,14 +15,18 @@ from ..errors import StoreError
 from . import protocol as P
 
 RELEASE_DELAY_S = 0.002
+# How long the daemon may take to answer a connection's first message. A daemon answers at
+# once; something else listening on the socket (or a daemon wedged in its accept loop)
+# would otherwise leave the client waiting for ever.
+HELLO_TIMEOUT_S = 30.0
 
 
 class Connection:
     """One socket to the daemon. ``request`` is one call at a time (``busy``); one-way
     frames (releases) may be sent from any thread meanwhile under ``send_lock``."""
 
-    def __init__(self, path: str, client_id: str, want_arena: bool, role: str = "client"
-                 ) -> None:
+    def __init__(self, path: str, client_id: str, want_arena: bool, role: str = "client",
+                 hello_timeout_s: float | None = None) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -39,9 +43,18 @@ class Connection:
         self.rid = 0
         self.closed = False
         self.arena_fd = -1
-        self.hello, _ = self.request(P.Op.HELLO, {
-            "version": P.PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
-            "arena": want_arena, "role": role}, fds=want_arena)
+        wait = HELLO_TIMEOUT_S if hello_timeout_s is None else hello_timeout_s
+        self.sock.settimeout(wait)
+        try:
+            self.hello, _ = self.request(P.Op.HELLO, {
+                "version": P.PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
+                "arena": want_arena, "role": role}, fds=want_arena)
+        except StoreError as e:
+            if isinstance(e.__context__, TimeoutError) or "timed out" in str(e):
+                raise StoreError(f"no tierstore daemon answered at {path} within {wait:g} s "
+                                 "(is `tierstore serve` what listens there?)") from None
+            raise
+        self.sock.settimeout(None)  # requests after the handshake may take as long as they take
 
     def request(self, op: int, fields: dict[str, Any], payload: list[Any] | None = None,
                 fds: bool = False) -> tuple[dict[str, Any], bytearray | None]:
