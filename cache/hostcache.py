@@ -307,9 +307,10 @@ class HostCache(WriteBackCache):
             self._cond.notify_all()
 
     # dirty state
-    def overwrite(self, key: Key, data: Any, meta: Any = None) -> bool:
-        """Replace a resident entry's bytes in its own slot and mark it dirty; False (nothing
-        done) unless the entry is resident, settled, unpinned and of the same size.
+    def overwrite(self, key: Key, data: Any, meta: Any = None, *, dirty: bool = True) -> bool:
+        """Replace a resident entry's bytes in its own slot and mark it dirty (clean with
+        ``dirty=False``: bytes the backing tier holds already); False (nothing done) unless
+        the entry is resident, settled, unpinned and of the same size.
 
         Cheaper than ``invalidate`` + ``insert`` (no slot changes hands) and it counts as an
         access, so a rewritten entry keeps its frequency history. Nobody holds the old bytes
@@ -336,7 +337,7 @@ class HostCache(WriteBackCache):
         with self._cond:
             entry.state = _READY
             entry.pins -= 1
-            self._set_dirty(entry, True)
+            self._set_dirty(entry, dirty)
             entry.gen += 1
             if meta is not None:
                 entry.meta = meta

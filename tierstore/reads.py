@@ -522,10 +522,12 @@ class ReadPath(LocalState):
                     raise CorruptEntryError(name, kind, f"crc32c {got:08x} != {rec.crc[c]:08x}")
             with warnings.catch_warnings():  # read-only on purpose: writes must go through put
                 warnings.simplefilter("ignore", UserWarning)
-                u8 = torch.frombuffer(mv, dtype=torch.uint8)
+                u8 = torch.from_numpy(arr)
             t = from_bytes(u8, dtype_from_name(rec.dtype), tuple(rec.shape))
         except BaseException:
             self._unlease([rec])
             raise
-        weakref.finalize(t, self._alloc.unlease, rec.seg, rec.off)
+        # The lease follows the memory, not the tensor object: slices of ``t`` and
+        # ``t.numpy()`` keep ``arr`` (the storage's owner) alive after ``t`` is gone.
+        weakref.finalize(arr, self._alloc.unlease, rec.seg, rec.off)
         return t

@@ -44,7 +44,8 @@ STAGE_AHEAD_BYTES = 32 << 20
 class WritePath(LocalState):
     """The write path of :class:`tierstore.LocalStore` (see the module docstring)."""
 
-    def put_many(self, items: PutItems, kind: str = "param") -> list[int]:
+    def put_many(self, items: PutItems, kind: str = "param", *,
+                 durable: bool = False) -> list[int]:
         """Store several tensors; returns their versions.
 
         ``items`` maps names to tensors, or yields ``(name, tensor)`` or
@@ -54,7 +55,9 @@ class WritePath(LocalState):
         With a host cache (the default) the entries land there dirty and reach the backing
         tier on eviction, ``flush()``, ``snapshot()`` or ``close()``; without one
         (``host_cache=0``) they are committed before ``put_many`` returns. Either way
-        ``flush()`` returning means every earlier put is durable.
+        ``flush()`` returning means every earlier put is durable. ``durable=True`` commits
+        them first and only then puts them in the cache (clean), so no reader sees a version
+        a crash could take back: the daemon's puts, whose readers outlive it.
         """
         self._check_open()
         batch = [
@@ -68,30 +71,36 @@ class WritePath(LocalState):
             versions = self._next_versions(len(batch))
             for (_, _, src, meta), v in zip(batch, versions):
                 meta.nbytes, meta.version = src.nbytes, v
-            if cached:
+            if cached and not durable:
                 self._land(batch)
             else:
                 self._write_through(batch)
+                if cached:
+                    self._land(batch, clean=True)
         return versions
 
-    def _land(self, batch: list[tuple[str, str, np.ndarray, Meta]]) -> None:
+    def _land(self, batch: list[tuple[str, str, np.ndarray, Meta]], *,
+              clean: bool = False) -> None:
         """New versions into the host cache as dirty entries; what it does not take is
-        written through in one commit. The caller holds the entries' key locks."""
+        written through in one commit. ``clean``: the versions are committed already, so
+        they land clean and what the cache does not take is simply not cached. The caller
+        holds the entries' key locks."""
         assert self._cache is not None
         through = []
         for name, k, src, meta in batch:
             # In place when nobody holds the old bytes; otherwise a new slot, so readers
             # still copying the old bytes keep them.
-            if meta.nbytes and self._cache.overwrite((name, k), src, meta):
+            if meta.nbytes and self._cache.overwrite((name, k), src, meta, dirty=not clean):
                 continue
             self._cache.invalidate((name, k))
             h = self._cache.insert((name, k), meta.nbytes, meta, data=src) if meta.nbytes else None
             if h is None:
                 through.append((name, k, src, meta))
                 continue
-            self._cache.mark_dirty((name, k), meta)
+            if not clean:
+                self._cache.mark_dirty((name, k), meta)
             h.release()
-        if through:
+        if through and not clean:
             self._write_through(through)
 
     def _delete(self, name: str, kind: str, missing_ok: bool) -> bool:

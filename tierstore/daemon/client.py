@@ -15,10 +15,12 @@ errors, leases) is ``connection.py``'s.
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import platform
 import queue
+import select
 import threading
 import time
 import uuid
@@ -86,6 +88,15 @@ class RemoteStore(Store):
         self._all.append(first)
         self._idle.append(first)
         hello = first.hello
+        self._instance = hello.get("instance")
+        self._restarted = False
+        # A connection that carries no requests: its hang-up says that the daemon whose
+        # shared memory this client maps is gone, before any read served from that memory
+        # alone (the published index) could return what a restarted daemon replaced.
+        self._watch = Connection(self.socket_path, self.client_id, want_arena=False,
+                                 role="status")
+        self._gone = select.poll()
+        self._gone.register(self._watch.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         self.path = str(hello["store"])
         self._backing = str(hello["backing"])
         self._describe = str(hello["describe"])
@@ -130,6 +141,9 @@ class RemoteStore(Store):
                 return self._idle.pop()
         try:
             conn = Connection(self.socket_path, self.client_id, want_arena=False)
+            if conn.hello.get("instance") != self._instance:
+                conn.close()
+                self._daemon_replaced()
         except BaseException:
             with self._pool_cv:
                 self._lent -= 1
@@ -138,6 +152,17 @@ class RemoteStore(Store):
         with self._pool_lock:
             self._all.append(conn)
         return conn
+
+    def _daemon_replaced(self) -> None:
+        """The daemon this client connected to is gone (another may serve the socket now):
+        its shared memory, which this client maps, no longer says where anything is, so
+        nothing is read from it again and every call says so."""
+        self._restarted = True
+        self._rows.clear()
+        self._index = None
+        raise StoreClosedError(f"the daemon at {self.socket_path} this client connected to "
+                               "has stopped (or was restarted): connect again with "
+                               "tierstore.connect()")
 
     def _give(self, conn: Connection) -> None:
         with self._pool_cv:
@@ -190,6 +215,8 @@ class RemoteStore(Store):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"connection to {self.socket_path} is closed")
+        if self._restarted:
+            self._daemon_replaced()
 
     def _arm_releaser(self) -> None:
         if not self._armed:
@@ -227,8 +254,10 @@ class RemoteStore(Store):
             return
         try:
             self._queues.close()
-            self._report(force=True)
-            self._send_hits()
+            # Last figures for the daemon's status, where it is still there to take them.
+            with contextlib.suppress(StoreError):
+                self._report(force=True)
+                self._send_hits()
         finally:
             self._closed = True
             self._results.close()
@@ -236,7 +265,7 @@ class RemoteStore(Store):
             self._releaser.join(timeout=5)
             with self._pool_lock:
                 conns, self._all, self._idle = self._all, [], []
-            for c in conns:
+            for c in [*conns, self._watch]:
                 c.close()
 
     def flush(self) -> None:
@@ -339,9 +368,14 @@ class RemoteStore(Store):
         rec = self._rows.get(key)
         if rec is None:
             return None
+        if self._gone.poll(0):  # the daemon hung up: its index may be another's memory now
+            self._rows.clear()
+            self._index = None
+            return None  # the socket path says what happened
         row, seq, meta = rec
         index = self._index
-        assert index is not None
+        if index is None:
+            return None
         if index[row, 0] != seq:
             self._rows.pop(key, None)
             return None
@@ -370,9 +404,15 @@ class RemoteStore(Store):
         if not isinstance(raw, torch.Tensor) or not meta.nbytes:
             lease.release()
             return _deliver((name, kind), meta, raw, None, None, self._results.take)
-        t = from_bytes(raw, dtype_from_name(meta.dtype), meta.shape)
-        weakref.finalize(t, self._late.put, lease)
-        return t
+        # The lease follows the memory, not the tensor object: ``own`` owns the storage,
+        # so slices of the view and its ``.numpy()`` keep the slot pinned after it is gone.
+        off = raw.data_ptr() - self._arena_t.data_ptr()
+        own = self._arena_np[off : off + meta.nbytes]
+        with warnings.catch_warnings():  # read-only on purpose: the daemon owns the slots
+            warnings.simplefilter("ignore", UserWarning)
+            u8 = torch.from_numpy(own)
+        weakref.finalize(own, self._late.put, lease)
+        return from_bytes(u8, dtype_from_name(meta.dtype), meta.shape)
 
     def _borrow(self, asked: list[str | Key], keys: list[Key]) -> Borrowed:
         """Read-only views of the daemon's cache slots, leased (pinned) in one request until
@@ -408,7 +448,14 @@ class RemoteStore(Store):
         return bool(self._call(P.Op.CONTAINS, {"name": name, "kind": kind})["found"])
 
     def keys(self, prefix: str = "") -> list[Key]:
-        return [(n, k) for n, k in self._call(P.Op.KEYS, {"prefix": prefix})["keys"]]
+        conn = self._take()
+        try:
+            fields, payload = conn.request(P.Op.KEYS, self._with_hits({"prefix": prefix}))
+        finally:
+            self._give(conn)
+        listing = json.loads(bytes(payload or b"[]")) if fields.get("in_payload") \
+            else fields["keys"]
+        return [(n, k) for n, k in listing]
 
     def _info(self, name: str, kind: str) -> EntryInfo:
         f = self._call(P.Op.INFO, {"name": name, "kind": kind})

@@ -62,9 +62,11 @@ class Connection:
         with self.busy:
             self.rid = (self.rid + 1) & 0xFFFFFFFF
             rid = self.rid
+            released: list[int] = []
             if self.pending:
-                with self.pending_lock:
-                    released, self.pending = self.pending, []
+                with self.pending_lock:  # at most a list's worth: the daemon refuses more
+                    released = self.pending[: P.MAX_KEYS]
+                    del self.pending[: P.MAX_KEYS]
                 fields = {**fields, "r": released}
             parts = payload or []
             total = sum(p.nbytes for p in parts)
@@ -76,10 +78,19 @@ class Connection:
                         self.sock.sendall(p)
             except OSError as e:
                 # The daemon may have answered (an error) and closed before taking it all.
-                with contextlib.suppress(StoreError):
+                with contextlib.suppress(StoreError, OSError):
                     self._read_answer(rid, fds)
                 raise self._lost(e) from None
-            return self._read_answer(rid, fds)
+            try:
+                return self._read_answer(rid, fds)
+            except StoreError:
+                # A refused request (the daemon busy) was not read, releases and all: they
+                # go again with the next one. Lease ids are never reused and the daemon
+                # ignores ones it no longer holds, so one that did get through is harmless.
+                if released and not self.closed:
+                    with self.pending_lock:
+                        self.pending[:0] = released
+                raise
 
     def _read_answer(self, rid: int, fds: bool) -> tuple[dict[str, Any], bytearray | None]:
         while True:
@@ -108,8 +119,8 @@ class Connection:
     def flush_releases(self) -> None:
         with self.pending_lock:
             released, self.pending = self.pending, []
-        if released:
-            self.send_oneway(P.Op.RELEASE, {"leases": released})
+        for i in range(0, len(released), P.MAX_KEYS):  # a list's worth a frame
+            self.send_oneway(P.Op.RELEASE, {"leases": released[i : i + P.MAX_KEYS]})
 
     def send_oneway(self, op: int, fields: dict[str, Any]) -> None:
         if self.closed:
@@ -132,14 +143,20 @@ class Connection:
             self.arena_fd = -1
 
 
-def daemon_error(fields: dict[str, Any]) -> StoreError:
-    """The daemon's error as the same exception class a local store raises."""
-    cls = getattr(errors, str(fields.get("error")), None)
+def daemon_error(fields: dict[str, Any]) -> Exception:
+    """The daemon's error as the same exception class a local store raises: a StoreError
+    subclass, or an OSError (its errno picks the subclass, as for a local one)."""
     message = str(fields.get("message", "daemon error"))
+    if "errno" in fields:
+        return OSError(int(fields["errno"]), message, fields.get("filename"))
+    cls = getattr(errors, str(fields.get("error")), None)
     if not (isinstance(cls, type) and issubclass(cls, StoreError)):
         cls = StoreError
     err = cls.__new__(cls)
     Exception.__init__(err, message)
+    for attr in ("name", "kind"):  # what a local store's error names (EntryNotFoundError...)
+        if isinstance(fields.get(attr), str):
+            setattr(err, attr, fields[attr])
     return err
 
 

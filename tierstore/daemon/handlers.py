@@ -7,6 +7,7 @@ parts[, descriptors]). ``HANDLERS`` maps ops to them.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
@@ -37,6 +38,7 @@ class OpHandlers:
     max_inflight: int
     arena_bytes: int
     index_rows: int
+    instance: str
     _shared: SharedCache
     _conns_lock: Any
     _reports: dict[str, dict[str, Any]]
@@ -60,7 +62,7 @@ class OpHandlers:
                  "max_request_bytes": self.max_request,
                  "max_inflight_bytes": self.max_inflight, "connection": conn.cid,
                  "arena": bool(fds), "index_offset": self.arena_bytes,
-                 "index_rows": self.index_rows}, [], fds)
+                 "index_rows": self.index_rows, "instance": self.instance}, [], fds)
 
     def _put(self, conn: Conn, f: P.Fields, req: Request) -> Any:
         items = [self._put_item(item) for item in f.list("items")]
@@ -74,9 +76,10 @@ class OpHandlers:
         for name, kind, dtype, shape, nbytes in items:
             batch.append((name, kind, _tensor(buf, at, nbytes, dtype, shape)))
             at += nbytes
-        versions = self.store.put_many(batch)
-        # Acknowledged means committed: see the module docstring.
-        self.store.flush()
+        # Acknowledged means committed (see the module docstring), and committed before any
+        # client can see it: a client outlives a daemon crash, so it must never have read a
+        # version the crash takes back.
+        versions = self.store.put_many(batch, durable=True)
         return {"versions": versions}
 
     def _put_item(self, item: Any) -> tuple[str, str, torch.dtype, tuple[int, ...], int]:
@@ -165,8 +168,12 @@ class OpHandlers:
         return {"deleted": done}
 
     def _keys(self, conn: Conn, f: P.Fields, _p: Any) -> Any:
+        # As the answer's payload, not its fields: an MoE catalog's keys (tens of
+        # thousands) outgrow the fields' 1 MiB.
         prefix = f.str("prefix", "", P.MAX_NAME_BYTES)
-        return {"keys": [list(k) for k in self.store.keys(prefix)]}
+        listing = json.dumps([list(k) for k in self.store.keys(prefix)],
+                             separators=(",", ":")).encode()
+        return {"in_payload": True}, [listing]
 
     def _info(self, conn: Conn, f: P.Fields, _p: Any) -> Any:
         info = self.store.info(*_one_key(f))

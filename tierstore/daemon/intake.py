@@ -103,8 +103,12 @@ class Request:
             self._hold(k)
             at = len(buf)
             buf += _ZEROS[:k]
-            with memoryview(buf)[at:] as dst:
-                self.reader.read_exact_into(dst)
+            try:
+                with memoryview(buf)[at:] as dst:
+                    self.reader.read_exact_into(dst)
+            except OSError as e:  # the socket's: an OSError out of a handler is the store's
+                raise P.ProtocolError(f"the connection failed mid-payload: {e}",
+                                      fatal=True) from None
             self.payload_left -= k
         return buf
 
@@ -120,9 +124,15 @@ class Request:
 
     def hold(self, n: int) -> None:
         """Count ``n`` more bytes this request keeps in memory (an answer's) against the
-        daemon's budget until :meth:`release`; waits, then refuses, as a payload does."""
+        daemon's budget until :meth:`release`; waits, then refuses, as a payload does. An
+        answer larger than the whole budget is refused outright: counting only the budget's
+        worth of it would let one request take more memory than the limit says."""
+        if n > self.budget.limit:
+            raise StoreError(f"this get needs {format_size(n)} of entries the host cache does "
+                             f"not hold, more than the daemon's --max-inflight of "
+                             f"{format_size(self.budget.limit)}; ask for fewer at once")
         if n:
-            self._hold(min(n, self.budget.limit))
+            self._hold(n)
 
     def let_go(self, n: int) -> None:
         """Give back ``n`` of the bytes :meth:`hold` took."""

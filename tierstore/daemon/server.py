@@ -11,9 +11,10 @@
   gets of a published entry skip the socket (``shared_cache.py``: the published index).
 - Leases: the slots a get answered with stay pinned in the cache (never evicted, never
   reused) until the client releases the lease or its connection closes.
-- Acknowledgement means durable: a put through the daemon lands in the cache and is then
-  flushed (written back copy-on-write and committed in LMDB) before the answer goes out,
-  so a SIGKILL of the daemon loses no acknowledged write. Concurrent puts share flushes.
+- Acknowledgement means durable, and visibility means committed: a put through the daemon
+  is written copy-on-write and committed in LMDB first and only then lands (clean) in the
+  cache, before the answer goes out. So a SIGKILL of the daemon loses no acknowledged
+  write, and no client, which outlives the daemon, ever read a version a crash took back.
 - Memory for requests is bounded, whatever clients declare:
 
   - before its hello a connection is served only a hello or a status request, with at
@@ -39,16 +40,20 @@ index; this module accepts connections, serves each on its thread and reports th
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import itertools
 import os
+import resource
 import selectors
 import signal
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +79,14 @@ from .metrics import Histogram, MetricsServer, exposition
 from .shared_cache import SharedCache
 
 MAX_CONNECTIONS = 1024  # a connection costs a thread; more are refused
+# A connection that has not said hello by then is dropped: idle ones must not hold the
+# connection slots (or descriptors) that real clients need.
+HELLO_DEADLINE_S = 10.0
+# An answer the client has not taken a byte of for this long: the client is stopped (a
+# debugger, Ctrl-Z) and its connection is dropped, giving back the answer's bytes, which
+# count against --max-inflight for every client.
+SEND_TIMEOUT_S = 30
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _OP_NAMES = {op.value: op.name.lower() for op in P.Op}
 
 
@@ -102,6 +115,8 @@ class Server(OpHandlers):
         self._budget = ByteBudget(self.max_inflight)
         self._budget_wait = budget_wait_s
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._logged: set[str] = set()
+        _raise_open_files_limit()
         cap = parse_size(host_cache) // PAGE * PAGE
         if cap < PAGE:
             raise StoreError("the daemon needs a host cache (--host-cache of at least 4KiB): "
@@ -112,6 +127,9 @@ class Server(OpHandlers):
         self._shared = SharedCache(cap)
         self.index_rows = self._shared.index_rows
         self.arena_bytes = cap
+        # Which daemon this is: a client mapped one daemon's shared memory, and must never
+        # read another's offsets into it (a daemon restarted on the same socket).
+        self.instance = uuid.uuid4().hex
         # The store lock decides which daemon owns the store, before the socket is touched,
         # so a refused second daemon never disturbs the first one's socket.
         try:
@@ -164,8 +182,11 @@ class Server(OpHandlers):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(path)
-            except OSError:
-                os.unlink(path)  # left by a daemon that was killed
+            except ConnectionRefusedError:
+                os.unlink(path)  # left by a daemon that was killed: nobody listens
+            except OSError as e:  # not ours to judge (another user's daemon, say): never unlink
+                raise StoreError(f"cannot tell whether a daemon listens on {path} "
+                                 f"({e.strerror or e}); choose another --socket") from None
             else:
                 raise StoreError(f"socket {path} is in use by a running daemon")
             finally:
@@ -203,11 +224,20 @@ class Server(OpHandlers):
                     continue
                 try:
                     sock, _ = self._listener.accept()
-                except OSError:
+                except OSError as e:
+                    if e.errno in _OUT_OF_DESCRIPTORS:
+                        # The listener stays readable: without a pause this loop would
+                        # spin on the same error until a connection closes.
+                        self._log_once("accept", f"tierstore serve: cannot accept a "
+                                       f"connection ({e.strerror}); waiting for one to close")
+                        self._stop.wait(0.1)
                     continue
                 if len(self._conns) >= MAX_CONNECTIONS:
                     sock.close()
                     continue
+                sock.settimeout(HELLO_DEADLINE_S)  # until its hello (see _serve_one)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                struct.pack("ll", SEND_TIMEOUT_S, 0))
                 conn = Conn(sock, next(self._cids))
                 conn.thread = threading.Thread(target=self._serve_conn, args=(conn,),
                                                name=f"tierstore-conn-{conn.cid}", daemon=True)
@@ -221,6 +251,11 @@ class Server(OpHandlers):
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _log_once(self, what: str, message: str) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            self._log(message)
 
     def shutdown(self) -> None:
         """Stop serving: drop every connection (their leases with them), flush, close."""
@@ -241,13 +276,15 @@ class Server(OpHandlers):
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
-        store = getattr(self, "store", None)
-        if store is not None and not store.closed:
-            store.close()  # writes back every dirty entry
+        # The socket goes before the store lock does: once the lock is free, a new daemon
+        # on this store may bind the same path, and unlinking then would take its socket.
         if self._listener is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
             self._listener = None
+        store = getattr(self, "store", None)
+        if store is not None and not store.closed:
+            store.close()  # writes back every dirty entry
         self._shared.close()
 
     # -- one connection ---------------------------------------------------------------
@@ -285,7 +322,18 @@ class Server(OpHandlers):
                 return False
             op, flags, rid, nfields, npayload = head
             admit(conn, op, nfields, npayload)
-            answer = self._dispatch(conn, op, req.fields(), req)
+            fields = req.fields()
+            if op == P.Op.HELLO:
+                conn.sock.settimeout(None)  # a client may be quiet as long as it likes
+            try:
+                answer = self._dispatch(conn, op, fields, req)
+            except OSError as e:
+                # The store's (a full disk, a failed write, a file in the way), not the
+                # socket's, which the request's reading turns into a ProtocolError: the
+                # client gets it as the OSError a local store raises, and goes on.
+                if not flags & P.NO_REPLY:
+                    self._send_error(conn, rid, e)
+                return True
             if answer is not None and not flags & P.NO_REPLY:
                 fields_out, parts, fds = answer
                 self._send(conn, rid, fields_out, parts, fds)
@@ -321,9 +369,16 @@ class Server(OpHandlers):
 
     def _send_error(self, conn: Conn, rid: int, err: Exception) -> None:
         kind = type(err).__name__ if not isinstance(err, P.ProtocolError) else "StoreError"
-        fields = {"error": kind, "message": str(err)[:1000]}
+        fields: dict[str, Any] = {"error": kind, "message": str(err)[:1000]}
         if isinstance(err, P.ProtocolError):
             fields["protocol"] = True
+        if isinstance(err, OSError) and not isinstance(err, StoreError):
+            fields.update(errno=err.errno or 0, message=(err.strerror or str(err))[:1000])
+            if err.filename is not None:
+                fields["filename"] = str(err.filename)
+        for attr in ("name", "kind"):  # what the local store's error names
+            if isinstance(getattr(err, attr, None), str):
+                fields[attr] = getattr(err, attr)
         with contextlib.suppress(OSError), conn.send_lock:
             conn.sock.sendall(P.encode(P.Op.ERROR, rid, fields))
 
@@ -421,3 +476,13 @@ def _group_id(group: str) -> int:
         return grp.getgrnam(group).gr_gid
     except KeyError:
         raise StoreError(f"no group named {group!r}") from None
+
+
+def _raise_open_files_limit() -> None:
+    """Every connection is a descriptor (and a client opens up to eight): the soft limit,
+    often 1024, is raised to the hard one, as servers do."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

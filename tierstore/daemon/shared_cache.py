@@ -17,6 +17,8 @@ own.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import mmap
 import os
@@ -37,6 +39,25 @@ INDEX_ROW_BYTES = 16  # (seq, offset), int64 each
 MAX_INDEX_ROWS = 1 << 18  # 4 MiB of index; entries beyond it are served over the socket
 
 
+# F_SEAL_FUTURE_WRITE (Linux 5.1): no write() and no new writable shared mapping of the
+# memory, for anyone, root included; the daemon's own mapping, made before, stays writable.
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
+def _seal_writes(memfd: int) -> None:
+    """Make the memory unwritable through any descriptor a client could get: the 0400 mode
+    alone does not stop a client of the daemon's own user, who owns the inode, from
+    chmod-ing its read-only descriptor and reopening it for writing. Where the kernel
+    predates the seal, the mode is what is left."""
+    seals = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+    try:
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE | seals)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, seals)
+
+
 class SharedCache:
     """``arena_bytes`` of shared memory for the host cache's slots (``arena``, which the
     store's cache is carved out of), the published index after it, and ``ro_fd``, the
@@ -46,10 +67,11 @@ class SharedCache:
         cap = arena_bytes
         self.index_rows = max(1, min(cap // PAGE, MAX_INDEX_ROWS))
         index_bytes = -(-self.index_rows * INDEX_ROW_BYTES // PAGE) * PAGE
-        memfd = os.memfd_create("tierstore-cache", os.MFD_CLOEXEC)
+        memfd = os.memfd_create("tierstore-cache", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(memfd, cap + index_bytes)
             self._map = mmap.mmap(memfd, cap + index_bytes)
+            _seal_writes(memfd)
         except OSError as e:
             os.close(memfd)
             raise StoreError(f"cannot map a host cache of {format_size(cap)} in shared "
