@@ -136,6 +136,8 @@ BAD_VALUES: list[tuple[tuple[str, ...], str]] = [
     (("init", "{new}", "--backing", "pmem", "--pmem-path", "{missing}/pool",
       "--pmem-size", "16MiB"), "--pmem-path"),
     (("init", "{new}", "--pmem-size", "16MiB"), "--pmem-size"),
+    (("init", "{new}", "--slab-size", "0"), "--slab-size"),
+    (("init", "{new}", "--slab-size", "100"), "--slab-size"),
     (("init", "{new}", "--pmem-path", "{dir}/pool"), "--pmem-path"),
     (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--policy", "nosuch"),
      "--policy"),

@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from .cli_daemon import serve, status
-from .cli_options import OUTPUT_FILE, POSITIVE_SIZE, SIZE
+from .cli_options import OUTPUT_FILE, POSITIVE_SIZE, SLAB_SIZE
 from .cli_options import run_command as _run
 from .errors import StoreError
 from .sizes import format_size
@@ -86,7 +86,7 @@ def main() -> None:
 @click.argument("store", type=click.Path(file_okay=False))
 @click.option("--backing", type=click.Choice(["nvme", "pmem"]), default="nvme", show_default=True,
               help="Backing tier: slab files under STORE, or a persistent-memory pool file.")
-@click.option("--slab-size", type=SIZE, default="1GiB", show_default=True,
+@click.option("--slab-size", type=SLAB_SIZE, default="1GiB", show_default=True,
               help="Size of each preallocated NVMe slab file.")
 @click.option("--pmem-path", type=OUTPUT_FILE,
               help="Pool file for --backing pmem (on a DAX mount in production).")
@@ -215,7 +215,7 @@ def fsck(store: str, as_json: bool, repair: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(["zarr", "safetensors"]), required=True,
               help="zarr: a v3 group, one array per tensor family, one chunk per expert. "
                    "safetensors: OUT.safetensors, or a directory of shards with an index.")
-@click.option("--shard-size", type=SIZE, default="4GiB", show_default=True,
+@click.option("--shard-size", type=POSITIVE_SIZE, default="4GiB", show_default=True,
               help="safetensors shard size.")
 def export(store: str, out: str, fmt: str, shard_size: int) -> None:
     """Export every live entry of STORE to OUT."""

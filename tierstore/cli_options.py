@@ -38,6 +38,8 @@ class SizeType(click.ParamType):
 SIZE = SizeType()
 #: A size where zero means nothing useful (a pool, a request limit, an entry).
 POSITIVE_SIZE = SizeType(minimum=1)
+#: A slab file's size: at least a page, the backing tier's unit.
+SLAB_SIZE = SizeType(minimum=4096)
 
 
 class CommaList(click.ParamType):

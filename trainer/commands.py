@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from tierstore.cli_options import DEVICE, OUTPUT_FILE, POSITIVE_SIZE, SIZE
+from tierstore.cli_options import DEVICE, OUTPUT_FILE, POSITIVE_SIZE, SIZE, SLAB_SIZE
 from tierstore.cli_options import run_command as _run
 
 DEFAULT_DEMO_STORE = "demo-store"
@@ -66,7 +66,7 @@ def import_hf_(model_dir: str, store: str, resume: bool) -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
               help="dtype of the written weights (default: the checkpoint's own; fp32 for a "
                    "trainer run, whose weights are fp32 masters).")
-@click.option("--shard-size", type=SIZE, default="5GB", show_default=True,
+@click.option("--shard-size", type=POSITIVE_SIZE, default="5GB", show_default=True,
               help="Most bytes per safetensors shard (a larger tensor gets a shard of its own).")
 @click.option("--force", is_flag=True,
               help="Write into a non-empty OUT_DIR, replacing the weight files in it.")
@@ -188,7 +188,7 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Backing tier of a new store (default nvme); checked against an existing one.")
 @click.option("--pmem-path", type=OUTPUT_FILE, help="Pool file for --backing pmem.")
 @click.option("--pmem-size", type=POSITIVE_SIZE, help="Pool size for --backing pmem, e.g. 16GiB.")
-@click.option("--slab-size", type=SIZE, default="1GiB", show_default=True,
+@click.option("--slab-size", type=SLAB_SIZE, default="1GiB", show_default=True,
               help="NVMe slab file size of a new store.")
 @click.option("--fetch", type=click.Choice(["auto", "queue", "direct"]), default="auto",
               show_default=True,
