@@ -9,7 +9,9 @@
 - the daemon's errors arrive as the local store's: a missing entry names itself, a store
   OSError is the same OSError (and the connection serves on);
 - the shared memory cannot be made writable through the descriptor a client holds;
-- a get larger than the daemon's whole request budget is refused, not read.
+- a get larger than the daemon's whole request budget is refused, not read;
+- a daemon never takes a socket it cannot tell is dead, and a stopping one removes its own
+  before a successor could bind the path.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,3 +201,49 @@ def test_another_client_never_sees_a_put_before_its_commit(tmp_path: Path) -> No
         store._write_through = real  # type: ignore[method-assign]
         srv.stop()
         thread.join(60)
+
+
+def test_a_socket_the_daemon_cannot_ask_about_is_left_alone(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    _store(tmp_path / "store")
+    path = tmp_path / "s.sock"
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(path))
+    live.listen(1)
+    real_connect = socket.socket.connect
+
+    def cannot_tell(self: socket.socket, address: object) -> None:
+        if address == str(path):  # as for another user's socket: not "nobody listens"
+            raise PermissionError(13, "Permission denied")
+        real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", cannot_tell)
+    try:
+        with pytest.raises(tierstore.StoreError, match="cannot tell whether a daemon"):
+            Server(str(tmp_path / "store"), str(path), host_cache="4MiB")
+        assert path.exists()  # the live one's socket was not taken
+    finally:
+        live.close()
+    with tierstore.open(tmp_path / "store") as st:  # the refused daemon let the store go
+        assert torch.equal(st.get("e0"), _value(0))
+
+
+def test_a_stopping_daemon_removes_its_socket_before_it_lets_the_store_go(
+        tmp_path: Path) -> None:
+    _store(tmp_path / "store")
+    path = tmp_path / "s.sock"
+    srv = Server(str(tmp_path / "store"), str(path), host_cache="4MiB")
+    seen: list[bool] = []
+    real_close = srv.store.close
+
+    def close() -> None:  # the moment a successor could take the store and bind the path
+        seen.append(path.exists())
+        real_close()
+
+    srv.store.close = close  # type: ignore[method-assign]
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    srv.stop()
+    thread.join(60)
+    assert seen == [False]
