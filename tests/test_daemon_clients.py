@@ -247,3 +247,27 @@ def test_a_stopping_daemon_removes_its_socket_before_it_lets_the_store_go(
     srv.stop()
     thread.join(60)
     assert seen == [False]
+
+
+def test_threads_of_one_client_read_published_entries_at_once(served: tuple[Daemon, Path]
+                                                              ) -> None:
+    _, sock = served
+    errors: list[str] = []
+    with tierstore.connect(sock) as st:
+        names = [f"e{i}" for i in range(8)]  # 512 KiB: all cached, all published
+
+        def reader() -> None:
+            try:
+                for _ in range(300):
+                    for i, name in enumerate(names):
+                        assert torch.equal(st.get(name), _value(i))
+            except Exception as e:  # noqa: BLE001  (any failure fails the test below)
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=reader) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[:3]
+        assert st.stats()["local_hits"] > 0  # the published path was the one exercised

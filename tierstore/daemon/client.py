@@ -95,8 +95,6 @@ class RemoteStore(Store):
         # alone (the published index) could return what a restarted daemon replaced.
         self._watch = Connection(self.socket_path, self.client_id, want_arena=False,
                                  role="status")
-        self._gone = select.poll()
-        self._gone.register(self._watch.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         self.path = str(hello["store"])
         self._backing = str(hello["backing"])
         self._describe = str(hello["describe"])
@@ -152,6 +150,12 @@ class RemoteStore(Store):
         with self._pool_lock:
             self._all.append(conn)
         return conn
+
+    def _daemon_hung_up(self) -> bool:
+        """Whether the daemon closed the watch connection (it carries no requests, so
+        anything readable there is its end). ``select`` rather than one shared ``poll``
+        object: gets run on many threads at once, and a poll object refuses that."""
+        return bool(select.select([self._watch.sock], [], [], 0)[0])
 
     def _daemon_replaced(self) -> None:
         """The daemon this client connected to is gone (another may serve the socket now):
@@ -368,7 +372,7 @@ class RemoteStore(Store):
         rec = self._rows.get(key)
         if rec is None:
             return None
-        if self._gone.poll(0):  # the daemon hung up: its index may be another's memory now
+        if self._daemon_hung_up():  # its index may be another daemon's memory now
             self._rows.clear()
             self._index = None
             return None  # the socket path says what happened
