@@ -4,6 +4,7 @@ own slots share), and a borrow made in line (:class:`Done`). :mod:`trainer.infer
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -66,9 +67,9 @@ class Landing(RoutedExperts):
         self._ring, self._held, self._names = ring, held, names
         super().__init__(ids)
 
+    @abc.abstractmethod
     def _part(self, e: int) -> Any:
         """The future (or :class:`Done`) of the part that holds expert ``e``."""
-        raise NotImplementedError
 
     def _tensors(self, landed: Any) -> dict[str, Any]:
         return landed
