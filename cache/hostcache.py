@@ -164,13 +164,15 @@ class HostCache(WriteBackCache):
         return outcome
 
     # staged versions
-    def stage(self, key: Key, nbytes: int) -> Handle | None:
+    def stage(self, key: Key, nbytes: int, *, data: Any = None) -> Handle | None:
         """A fresh slot for the next version of ``key``, invisible to lookups until
         :meth:`commit_staged` (``None``: not cached, as for :meth:`insert`).
 
         The caller writes the new bytes straight into ``handle.view`` (no copy through a
-        buffer of its own), then commits or discards. Until the commit, readers keep
-        seeing the current version, so a writer that fails half-way leaves nothing behind.
+        buffer of its own), or passes them as ``data`` (copied in here), then commits or
+        discards. Until the commit, readers keep seeing the current version, so a writer
+        that fails half-way leaves nothing behind; the commit swaps the versions in one
+        step, so the key is never missing from the cache meanwhile.
         """
         nbytes = int(nbytes)
         if nbytes < 0:
@@ -179,6 +181,12 @@ class HostCache(WriteBackCache):
             outcome = self._begin_insert(key, nbytes, None, staged=True)
         if isinstance(outcome, _Pending):
             outcome = self._write_back_victims(outcome)
+        if outcome is not None and data is not None:
+            try:
+                _fill(outcome.view, data)
+            except BaseException:
+                self.discard_staged(outcome)
+                raise
         return outcome
 
     def stage_many(self, items: list[tuple[Key, int]]) -> list[Handle | None]:
@@ -212,23 +220,24 @@ class HostCache(WriteBackCache):
             out.append(outcome)
         return out
 
-    def commit_staged(self, handle: Handle, meta: Any = None) -> None:
-        """Make a staged slot ``key``'s current, dirty version (``meta`` its metadata).
+    def commit_staged(self, handle: Handle, meta: Any = None, *, dirty: bool = True) -> None:
+        """Make a staged slot ``key``'s current, dirty version (``meta`` its metadata;
+        clean with ``dirty=False``: bytes the backing tier holds already).
 
         The version it replaces leaves the index at once; readers still holding it keep its
         slot until they release it. A same-sized replacement counts as an access to the
         key (its frequency history stays); otherwise the key is removed and re-inserted.
         """
         with self._cond:
-            self._commit_staged_locked(handle, meta)
+            self._commit_staged_locked(handle, meta, dirty)
 
     def commit_staged_many(self, pairs: list[tuple[Handle, Any]]) -> None:
         """:meth:`commit_staged` of several ``(handle, meta)`` under one lock acquisition."""
         with self._cond:
             for handle, meta in pairs:
-                self._commit_staged_locked(handle, meta)
+                self._commit_staged_locked(handle, meta, True)
 
-    def _commit_staged_locked(self, handle: Handle, meta: Any) -> None:
+    def _commit_staged_locked(self, handle: Handle, meta: Any, dirty: bool) -> None:
         entry = handle._entry
         if not entry.staged or handle._released:
             raise RuntimeError(f"{handle!r} is not a staged, unreleased slot")
@@ -247,7 +256,7 @@ class HostCache(WriteBackCache):
         entry.staged = False
         entry.state = _READY
         self._entries[key] = entry
-        self._set_dirty(entry, True)
+        self._set_dirty(entry, dirty)
         entry.gen += 1
         entry.meta = meta
         handle._released = True

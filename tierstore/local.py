@@ -243,7 +243,13 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
         """dtype, shape, size, version, checksum and location. An entry whose newest
         version is still only in the host cache has tier ``"host"``, no path and no
         checksum yet."""
-        cached = self._cache.peek((name, kind)) if self._cache is not None else None
+        # Under the key lock a put or delete of the key is done or not begun: a delete
+        # takes the cached version before its commit (see ReadPath._host_bytes).
+        with self._key_locks([(name, kind)] if self._cache is not None else []):
+            cached = self._cache.peek((name, kind)) if self._cache is not None else None
+            if cached is None or not cached[1]:
+                with self._catalog.read() as txn:
+                    rec = self._catalog.get_record(txn, name, kind)
         if cached is not None and cached[1]:
             meta = cached[0]
             return EntryInfo(
@@ -251,8 +257,6 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
                 nbytes=meta.nbytes, version=meta.version, checksum="", tier="host", path=None,
                 offset=None,
             )
-        with self._catalog.read() as txn:
-            rec = self._catalog.get_record(txn, name, kind)
         if rec is None:
             raise EntryNotFoundError(name, kind)
         return self._entry_info(name, kind, rec)

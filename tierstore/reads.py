@@ -150,8 +150,10 @@ class ReadPath(LocalState):
                         handles.append(h)
                         found[key] = (h.meta, h.view)
             if misses:
-                fills = admit and self._cache is not None
-                with self._ops.shared(), self._key_locks(misses if fills else []):
+                # Under the misses' key locks a write or delete of them is done or not
+                # begun: a delete takes the cached version before its commit, and a read
+                # in between would find the older committed one (or fill the cache with it).
+                with self._ops.shared(), self._key_locks(misses if self._cache is not None else []):
                     self._load(misses, found, handles, admit=admit, direct=direct or {},
                                views=views)
             with self._stats_lock:

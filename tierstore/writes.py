@@ -84,24 +84,29 @@ class WritePath(LocalState):
         """New versions into the host cache as dirty entries; what it does not take is
         written through in one commit. ``clean``: the versions are committed already, so
         they land clean and what the cache does not take is simply not cached. The caller
-        holds the entries' key locks."""
+        holds the entries' key locks.
+
+        A new version takes the old one's place in one step, so a reader never finds a
+        key in neither the cache nor the catalog, nor a version older than one it has
+        seen: it is written into the old version's slot where nobody holds that, else
+        into a staged slot swapped in by ``commit_staged``; where the cache takes no slot,
+        the old version leaves only once the new one is committed."""
         assert self._cache is not None
+        cache = self._cache
         through = []
         for name, k, src, meta in batch:
-            # In place when nobody holds the old bytes; otherwise a new slot, so readers
-            # still copying the old bytes keep them.
-            if meta.nbytes and self._cache.overwrite((name, k), src, meta, dirty=not clean):
-                continue
-            self._cache.invalidate((name, k))
-            h = self._cache.insert((name, k), meta.nbytes, meta, data=src) if meta.nbytes else None
-            if h is None:
-                through.append((name, k, src, meta))
-                continue
-            if not clean:
-                self._cache.mark_dirty((name, k), meta)
-            h.release()
+            if meta.nbytes:
+                if cache.overwrite((name, k), src, meta, dirty=not clean):
+                    continue
+                h = cache.stage((name, k), meta.nbytes, data=src)
+                if h is not None:
+                    cache.commit_staged(h, meta, dirty=not clean)
+                    continue
+            through.append((name, k, src, meta))
         if through and not clean:
             self._write_through(through)
+        for name, k, _, _ in through:
+            cache.invalidate((name, k))
 
     def _delete(self, name: str, kind: str, missing_ok: bool) -> bool:
         """With the host cache the delete is a version above every earlier put of the key,
