@@ -243,13 +243,20 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
         """dtype, shape, size, version, checksum and location. An entry whose newest
         version is still only in the host cache has tier ``"host"``, no path and no
         checksum yet."""
-        # Under the key lock a put or delete of the key is done or not begun: a delete
-        # takes the cached version before its commit (see ReadPath._host_bytes).
-        with self._key_locks([(name, kind)] if self._cache is not None else []):
-            cached = self._cache.peek((name, kind)) if self._cache is not None else None
+        cache = self._cache
+        cached = cache.peek((name, kind)) if cache is not None else None
+        rec = None
+        if cache is None or cached is not None:
             if cached is None or not cached[1]:
-                with self._catalog.read() as txn:
-                    rec = self._catalog.get_record(txn, name, kind)
+                rec = self._committed(name, kind)
+        else:
+            # A miss settles under the key lock, after any delete in progress: a delete
+            # takes the cached version before its commit, and until then the catalog
+            # holds an older one (see ReadPath._host_bytes).
+            with self._key_locks([(name, kind)]):
+                cached = cache.peek((name, kind))
+                if cached is None or not cached[1]:
+                    rec = self._committed(name, kind)
         if cached is not None and cached[1]:
             meta = cached[0]
             return EntryInfo(
@@ -260,6 +267,10 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
         if rec is None:
             raise EntryNotFoundError(name, kind)
         return self._entry_info(name, kind, rec)
+
+    def _committed(self, name: str, kind: str) -> Record | None:
+        with self._catalog.read() as txn:
+            return self._catalog.get_record(txn, name, kind)
 
     def _entry_info(self, name: str, kind: str, rec: Record) -> EntryInfo:
         path, offset = self._medium.location(rec.seg, rec.off) if rec.seg >= 0 else (None, None)
