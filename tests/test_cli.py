@@ -143,6 +143,18 @@ BAD_VALUES: list[tuple[tuple[str, ...], str]] = [
      "--policy"),
     (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--max-request", "0"),
      "--max-request"),
+    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--max-connections", "0"),
+     "--max-connections"),
+    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--send-timeout", "0"),
+     "--send-timeout"),
+    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--send-timeout", "nan"),
+     "--send-timeout"),
+    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--send-timeout", "inf"),
+     "--send-timeout"),
+    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--hello-timeout", "-1"),
+     "--hello-timeout"),
+    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--hello-timeout", "10s"),
+     "--hello-timeout"),
     # train, generate, demo
     (("train", "--store", "{new}", "--steps", "1", "--device", "cuda:99"), "--device"),
     (("train", "--store", "{new}", "--steps", "1", "--device", "tpu"), "--device"),
@@ -281,9 +293,10 @@ def test_bench_cache_malformed_trace_is_one_line(tmp_path) -> None:
 
 
 def test_option_types_accept_what_they_document() -> None:
-    from tierstore.cli_options import POSITIVE_SIZE, CommaList, DeviceType
+    from tierstore.cli_options import POSITIVE_SIZE, TIMEOUT, CommaList, DeviceType
 
     assert CommaList(POSITIVE_SIZE).convert("4KiB, 1MiB,512", None, None) == [4096, 1 << 20, 512]
+    assert TIMEOUT.convert("0.5", None, None) == 0.5 and TIMEOUT.convert(30, None, None) == 30.0
     assert CommaList(POSITIVE_SIZE).convert([1, 2], None, None) == [1, 2]
     assert DeviceType().convert("auto", None, None) == "auto"
     assert DeviceType(auto=False).convert("cpu", None, None) == "cpu"

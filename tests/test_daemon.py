@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +61,15 @@ def make_store(path: Path) -> int:
 class Daemon:
     """`python -m tierstore.cli serve` in a subprocess, its stderr in a file."""
 
-    def __init__(self, store: Path, sock: Path, *extra: str) -> None:
+    def __init__(self, store: Path, sock: Path, *extra: str,
+                 preexec_fn: Callable[[], Any] | None = None) -> None:
         self.store, self.sock = store, sock
         self.log = sock.with_suffix(f".{time.monotonic_ns()}.log")
         self._err = open(self.log, "w")  # noqa: SIM115 (closed in wait())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierstore.cli", "serve", "--store", str(store),
              "--socket", str(sock), "--host-cache", "64MiB", "--metrics-port", "0", *extra],
-            stderr=self._err, stdout=subprocess.DEVNULL)
+            stderr=self._err, stdout=subprocess.DEVNULL, preexec_fn=preexec_fn)
         deadline = time.monotonic() + 90
         while "serving" not in self.log.read_text():
             if self.proc.poll() is not None:

@@ -11,24 +11,41 @@
 - the shared memory cannot be made writable through the descriptor a client holds;
 - a get larger than the daemon's whole request budget is refused, not read;
 - a daemon never takes a socket it cannot tell is dead, and a stopping one removes its own
-  before a successor could bind the path.
+  before a successor could bind the path;
+- a connection over the daemon's --max-connections is told so, in a clear error, and the
+  daemon serves new clients once others have gone;
+- releases riding on a request the daemon refuses unread go again with the next request,
+  so no lease is left behind;
+- a client that stops reading an answer is dropped after --send-timeout, giving back the
+  request budget it held, and the other clients are served;
+- out of descriptors, the daemon waits for connections to close without spinning, then
+  serves again.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import mmap
 import os
+import resource
+import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from test_daemon import Daemon, wait_for
+from click.testing import CliRunner
+from test_daemon import Daemon, exchange, raw_conn, wait_for
 
 import tierstore
+from tierstore.cli import main
+from tierstore.daemon import protocol as P
+from tierstore.daemon.client import RemoteStore
+from tierstore.daemon.connection import Connection, Lease
 from tierstore.daemon.server import Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -271,3 +288,198 @@ def test_threads_of_one_client_read_published_entries_at_once(served: tuple[Daem
             t.join(120)
         assert not errors, errors[:3]
         assert st.stats()["local_hits"] > 0  # the published path was the one exercised
+
+
+# -- limits on connections ----------------------------------------------------------------------
+def _connect_once_free(sock: Path) -> RemoteStore:
+    """A client, as soon as the daemon has a slot for it: connections that just closed
+    leave the daemon's count when their threads notice, a moment later."""
+    got: list[RemoteStore] = []
+
+    def attempt() -> bool:
+        try:
+            got.append(tierstore.connect(sock))
+        except tierstore.StoreError as e:
+            assert "connection limit" in str(e), e
+            return False
+        return True
+
+    wait_for(attempt, timeout=60)
+    return got[0]
+
+
+def test_a_connection_over_the_limit_is_told_why(tmp_path: Path) -> None:
+    _store(tmp_path / "store")
+    sock = tmp_path / "s.sock"
+    daemon = Daemon(tmp_path / "store", sock, "--max-connections", "2")
+    try:
+        held = [raw_conn(sock) for _ in range(2)]
+        try:
+            for s in held:  # answered, so the daemon counts both
+                assert exchange(s, P.Op.HELLO, {"version": 1})[0] == P.Op.REPLY
+            with pytest.raises(tierstore.StoreError) as refused:
+                tierstore.connect(sock)
+            assert type(refused.value) is tierstore.StoreError
+            assert str(refused.value) == (
+                f"the tierstore daemon at {sock} is at its connection limit of 2 "
+                "(--max-connections); try again once a client has disconnected")
+            res = CliRunner().invoke(main, ["status", "--connect", str(sock)])
+            assert res.exit_code == 2, res.output
+            assert res.output.splitlines() == [f"tierstore: {refused.value}"]
+        finally:
+            for s in held:
+                s.close()
+        with _connect_once_free(sock) as st:
+            assert torch.equal(st.get("e0"), _value(0))
+            assert st.status()["connections"] == 1  # its own (a watch is no client)
+    finally:
+        assert daemon.terminate() == 0, daemon.log.read_text()
+    log = daemon.log.read_text()
+    assert "at the limit of 2 connections" in log and "internal error" not in log
+
+
+# -- releases on a refused request --------------------------------------------------------------
+def _leases(sock: Path) -> int:
+    res = CliRunner().invoke(main, ["status", "--connect", str(sock), "--json"])
+    assert res.exit_code == 0, res.output
+    return int(json.loads(res.stdout)["leases"])
+
+
+def test_releases_on_a_refused_request_go_with_the_next_one(tmp_path: Path) -> None:
+    _store(tmp_path / "store")  # 64 KiB entries
+    sock = tmp_path / "s.sock"
+    daemon = Daemon(tmp_path / "store", sock, "--host-cache", "1MiB", "--max-request",
+                    "256KiB", "--max-inflight", "256KiB")
+    try:
+        conn = Connection(str(sock), "requeue", want_arena=False)
+    except BaseException:
+        daemon.kill()
+        raise
+    try:
+        leases = []
+        for name in ("e0", "e1"):
+            fields, _ = conn.request(P.Op.GET, {"keys": [[name, "param"]]})
+            # No releaser thread (a client's sends releases alone after 2 ms): a release
+            # goes only with the connection's next request, whichever that is.
+            leases.append(Lease(lambda: None, conn, int(fields["lease"])))
+        assert _leases(sock) == 2
+        leases[0].release()
+        # Fields over the daemon's whole request budget are refused before they are read,
+        # the release riding on them with them.
+        many = {"keys": [[f"missing.{i:04d}.{'x' * 80}", "param"] for i in range(3000)]}
+        with pytest.raises(tierstore.StoreError, match="fields is more than the daemon's "
+                                                       "--max-inflight"):
+            conn.request(P.Op.GET, many)
+        assert conn.pending == [leases[0].lease]  # put back
+        assert _leases(sock) == 2  # the daemon never saw it
+        assert conn.request(P.Op.CONTAINS, {"name": "e0", "kind": "param"})[0] == {
+            "found": True}
+        assert conn.pending == [] and _leases(sock) == 1
+        # A get refused once its fields were read (its answer is over the budget) did take
+        # the release it carried; the copy that goes again is ignored.
+        leases[1].release()
+        with pytest.raises(tierstore.StoreError, match="--max-inflight"):
+            conn.request(P.Op.GET, {"keys": [[f"e{i}", "param"] for i in range(2, 8)]})
+        assert conn.pending == [leases[1].lease] and _leases(sock) == 0
+        assert conn.request(P.Op.CONTAINS, {"name": "e1", "kind": "param"})[0] == {
+            "found": True}
+        assert conn.pending == [] and _leases(sock) == 0
+    finally:
+        conn.close()
+        assert daemon.terminate() == 0, daemon.log.read_text()
+
+
+# -- a client that stops reading ----------------------------------------------------------------
+def test_a_client_that_stops_reading_is_dropped_and_others_are_served(tmp_path: Path) -> None:
+    big = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB: far more than socket buffers
+    with tierstore.open(tmp_path / "store", create=True, host_cache=0, slab_size="64MiB") as st:
+        st.put_many({"big": big, **{f"e{i}": _value(i) for i in range(4)}})
+    sock = tmp_path / "s.sock"
+    # The cache cannot hold "big": it travels in the answer, and its 16 MiB are the
+    # daemon's whole request budget until that answer is sent.
+    daemon = Daemon(tmp_path / "store", sock, "--host-cache", "1MiB", "--max-request",
+                    "16MiB", "--max-inflight", "16MiB", "--send-timeout", "1")
+    try:
+        stalled = raw_conn(sock)
+    except BaseException:
+        daemon.kill()
+        raise
+    try:
+        hello = {"version": 1, "client": "stalled"}
+        assert exchange(stalled, P.Op.HELLO, hello)[0] == P.Op.REPLY
+        stalled.sendall(P.encode(P.Op.GET, 8, {"keys": [["big", "param"]]}))
+        assert select.select([stalled], [], [], 60)[0]  # its answer has begun; not read
+        with tierstore.connect(sock) as st:
+            # Waits (up to 30 s) for the budget the stalled answer holds, until the daemon
+            # gives up on that answer; or is served at once if it already has.
+            assert torch.equal(st.get("big"), big)
+            assert torch.equal(st.get("e1"), _value(1))
+
+            def stalled_gone() -> bool:
+                s = st.status()
+                return (all(c["client"] != "stalled" for c in s["client_list"])
+                        and s["queues"]["request_bytes_held"] == 0)
+
+            wait_for(stalled_gone, timeout=60)
+        # What the stalled client was sent: the start of the answer, then the end.
+        head = stalled.recv(P.HEADER_BYTES, socket.MSG_WAITALL)
+        _, _, op, _, _, nfields, npayload = P.HEADER.unpack(head)
+        assert op == P.Op.REPLY and npayload == big.numel() * 4
+        got = 0
+        while chunk := stalled.recv(1 << 20):
+            got += len(chunk)
+        assert got < nfields + npayload
+    finally:
+        stalled.close()
+        assert daemon.terminate() == 0, daemon.log.read_text()
+    assert "internal error" not in daemon.log.read_text()
+
+
+# -- out of descriptors -------------------------------------------------------------------------
+OPEN_FILES = 48  # the daemon needs about 15 once started
+
+
+def _open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _limit_open_files() -> None:
+    # Soft and hard alike: the daemon raises its soft limit to the hard one.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
+
+
+def test_out_of_descriptors_the_daemon_waits_without_spinning(tmp_path: Path) -> None:
+    _store(tmp_path / "store")
+    sock = tmp_path / "s.sock"
+    # Connections that never say hello are kept (the default would drop them in 10 s).
+    daemon = Daemon(tmp_path / "store", sock, "--hello-timeout", "600",
+                    preexec_fn=_limit_open_files)
+    pid = daemon.proc.pid
+    idle = _open_files(pid)
+    conns: list[socket.socket] = []
+    try:
+        try:
+            # More than the descriptors left: the rest wait in the listener's backlog.
+            for _ in range(OPEN_FILES - idle + 4):
+                conns.append(raw_conn(sock))
+            wait_for(lambda: "cannot accept a connection" in daemon.log.read_text(),
+                     timeout=60)
+            assert "Too many open files" in daemon.log.read_text()
+            cpu, t0 = _cpu_seconds(pid), time.monotonic()
+            time.sleep(2)  # an interval to measure over, not a wait for anything
+            used, wall = _cpu_seconds(pid) - cpu, time.monotonic() - t0
+            assert used < 0.5 * wall, f"the daemon spun: {used:.2f} s of CPU in {wall:.2f} s"
+        finally:
+            for s in conns:
+                s.close()
+        wait_for(lambda: _open_files(pid) <= idle, timeout=60)  # every one accepted, closed
+        with tierstore.connect(sock) as st:
+            assert torch.equal(st.get("e0"), _value(0))
+    finally:
+        assert daemon.terminate() == 0, daemon.log.read_text()
+    assert "internal error" not in daemon.log.read_text()

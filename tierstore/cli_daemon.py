@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from .cli_options import POSITIVE_SIZE, SIZE
+from .cli_options import POSITIVE_SIZE, SIZE, TIMEOUT
 from .cli_options import run_command as _run
 from .sizes import format_size
 
@@ -41,11 +41,24 @@ def _known_policy(ctx: click.Context, _param: Any, value: str) -> str:
                    "together; a request that would go over waits (30 s at most), then is "
                    "refused. At least --max-request.  [default: 8GiB, or --max-request if "
                    "larger]")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1024,
+              show_default=True,
+              help="Most connections at once (each costs a thread; a client process opens "
+                   "up to nine); one more is answered with an error naming this limit, then "
+                   "closed.")
+@click.option("--hello-timeout", type=TIMEOUT, default=10, show_default=True,
+              help="Seconds a new connection has to say hello before it is dropped, so idle "
+                   "ones cannot hold the connection slots.")
+@click.option("--send-timeout", type=TIMEOUT, default=30, show_default=True,
+              help="Seconds a client may go without taking a byte of an answer (stopped in a "
+                   "debugger, say) before its connection is dropped and the answer's bytes "
+                   "given back to --max-inflight.")
 @click.option("--policy", default="lfu-decay", show_default=True, callback=_known_policy,
               help="Cache eviction policy.")
 @click.option("--create", is_flag=True, help="Create the store if it does not exist.")
 def serve(store: str, socket_path: str, host_cache: int, metrics_port: int | None,
-          group: str | None, max_request: int, max_inflight: int | None, policy: str,
+          group: str | None, max_request: int, max_inflight: int | None,
+          max_connections: int, hello_timeout: float, send_timeout: float, policy: str,
           create: bool) -> None:
     """Own STORE and serve it to the processes on this machine (`tierstore.connect(SOCKET)`):
     one host cache for all of them, so each expert is read from the backing tier once.
@@ -59,8 +72,9 @@ def serve(store: str, socket_path: str, host_cache: int, metrics_port: int | Non
     def go() -> int:
         server = Server(store, socket_path, host_cache=host_cache, metrics_port=metrics_port,
                         group=group, max_request_bytes=max_request,
-                        max_inflight_bytes=max_inflight, create=create, policy=policy,
-                        log=lambda m: click.echo(m, err=True))
+                        max_inflight_bytes=max_inflight, max_connections=max_connections,
+                        hello_timeout_s=hello_timeout, send_timeout_s=send_timeout,
+                        create=create, policy=policy, log=lambda m: click.echo(m, err=True))
         click.echo(f"tierstore serve: {server.describe()}", err=True)
         code = server.serve_forever()
         click.echo("tierstore serve: flushed and stopped", err=True)

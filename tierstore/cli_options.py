@@ -42,6 +42,31 @@ POSITIVE_SIZE = SizeType(minimum=1)
 SLAB_SIZE = SizeType(minimum=4096)
 
 
+class SecondsType(click.ParamType):
+    """A time in seconds (``30``, ``0.5``), finite and within [``minimum``, ``maximum``].
+    click's FloatRange lets ``nan`` and ``inf`` through, which no socket timeout takes."""
+
+    name = "seconds"
+
+    def __init__(self, minimum: float, maximum: float) -> None:
+        self.minimum, self.maximum = minimum, maximum
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            s = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not self.minimum <= s <= self.maximum:  # false for nan as well
+            self.fail(f"{value!r} is not between {self.minimum:g} and {self.maximum:g} seconds",
+                      param, ctx)
+        return s
+
+
+#: A socket timeout: at least a millisecond (to the kernel a send timeout of zero means none
+#: at all, and to Python a timeout of zero means non-blocking), at most a day.
+TIMEOUT = SecondsType(0.001, 86400.0)
+
+
 class CommaList(click.ParamType):
     """A comma-separated list (``--blocks 4MiB,64MiB``), each item converted by ``item``
     (a size, an int range, a choice): a bad item fails with the item type's own message.

@@ -93,8 +93,12 @@ class RemoteStore(Store):
         # A connection that carries no requests: its hang-up says that the daemon whose
         # shared memory this client maps is gone, before any read served from that memory
         # alone (the published index) could return what a restarted daemon replaced.
-        self._watch = Connection(self.socket_path, self.client_id, want_arena=False,
-                                 role="status")
+        try:
+            self._watch = Connection(self.socket_path, self.client_id, want_arena=False,
+                                     role="status")
+        except BaseException:  # the daemon at its connection limit, say
+            first.close()
+            raise
         self.path = str(hello["store"])
         self._backing = str(hello["backing"])
         self._describe = str(hello["describe"])

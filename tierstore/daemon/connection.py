@@ -49,8 +49,10 @@ class Connection:
             self.hello, _ = self.request(P.Op.HELLO, {
                 "version": P.PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
                 "arena": want_arena, "role": role}, fds=want_arena)
-        except StoreError as e:
-            if isinstance(e.__context__, TimeoutError) or "timed out" in str(e):
+        except BaseException as e:
+            self.close()  # the socket, and the arena's descriptor if it came
+            if isinstance(e, StoreError) and (isinstance(e.__context__, TimeoutError)
+                                              or "timed out" in str(e)):
                 raise StoreError(f"no tierstore daemon answered at {path} within {wait:g} s "
                                  "(is `tierstore serve` what listens there?)") from None
             raise
@@ -77,10 +79,16 @@ class Connection:
                     for p in parts:
                         self.sock.sendall(p)
             except OSError as e:
-                # The daemon may have answered (an error) and closed before taking it all.
-                with contextlib.suppress(StoreError, OSError):
-                    self._read_answer(rid, fds)
-                raise self._lost(e) from None
+                # The daemon may have answered (an error) and closed before taking it all
+                # (a connection over its limit is refused before its hello is read): the
+                # answer says why better than the broken pipe does.
+                answer = None
+                with contextlib.suppress(StoreError):
+                    answer = self._next_frame(rid, fds)
+                lost = self._lost(e)
+                if answer is not None and answer[0] == P.Op.ERROR:
+                    raise daemon_error(answer[1]) from None
+                raise lost from None
             try:
                 return self._read_answer(rid, fds)
             except StoreError:
@@ -93,6 +101,15 @@ class Connection:
                 raise
 
     def _read_answer(self, rid: int, fds: bool) -> tuple[dict[str, Any], bytearray | None]:
+        op, fields, payload = self._next_frame(rid, fds)
+        if op == P.Op.ERROR:
+            raise daemon_error(fields)
+        return fields, payload
+
+    def _next_frame(self, rid: int, fds: bool
+                    ) -> tuple[int, dict[str, Any], bytearray | None]:
+        """The answer to request ``rid``, or an error after which the daemon closes this
+        connection, whatever it answers: (op, fields, payload)."""
         while True:
             try:
                 if fds:  # the hello answer brings the arena's descriptor with its first bytes
@@ -110,11 +127,12 @@ class Connection:
                 raise self._lost(e) from None
             op, _, got_rid, raw, payload = frame
             fields = P.decode_fields(raw)
+            if op == P.Op.ERROR and fields.get("closed") is True:
+                self._lost(P.ProtocolError("closed by the daemon"))  # never reused
+                return op, fields, payload
             if got_rid != rid:
                 continue  # an answer to an earlier one-way frame's error: not ours
-            if op == P.Op.ERROR:
-                raise daemon_error(fields)
-            return fields, payload
+            return op, fields, payload
 
     def flush_releases(self) -> None:
         with self.pending_lock:

@@ -83,6 +83,10 @@ class Request:
         # Large fields grow the connection's read buffer until they are decoded; held only
         # that long, so that they never stand between a put and its own payload.
         big = n if n > P.READER_BYTES else 0
+        if big > self.budget.limit:  # no wait would make room: refused now, unread
+            raise StoreError(f"a request with {format_size(big)} of fields is more than the "
+                             f"daemon's --max-inflight of {format_size(self.budget.limit)}; "
+                             f"ask for fewer entries at once")
         if big:
             self._hold(big)
         try:

@@ -23,7 +23,9 @@ All integers are big-endian. A frame whose header is wrong (magic, version, leng
 the limits) gets an ERROR answer and the connection is closed, since the rest of the stream
 cannot be trusted to be framed; a frame that is well framed but whose fields are invalid
 gets an ERROR answer and the connection stays usable. A truncated frame is a closed
-connection.
+connection. An ERROR answer whose fields say ``"closed": true`` is the connection's last
+frame, whatever request it answers: the framing errors above, and a connection over the
+daemon's ``--max-connections``, which is answered (request id 0) before any of it is read.
 
 Why this and not gRPC: the data path never crosses the socket (get answers carry an offset
 into the shared-memory arena, not bytes), so the socket carries small control messages

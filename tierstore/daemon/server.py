@@ -2,7 +2,11 @@
 
 - Control travels over a Unix stream socket (``protocol.py``); one thread per connection,
   because every store call blocks (LMDB, I/O, waiting on another thread's cache fill) and
-  the store is thread-safe; the heavy parts (I/O, checksums, copies) release the GIL.
+  the store is thread-safe; the heavy parts (I/O, checksums, copies) release the GIL. At
+  most ``max_connections`` (``--max-connections``, 1024) at once: one more is answered with
+  an error saying so, then closed. A connection is dropped if it has not said hello within
+  ``--hello-timeout`` (10 s), or has not taken a byte of an answer for ``--send-timeout``
+  (30 s).
 - Bulk bytes do not: the host cache's slot arena is a memfd (shared memory) that the
   daemon maps read-write and hands to each client as a read-only file descriptor (a fresh
   O_RDONLY open of it, passed over the socket with SCM_RIGHTS; the memfd itself is chmod
@@ -78,14 +82,16 @@ from .intake import (
 from .metrics import Histogram, MetricsServer, exposition
 from .shared_cache import SharedCache
 
-MAX_CONNECTIONS = 1024  # a connection costs a thread; more are refused
+# A connection costs a thread; more are answered with an error and closed
+# (``--max-connections``).
+MAX_CONNECTIONS = 1024
 # A connection that has not said hello by then is dropped: idle ones must not hold the
-# connection slots (or descriptors) that real clients need.
+# connection slots (or descriptors) that real clients need (``--hello-timeout``).
 HELLO_DEADLINE_S = 10.0
 # An answer the client has not taken a byte of for this long: the client is stopped (a
 # debugger, Ctrl-Z) and its connection is dropped, giving back the answer's bytes, which
-# count against --max-inflight for every client.
-SEND_TIMEOUT_S = 30
+# count against --max-inflight for every client (``--send-timeout``).
+SEND_TIMEOUT_S = 30.0
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _OP_NAMES = {op.value: op.name.lower() for op in P.Op}
 
@@ -104,6 +110,9 @@ class Server(OpHandlers):
         max_request_bytes: int | str = DEFAULT_MAX_REQUEST,
         max_inflight_bytes: int | str | None = None,
         budget_wait_s: float = BUDGET_WAIT_S,
+        max_connections: int = MAX_CONNECTIONS,
+        hello_timeout_s: float = HELLO_DEADLINE_S,
+        send_timeout_s: float = SEND_TIMEOUT_S,
         create: bool = False,
         policy: str = "lfu-decay",
         log: Callable[[str], Any] | None = None,
@@ -114,6 +123,11 @@ class Server(OpHandlers):
         self.max_inflight = inflight_limit(self.max_request, max_inflight_bytes)
         self._budget = ByteBudget(self.max_inflight)
         self._budget_wait = budget_wait_s
+        if max_connections < 1:
+            raise StoreError(f"--max-connections must be at least 1, not {max_connections}")
+        self.max_connections = max_connections
+        self.hello_timeout = _timeout("--hello-timeout", hello_timeout_s)
+        self.send_timeout = _timeout("--send-timeout", send_timeout_s)
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._logged: set[str] = set()
         _raise_open_files_limit()
@@ -232,12 +246,13 @@ class Server(OpHandlers):
                                        f"connection ({e.strerror}); waiting for one to close")
                         self._stop.wait(0.1)
                     continue
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    sock.close()
+                if len(self._conns) >= self.max_connections:
+                    self._refuse(sock)
                     continue
-                sock.settimeout(HELLO_DEADLINE_S)  # until its hello (see _serve_one)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                struct.pack("ll", SEND_TIMEOUT_S, 0))
+                sock.settimeout(self.hello_timeout)  # until its hello (see _serve_one)
+                secs = int(self.send_timeout)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack(
+                    "ll", secs, round((self.send_timeout - secs) * 1e6)))
                 conn = Conn(sock, next(self._cids))
                 conn.thread = threading.Thread(target=self._serve_conn, args=(conn,),
                                                name=f"tierstore-conn-{conn.cid}", daemon=True)
@@ -248,6 +263,23 @@ class Server(OpHandlers):
             sel.close()
             self.shutdown()
         return 0
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """Tell a connection over the limit why it is closed, rather than hang up on it."""
+        limit = self.max_connections
+        self._log_once("limit", f"tierstore serve: at the limit of {limit} connections "
+                       "(--max-connections): refusing new ones until some close")
+        # Request id 0 and ``closed``: it answers no request (none is read), it ends the
+        # connection. Sent without blocking, since this is the accept loop: a new socket's
+        # empty buffer takes one small frame, and a client already gone is no loss.
+        fields = {"error": "StoreError", "closed": True,
+                  "message": f"the tierstore daemon at {self.socket_path} is at its connection "
+                             f"limit of {limit} (--max-connections); try again once a "
+                             "client has disconnected"}
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(P.encode(P.Op.ERROR, 0, fields))
+        sock.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -372,6 +404,8 @@ class Server(OpHandlers):
         fields: dict[str, Any] = {"error": kind, "message": str(err)[:1000]}
         if isinstance(err, P.ProtocolError):
             fields["protocol"] = True
+            if err.fatal:  # whatever it answers, the client's connection ends here
+                fields["closed"] = True
         if isinstance(err, OSError) and not isinstance(err, StoreError):
             fields.update(errno=err.errno or 0, message=(err.strerror or str(err))[:1000])
             if err.filename is not None:
@@ -470,6 +504,14 @@ def _check_socket_path(path: str) -> None:
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise StoreError(f"cannot listen on {path}: directory {parent} does not exist")
+
+
+def _timeout(option: str, seconds: float) -> float:
+    # Zero would mean none to the kernel's send timeout and non-blocking to Python's.
+    if not 0.001 <= seconds <= 86400:  # false for nan as well
+        raise StoreError(f"{option} must be between 0.001 and 86400 seconds, not {seconds}")
+    return float(seconds)
+
 
 def _group_id(group: str) -> int:
     try:
