@@ -176,10 +176,15 @@ def test_matches_the_single_process_trainer(tmp_path: Path, reference: dict[str,
 
 def test_resume_at_another_world_size_and_back(tmp_path: Path,
                                                reference: dict[str, Any]) -> None:
-    assert launch(tmp_path, "a", 1, 2, steps=2, paradigm="data") == [0]
+    # Launched with --resume from its first start, as a preemptible job is: it says there
+    # was nothing to resume and starts at step 0.
+    assert launch(tmp_path, "a", 1, 2, steps=2, paradigm="data", resume=True) == [0]
+    said = "holds no checkpoint to resume; training starts at step 0"
+    assert said in (tmp_path / "a.node0.log").read_text()
     before = expert_weights(tmp_path / "node0")
     # W = 4 on two nodes: node 1 joins and receives experts 4..7 of every layer, unchanged.
     assert launch(tmp_path, "b", 2, 2, steps=2, resume=True) == [0, 0]
+    assert said not in (tmp_path / "b.node0.log").read_text()
     moved = expert_weights(tmp_path / "node1")
     assert set(moved) and all(torch.equal(t, before[n]) for n, t in moved.items())
     for i in range(2):

@@ -334,6 +334,25 @@ def test_cli_train_writes_metrics_and_resumes(tmp_path: Path) -> None:
     assert [m["step"] for m in _lines(metrics)] == [1, 2, 3, 4]
 
 
+def test_cli_train_resume_without_a_run_says_it_starts_at_step_0(tmp_path: Path) -> None:
+    """A preemptible job passes --resume from its first launch: that launch trains from
+    scratch, and says so on stderr."""
+    runner = CliRunner()
+    store = tmp_path / "st"
+    args = ["train", "--store", str(store), "--model", "tiny", "--host-cache", SMALL_CACHE,
+            "--resume", *CLI_OPTS]
+    res = runner.invoke(main, [*args, "--steps", "1"])
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.stderr.splitlines() if "to resume" in line]
+    assert notes == [f"tierstore train: store {store} holds no training run to resume; "
+                     "training starts at step 0"], res.stderr
+    assert "steps 1-1" in res.stdout
+    # Relaunched, it resumes the run the first launch started, and has nothing to say.
+    res = runner.invoke(main, [*args, "--steps", "2"])
+    assert res.exit_code == 0, res.output
+    assert "to resume" not in res.stderr and "steps 2-2" in res.stdout, res.output
+
+
 def test_cli_train_resident_and_usage_errors(tmp_path: Path) -> None:
     runner = CliRunner()
     metrics = tmp_path / "r.jsonl"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -137,6 +138,10 @@ def train_distributed(
         source = ExpertParallel(world, cfg, experts, paradigms, credits, hierarchical)
         start, number, resharded = start_run(world, store, run, experts, cfg, global_tc, seed,
                                              resume, net, opt, sampler)
+        if resume and start == 0 and world.rank == 0:
+            # Not an error: a preemptible job is launched with --resume from its first start.
+            print(f"tierstore train: {run} holds no checkpoint to resume; training starts "
+                  "at step 0", file=sys.stderr, flush=True)
         loop = _Loop(world, store, run, net, opt, source, sampler, val_batches, cfg, tc,
                      global_tc, seed, checkpoint_every, metrics_path, on_step, on_phase,
                      number)

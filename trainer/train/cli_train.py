@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -22,19 +23,20 @@ from .store_trainer import train_store
 
 
 def run_settings(store: str | tierstore.Store | None, resident: bool, resume: bool
-                 ) -> tuple[TrainModel | str | None, TrainConfig, int]:
+                 ) -> tuple[TrainModel | str | None, TrainConfig, int, bool]:
     """The model, hyperparameters and seed options start from: those the run in ``store``
-    was started with when resuming it, else the preset ``tiny``, defaults and seed 0. The
-    model is ``None`` where the store holds an imported model (which is what it trains)."""
+    was started with when resuming it, else the preset ``tiny``, defaults and seed 0; and
+    whether there was such a run. The model is ``None`` where the store holds an imported
+    model (which is what it trains)."""
     saved = None
     if resume and store is not None:
         saved = load_checkpoint(store) if resident else saved_run(store)
     if saved is None:
         imported = None if resident else imported_model(store)
-        return (None if imported is not None else "tiny"), TrainConfig(), 0
+        return (None if imported is not None else "tiny"), TrainConfig(), 0, False
     cfg = config_from_dict(saved["model_config"])
     return (None if is_finetune(cfg) else cfg, TrainConfig.from_dict(saved["train_config"]),
-            int(saved["seed"]))
+            int(saved["seed"]), True)
 
 
 def resolve_device(device: str) -> str:
@@ -116,7 +118,12 @@ def _run_train(*, store: str | None, resident: bool, model: str | None, steps: i
     if resident and imported_model(store) is not None:
         raise ValueError(f"{where} holds an imported model, which trains over the store: "
                          "drop --resident")
-    base_model, base_tc, base_seed = run_settings(remote or store, resident, resume)
+    base_model, base_tc, base_seed, found = run_settings(remote or store, resident, resume)
+    if resume and not found:
+        # Not an error: a preemptible job is launched with --resume from its first start.
+        what = "checkpoint" if resident else "training run"
+        print(f"tierstore train: {where} holds no {what} to resume; training starts at "
+              "step 0", file=sys.stderr, flush=True)
     model_arg = base_model if model is None else model
     seed = base_seed if seed is None else seed
     tc = replace(base_tc, **overrides)
