@@ -129,6 +129,7 @@ def test_bench_cache_bad_policy_arguments_are_one_line_errors() -> None:
 # {new} is a path that must stay absent, {dir} an existing empty directory (the current
 # one) and {missing} a directory that does not exist.
 SYNTH = ("--synthetic", "zipf:layers=2,experts=4,steps=5")
+SERVE = ("serve", "--store", "{new}", "--socket", "{dir}/s.sock")
 BAD_VALUES: list[tuple[tuple[str, ...], str]] = [
     # init and serve
     (("init", "{new}", "--backing", "pmem", "--pmem-path", "{dir}/pool", "--pmem-size", "0"),
@@ -139,22 +140,14 @@ BAD_VALUES: list[tuple[tuple[str, ...], str]] = [
     (("init", "{new}", "--slab-size", "0"), "--slab-size"),
     (("init", "{new}", "--slab-size", "100"), "--slab-size"),
     (("init", "{new}", "--pmem-path", "{dir}/pool"), "--pmem-path"),
-    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--policy", "nosuch"),
-     "--policy"),
-    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--max-request", "0"),
-     "--max-request"),
-    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--max-connections", "0"),
-     "--max-connections"),
-    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--send-timeout", "0"),
-     "--send-timeout"),
-    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--send-timeout", "nan"),
-     "--send-timeout"),
-    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--send-timeout", "inf"),
-     "--send-timeout"),
-    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--hello-timeout", "-1"),
-     "--hello-timeout"),
-    (("serve", "--store", "{new}", "--socket", "{dir}/s.sock", "--hello-timeout", "10s"),
-     "--hello-timeout"),
+    ((*SERVE, "--policy", "nosuch"), "--policy"),
+    ((*SERVE, "--max-request", "0"), "--max-request"),
+    ((*SERVE, "--max-connections", "0"), "--max-connections"),
+    ((*SERVE, "--send-timeout", "0"), "--send-timeout"),
+    ((*SERVE, "--send-timeout", "nan"), "--send-timeout"),
+    ((*SERVE, "--send-timeout", "inf"), "--send-timeout"),
+    ((*SERVE, "--hello-timeout", "-1"), "--hello-timeout"),
+    ((*SERVE, "--hello-timeout", "10s"), "--hello-timeout"),
     # train, generate, demo
     (("train", "--store", "{new}", "--steps", "1", "--device", "cuda:99"), "--device"),
     (("train", "--store", "{new}", "--steps", "1", "--device", "tpu"), "--device"),

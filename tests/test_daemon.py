@@ -348,11 +348,11 @@ def test_oversized_name_and_size_are_rejected(served: Daemon) -> None:
             st.put("n" * 500, torch.zeros(1))
         # A raw frame with a long name gets an error answer, not a crash.
         with raw_conn(served.sock) as s:
-            assert exchange(s, P.Op.HELLO, {"version": 1})[0] == P.Op.REPLY
+            assert exchange(s, P.Op.HELLO, {"version": P.PROTOCOL_VERSION})[0] == P.Op.REPLY
             ans = exchange(s, P.Op.GET, {"keys": [["n" * 500, "param"]]})
             assert ans[0] == P.Op.ERROR and "400" in ans[1]["message"]
             # A payload larger than the daemon's limit: an error, then the connection closes.
-            s.sendall(P.HEADER.pack(P.MAGIC, 1, P.Op.PUT, 0, 9, 2, 1 << 40) + b"{}")
+            s.sendall(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, P.Op.PUT, 0, 9, 2, 1 << 40) + b"{}")
             op, fields = read_frame(s)
             assert op == P.Op.ERROR and "exceeds" in fields["message"]
             assert s.recv(1) == b""
@@ -529,7 +529,7 @@ def fuzz_frames(rng: random.Random) -> list[bytes]:
     framing itself (random bytes, lying lengths, flipped header bytes, a cut-off frame)."""
     frames = []
     if rng.random() < 0.8:
-        frames.append(P.encode(P.Op.HELLO, 0, {"version": 1, "client": f"fuzz{rng.random()}"}))
+        frames.append(P.encode(P.Op.HELLO, 0, {"version": P.PROTOCOL_VERSION, "client": f"fuzz{rng.random()}"}))
     for _ in range(rng.randint(5, 30)):
         op, fields, payload = rng.choice(GOOD)
         r = rng.random()
@@ -541,13 +541,14 @@ def fuzz_frames(rng: random.Random) -> list[bytes]:
         if r > 0.9 and body:
             body = bytearray(body)
             body[rng.randrange(len(body))] = rng.getrandbits(8)
-        frames.append(P.HEADER.pack(P.MAGIC, 1, op, rng.choice([0, 0, 1]), rng.getrandbits(32),
+        frames.append(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, op, rng.choice([0, 0, 1]), rng.getrandbits(32),
                                     len(body), len(payload)) + bytes(body) + payload)
     r = rng.random()
     if r < 0.15:
         frames.append(rng.randbytes(rng.randint(1, 80)))
     elif r < 0.3:
-        frames.append(P.HEADER.pack(P.MAGIC, rng.choice([1, 2, 255]), rng.randint(0, 70), 0, 1,
+        version = rng.choice([P.PROTOCOL_VERSION, P.PROTOCOL_VERSION + 1, 255])
+        frames.append(P.HEADER.pack(P.MAGIC, version, rng.randint(0, 70), 0, 1,
                                     rng.choice([0, 5, 1 << 21, 2**32 - 1]),
                                     rng.choice([0, 3, 1 << 33, 2**64 - 1])) + b"{}")
     elif r < 0.45:
@@ -665,7 +666,7 @@ def test_sigterm_flushes_and_exits_zero(tmp_path: Path) -> None:
 def test_frame_header_layout() -> None:
     head = P.encode(P.Op.GET, 5, {"keys": []}, 3, flags=P.NO_REPLY)
     magic, version, op, flags, rid, nfields, npayload = struct.unpack("!4sBBHIIQ", head[:24])
-    assert (magic, version, op, flags, rid, npayload) == (b"TSDP", 1, P.Op.GET, 1, 5, 3)
+    assert (magic, version, op, flags, rid, npayload) == (b"TSDP", P.PROTOCOL_VERSION, P.Op.GET, 1, 5, 3)
     assert json.loads(head[24:]) == {"keys": []} and nfields == len(head) - 24
 
 

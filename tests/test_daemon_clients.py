@@ -316,7 +316,7 @@ def test_a_connection_over_the_limit_is_told_why(tmp_path: Path) -> None:
         held = [raw_conn(sock) for _ in range(2)]
         try:
             for s in held:  # answered, so the daemon counts both
-                assert exchange(s, P.Op.HELLO, {"version": 1})[0] == P.Op.REPLY
+                assert exchange(s, P.Op.HELLO, {"version": P.PROTOCOL_VERSION})[0] == P.Op.REPLY
             with pytest.raises(tierstore.StoreError) as refused:
                 tierstore.connect(sock)
             assert type(refused.value) is tierstore.StoreError
@@ -405,7 +405,7 @@ def test_a_client_that_stops_reading_is_dropped_and_others_are_served(tmp_path: 
         daemon.kill()
         raise
     try:
-        hello = {"version": 1, "client": "stalled"}
+        hello = {"version": P.PROTOCOL_VERSION, "client": "stalled"}
         assert exchange(stalled, P.Op.HELLO, hello)[0] == P.Op.REPLY
         stalled.sendall(P.encode(P.Op.GET, 8, {"keys": [["big", "param"]]}))
         assert select.select([stalled], [], [], 60)[0]  # its answer has begun; not read

@@ -58,7 +58,7 @@ def rss(pid: int) -> int:
 
 def hello(sock: Path) -> socket.socket:
     s = raw_conn(sock)
-    assert exchange(s, P.Op.HELLO, {"version": 1})[0] == P.Op.REPLY
+    assert exchange(s, P.Op.HELLO, {"version": P.PROTOCOL_VERSION})[0] == P.Op.REPLY
     return s
 
 
@@ -159,7 +159,7 @@ def test_before_the_hello_small_frames_are_answered_and_skipped(daemon: Daemon) 
         s.sendall(put_header([item("early", 4)], 4) + b"abcd")
         op, fields = read_frame(s)
         assert op == P.Op.ERROR and "say hello first" in fields["message"]
-        assert exchange(s, P.Op.HELLO, {"version": 1})[0] == P.Op.REPLY
+        assert exchange(s, P.Op.HELLO, {"version": P.PROTOCOL_VERSION})[0] == P.Op.REPLY
         op, fields = exchange(s, P.Op.CONTAINS, {"name": "early"})
         assert op == P.Op.REPLY and fields["found"] is False
 

@@ -65,6 +65,13 @@ def finish(t: threading.Thread, out: list[Any]) -> Any:
     return out[0] if out else None
 
 
+def reopened(st: tierstore.Store, make_store: Callable[..., tierstore.Store]) -> tierstore.Store:
+    """``st`` closed (which flushes) and opened again: what survives is what was committed."""
+    path = st.path
+    st.close()
+    return make_store(path, reopen=True)
+
+
 def value(x: float, n: int = 4096) -> torch.Tensor:
     return torch.full((n,), x)
 
@@ -89,9 +96,7 @@ def test_returned_delete_beats_a_write_back_in_flight(cached, make_store, writer
     with pytest.raises(tierstore.EntryNotFoundError):
         st.get("k")
     assert torch.equal(st.get("other"), value(3.0))
-    path = st.path
-    st.close()
-    st = make_store(path, reopen=True)
+    st = reopened(st, make_store)
     assert "k" not in st and sorted(st.names()) == ["other"]
     if writer == "snapshot":  # the snapshot was taken after the delete: it lacks k too
         st.restore("s")
@@ -111,9 +116,7 @@ def test_returned_put_beats_an_older_write_back(cached, make_store, writer) -> N
         finish(t, out)
     assert torch.equal(st.get("k"), value(2.0))
     st.flush()
-    path = st.path
-    st.close()
-    st = make_store(path, reopen=True)
+    st = reopened(st, make_store)
     assert torch.equal(st.get("k"), value(2.0))
     assert st.fsck().ok
 
@@ -134,9 +137,7 @@ def test_returned_delete_beats_an_eviction_write_back(make_store) -> None:
         assert finish(d, dout) is True
     assert "k" not in st
     st.flush()
-    path = st.path
-    st.close()
-    st = make_store(path, reopen=True)
+    st = reopened(st, make_store)
     assert sorted(st.names()) == ["b", "c"]
     assert st.fsck().ok
 
@@ -160,9 +161,7 @@ def test_restore_is_not_undone_by_a_write_back_in_flight(cached, make_store) -> 
     assert torch.equal(st.get("k"), value(1.0))
     assert "new" not in st
     st.flush()
-    path = st.path
-    st.close()
-    st = make_store(path, reopen=True)
+    st = reopened(st, make_store)
     assert torch.equal(st.get("k"), value(1.0)) and sorted(st.names()) == ["k"]
     assert st.fsck().ok
 
@@ -179,9 +178,7 @@ def test_put_after_delete_of_the_same_key_survives_the_write_back(cached, make_s
         release.set()
         finish(t, out)
     st.flush()
-    path = st.path
-    st.close()
-    st = make_store(path, reopen=True)
+    st = reopened(st, make_store)
     assert torch.equal(st.get("k"), value(7.0))
     assert st.fsck().ok
 
@@ -322,9 +319,7 @@ def test_a_put_making_room_for_its_new_version_never_hides_the_key(make_store) -
         finish(t, out)
     assert torch.equal(st.get("k"), value(5.0))
     st.flush()
-    path = st.path
-    st.close()
-    st = make_store(path, reopen=True)
+    st = reopened(st, make_store)
     assert torch.equal(st.get("k"), value(5.0)) and torch.equal(st.get("b"), value(2.0))
     assert st.fsck().ok
 

@@ -245,18 +245,17 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
         checksum yet."""
         cache = self._cache
         cached = cache.peek((name, kind)) if cache is not None else None
-        rec = None
-        if cache is None or cached is not None:
-            if cached is None or not cached[1]:
-                rec = self._committed(name, kind)
-        else:
+        if cache is not None and cached is None:
             # A miss settles under the key lock, after any delete in progress: a delete
             # takes the cached version before its commit, and until then the catalog
             # holds an older one (see ReadPath._host_bytes).
             with self._key_locks([(name, kind)]):
-                cached = cache.peek((name, kind))
-                if cached is None or not cached[1]:
-                    rec = self._committed(name, kind)
+                return self._info_of(name, kind, cache.peek((name, kind)))
+        return self._info_of(name, kind, cached)
+
+    def _info_of(self, name: str, kind: str, cached: tuple[Meta, bool] | None) -> EntryInfo:
+        """``info`` from the cache's (meta, dirty) for the key where the newest version is
+        there only, else from the catalog."""
         if cached is not None and cached[1]:
             meta = cached[0]
             return EntryInfo(
@@ -264,13 +263,11 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
                 nbytes=meta.nbytes, version=meta.version, checksum="", tier="host", path=None,
                 offset=None,
             )
+        with self._catalog.read() as txn:
+            rec = self._catalog.get_record(txn, name, kind)
         if rec is None:
             raise EntryNotFoundError(name, kind)
         return self._entry_info(name, kind, rec)
-
-    def _committed(self, name: str, kind: str) -> Record | None:
-        with self._catalog.read() as txn:
-            return self._catalog.get_record(txn, name, kind)
 
     def _entry_info(self, name: str, kind: str, rec: Record) -> EntryInfo:
         path, offset = self._medium.location(rec.seg, rec.off) if rec.seg >= 0 else (None, None)

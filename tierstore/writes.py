@@ -251,7 +251,7 @@ class WritePath(LocalState):
         worker once its write has completed (both release the GIL, so they use every
         core): submission never waits for a checksum, and the disk gets the batch's first
         bytes at once. Measured on the development machine (256 MiB put, 5-7 alternated
-        rounds), this wrote 64 MiB entries 6-11 % faster and 16 MiB ones about 5 % than
+        rounds), this wrote 64 MiB entries 6-11 % faster and 16 MiB ones 1-7 % than
         checksumming before submission; smaller entries were unchanged."""
         addrs = [src.ctypes.data for src in srcs]
         runs = adjacent_runs(work, [(r.seg, r.off) for _, _, r in records], self._chunk,

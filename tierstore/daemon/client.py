@@ -181,10 +181,15 @@ class RemoteStore(Store):
 
     def _call(self, op: int, fields: dict[str, Any] | None = None,
               payload: list[Any] | None = None) -> dict[str, Any]:
+        return self._exchange(op, fields, payload)[0]
+
+    def _exchange(self, op: int, fields: dict[str, Any] | None = None,
+                  payload: list[Any] | None = None) -> tuple[dict[str, Any], Any]:
+        """One request on a pooled connection: the answer's fields and payload."""
         fields = self._with_hits(fields or {})
         conn = self._take()
         try:
-            return conn.request(op, fields, payload)[0]
+            return conn.request(op, fields, payload)
         finally:
             self._give(conn)
 
@@ -456,14 +461,8 @@ class RemoteStore(Store):
         return bool(self._call(P.Op.CONTAINS, {"name": name, "kind": kind})["found"])
 
     def keys(self, prefix: str = "") -> list[Key]:
-        conn = self._take()
-        try:
-            fields, payload = conn.request(P.Op.KEYS, self._with_hits({"prefix": prefix}))
-        finally:
-            self._give(conn)
-        listing = json.loads(bytes(payload or b"[]")) if fields.get("in_payload") \
-            else fields["keys"]
-        return [(n, k) for n, k in listing]
+        _, payload = self._exchange(P.Op.KEYS, {"prefix": prefix})
+        return [(n, k) for n, k in json.loads(bytes(payload or b"[]"))]
 
     def _info(self, name: str, kind: str) -> EntryInfo:
         f = self._call(P.Op.INFO, {"name": name, "kind": kind})

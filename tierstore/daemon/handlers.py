@@ -173,7 +173,7 @@ class OpHandlers:
         prefix = f.str("prefix", "", P.MAX_NAME_BYTES)
         listing = json.dumps([list(k) for k in self.store.keys(prefix)],
                              separators=(",", ":")).encode()
-        return {"in_payload": True}, [listing]
+        return {}, [listing]
 
     def _info(self, conn: Conn, f: P.Fields, _p: Any) -> Any:
         info = self.store.info(*_one_key(f))

@@ -5,7 +5,7 @@ payload (tensor bytes)::
 
     offset size  field
     0      4     magic      b"TSDP"
-    4      1     version    PROTOCOL_VERSION (1)
+    4      1     version    PROTOCOL_VERSION (2)
     5      1     op         an Op (requests) or REPLY / ERROR (answers)
     6      2     flags      bit 0: NO_REPLY (the sender expects no answer: release, report)
     8      4     request id echoed in the answer, so a client can match them
@@ -49,7 +49,8 @@ from typing import Any
 
 from ..errors import StoreError
 
-PROTOCOL_VERSION = 1
+# 2: key listings as payload, the daemon's instance id in the hello, closing ERROR frames.
+PROTOCOL_VERSION = 2
 MAGIC = b"TSDP"
 HEADER = struct.Struct("!4sBBHIIQ")
 HEADER_BYTES = HEADER.size  # 24
