@@ -26,6 +26,11 @@ into device memory; the ratio is how far the store's host-staged path is from GD
 efficiency. Whether kvikio bypasses the page cache depends on what the installed kvikio
 accepted (:func:`nvme.engines.configure_kvikio`), so the page cache is dropped before every
 kvikio read pass, and fio's ceiling uses the same O_DIRECT flag as the engine really used.
+
+Small entries against large: beside the table, each engine's ``put_many`` and
+``get_many(out=...)`` of 256 KiB entries are held against the same calls on 16 MiB entries
+in one store, alternated (:func:`measure_entry_sizes`): what per-entry overhead costs. The
+two sizes' rows in the table are minutes apart and carry the disk's drift.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ from .ceilings import gds_unavailable, nvme_ceilings
 
 CHUNK = 8 << 20
 FRESH = "store, fresh results"
+# The entry sizes held against each other (measure_entry_sizes): the trainer's small
+# presets' experts, and a large expert matrix.
+SMALL_ENTRY, LARGE_ENTRY = 256 << 10, 16 << 20
 
 
 def engine_reads_direct(engine: str, described: str = "") -> bool:
@@ -269,6 +277,51 @@ def measure_nvme(
     return rows
 
 
+def measure_entry_sizes(root: str, engine: str, threads: int, total: int, repeats: int = 3,
+                        small: int = SMALL_ENTRY, large: int = LARGE_ENTRY) -> dict[str, Any]:
+    """The store's bandwidth with ``small`` entries against ``large`` ones, in one store and
+    one rotation: ``put_many`` and ``get_many(out=...)`` of ``total`` bytes as entries of
+    each size, in turns whose order reverses every round, ``repeats`` rounds of two each.
+    The main table's rows for two sizes are minutes apart, so their ratio carries the
+    disk's drift between them; this one is measured side by side."""
+    path = os.path.join(root, f"{engine}-entry-sizes")
+    sizes = (small, large)
+    n = {b: max(1, total // b) for b in sizes}
+    names = {b: [f"bench.sizes.{b}.{i}" for i in range(n[b])] for b in sizes}
+    data = {b: _page_aligned(torch.randint(0, 255, (b,), dtype=torch.uint8)) for b in sizes}
+    into = tierstore.read_buffer(min(max(n[b] * b for b in sizes), 256 << 20))
+    runs: dict[str, dict[int, list[float]]] = {"write": {b: [] for b in sizes},
+                                               "read": {b: [] for b in sizes}}
+    described = engine
+    try:
+        with tierstore.open(path, create=True, engine=engine, io_threads=threads, host_cache=0,
+                            slab_size=4 * max(n[b] * b for b in sizes) + (64 << 20),
+                            chunk_size=CHUNK) as st:
+            described = st.describe().split(": ", 1)[-1]
+            paths: set[str] = set()
+            for b in sizes:  # untimed: staging buffers and read destinations set up
+                _store_write(st, names[b], data[b])
+                if not engine_reads_direct(engine, st.describe()):
+                    paths.add(st.info(names[b][0]).path)
+                _store_read(st, names[b], b, paths, into)
+            for r in range(repeats):
+                order = list(sizes) if r % 2 == 0 else list(sizes)[::-1]
+                for b in order + order[::-1]:
+                    runs["write"][b].append(_store_write(st, names[b], data[b]))
+                    runs["read"][b].append(_store_read(st, names[b], b, paths, into))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    out: dict[str, Any] = {"engine": engine, "engine_described": described, "threads": threads,
+                           "small_bytes": small, "large_bytes": large, "repeats": repeats}
+    for op in ("write", "read"):
+        med = {b: statistics.median(v) for b, v in runs[op].items()}
+        out[op] = {"small_gbps": round(med[small], 3), "large_gbps": round(med[large], 3),
+                   "ratio": round(med[small] / med[large], 3),
+                   "small_runs": [round(x, 3) for x in runs[op][small]],
+                   "large_runs": [round(x, 3) for x in runs[op][large]]}
+    return out
+
+
 def measure_pmem(
     root: str, pool_dir: str, block: int, threads: int, total: int
 ) -> list[dict[str, Any]]:
@@ -419,6 +472,7 @@ def run_tiers(
     root = store or tempfile.mkdtemp(prefix="tierstore-bench-", dir=os.getcwd())
     os.makedirs(root, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    sizes_rows: list[dict[str, Any]] = []
     notes: list[str] = []
     gds = gds_unavailable() if "gpu" in tiers else None
     if gds is not None:
@@ -439,6 +493,7 @@ def run_tiers(
             if "gpu" in tiers and gds is None:
                 plan += [("gds", "kvikio", block, t) for t in threads]
         if "nvme" in tiers:
+            plan += [("sizes", e, 0, max(threads)) for e in engines]
             from . import deepnvme
 
             why = deepnvme.unavailable()
@@ -451,6 +506,8 @@ def run_tiers(
                 rows += measure_pmem(root, pmem_dir or root, block, t, total)
             elif tier == "gds":
                 rows += measure_nvme(root, engine, block, t, total, repeats, ceiling="gdsio")
+            elif tier == "sizes":
+                sizes_rows.append(measure_entry_sizes(root, engine, t, total, repeats))
             elif tier == "host":
                 rows += measure_host(root, block, t, total)
             else:
@@ -467,11 +524,19 @@ def run_tiers(
              f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} {r['gbps']:7.3f} "
              f"{r['ceiling']:>20} {r['ceiling_gbps']:7.3f} {r['ratio']:6.2f} "
              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
+    for z in sizes_rows:
+        name = z["engine"] + ("=" + z["engine_described"].split(" ", 1)[0]
+                              if z["engine"] == "auto" else "")
+        small, large = (tierstore.format_size(z[k]) for k in ("small_bytes", "large_bytes"))
+        echo(f"nvme  {name}: {small} entries against {large} ones, side by side: "
+             + "; ".join(f"{op} {z[op]['ratio']:.2f} ({z[op]['small_gbps']:.3f} / "
+                         f"{z[op]['large_gbps']:.3f} GB/s)" for op in ("read", "write")))
     for note in notes:
         echo(note)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"benchmark": "tiers", "results": rows, "notes": notes}, f, indent=1)
+            json.dump({"benchmark": "tiers", "results": rows, "entry_sizes": sizes_rows,
+                       "notes": notes}, f, indent=1)
     if plot_out:
         plot(rows, plot_out)
     return 0

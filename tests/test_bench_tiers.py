@@ -1,0 +1,55 @@
+"""``bench tiers``: the side-by-side measurement of small entries against large ones, and
+the command's JSON, on a real store and real fio (small totals; no figure is asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+
+import pytest
+from click.testing import CliRunner
+from tierstore.bench.tiers import measure_entry_sizes
+
+from tierstore.cli import main
+
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+
+
+@pytest.mark.parametrize("engine", ["auto", "posix-direct"])
+def test_entry_sizes_alternate_both_sizes_in_one_store_and_report_their_ratio(
+        tmp_path, engine: str) -> None:
+    small, large = 256 << 10, 2 << 20
+    got = measure_entry_sizes(str(tmp_path), engine, threads=2, total=4 << 20, repeats=3,
+                              small=small, large=large)
+    assert (got["small_bytes"], got["large_bytes"], got["repeats"]) == (small, large, 3)
+    for op in ("read", "write"):
+        res = got[op]
+        # Every round times each size twice (there and back), in one store.
+        assert len(res["small_runs"]) == len(res["large_runs"]) == 6
+        assert all(x > 0 for x in res["small_runs"] + res["large_runs"])
+        assert res["small_gbps"] == pytest.approx(statistics.median(res["small_runs"]), abs=1e-3)
+        assert res["ratio"] == pytest.approx(
+            statistics.median(res["small_runs"]) / statistics.median(res["large_runs"]),
+            rel=2e-3)
+    assert os.listdir(tmp_path) == []  # its store is removed
+
+
+@needs_fio
+def test_bench_tiers_writes_the_table_and_the_entry_size_comparison(tmp_path) -> None:
+    out = tmp_path / "tiers.json"
+    result = CliRunner().invoke(main, [
+        "bench", "tiers", "--tiers", "nvme", "--engines", "posix-direct", "--blocks", "1MiB",
+        "--threads", "1", "--total", "4MiB", "--repeat", "1", "--store", str(tmp_path / "b"),
+        "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "entries against 16.0 MiB ones, side by side: read" in result.output
+    data = json.loads(out.read_text())
+    assert {(r["op"], r["block_bytes"]) for r in data["results"]} == {
+        ("write", 1 << 20), ("read", 1 << 20)}
+    assert all(r["ceiling"] and r["ceiling_gbps"] > 0 for r in data["results"])
+    (sizes,) = data["entry_sizes"]
+    assert (sizes["engine"], sizes["small_bytes"], sizes["large_bytes"]) == (
+        "posix-direct", 256 << 10, 16 << 20)
+    assert len(sizes["read"]["small_runs"]) == 2
