@@ -13,7 +13,9 @@
 - a daemon never takes a socket it cannot tell is dead, and a stopping one removes its own
   before a successor could bind the path;
 - a connection over the daemon's --max-connections is told so, in a clear error, and the
-  daemon serves new clients once others have gone;
+  daemon serves new clients once others have gone; a full daemon still answers status
+  from a few spares, which serve nothing else and come back when closed; the limit's log
+  line comes when it is first reached, then at most once a minute;
 - releases riding on a request the daemon refuses unread go again with the next request,
   so no lease is left behind;
 - a client that stops reading an answer is dropped after --send-timeout, giving back the
@@ -46,7 +48,7 @@ from tierstore.cli import main
 from tierstore.daemon import protocol as P
 from tierstore.daemon.client import RemoteStore
 from tierstore.daemon.connection import Connection, Lease
-from tierstore.daemon.server import Server
+from tierstore.daemon.server import LOG_EVERY_S, STATUS_SPARES, Server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -323,9 +325,24 @@ def test_a_connection_over_the_limit_is_told_why(tmp_path: Path) -> None:
             assert str(refused.value) == (
                 f"the tierstore daemon at {sock} is at its connection limit of 2 "
                 "(--max-connections); try again once a client has disconnected")
-            res = CliRunner().invoke(main, ["status", "--connect", str(sock)])
-            assert res.exit_code == 2, res.output
-            assert res.output.splitlines() == [f"tierstore: {refused.value}"]
+            # A full daemon still says who holds it: status has spare connections.
+            res = CliRunner().invoke(main, ["status", "--connect", str(sock), "--json"])
+            assert res.exit_code == 0, res.output
+            assert json.loads(res.stdout)["connections"] == 2
+            # A spare serves status and nothing else: a client's hello there, or any other
+            # request, is refused as over the limit, and the spare is given back.
+            for first in ((P.Op.HELLO, {"version": P.PROTOCOL_VERSION}),
+                          (P.Op.STATUS, {}), (P.Op.KEYS, {"prefix": ""})):
+                s = raw_conn(sock)
+                try:
+                    if first[0] == P.Op.STATUS:
+                        assert exchange(s, *first)[1]["connections"] == 2
+                        first = (P.Op.CONTAINS, {"name": "e0", "kind": "param"})
+                    op, fields = exchange(s, *first)
+                    assert (op, fields["closed"]) == (P.Op.ERROR, True)
+                    assert "connection limit of 2" in fields["message"]
+                finally:
+                    s.close()
         finally:
             for s in held:
                 s.close()
@@ -336,6 +353,58 @@ def test_a_connection_over_the_limit_is_told_why(tmp_path: Path) -> None:
         assert daemon.terminate() == 0, daemon.log.read_text()
     log = daemon.log.read_text()
     assert "at the limit of 2 connections" in log and "internal error" not in log
+
+
+def test_status_spares_are_bounded_and_given_back(tmp_path: Path) -> None:
+    _store(tmp_path / "store")
+    sock = tmp_path / "s.sock"
+    # A long hello timeout: the spares held below must not be dropped while it runs.
+    daemon = Daemon(tmp_path / "store", sock, "--max-connections", "1", "--hello-timeout",
+                    "600")
+    held: list[socket.socket] = []
+    try:
+        held.append(raw_conn(sock))
+        assert exchange(held[0], P.Op.HELLO, {"version": P.PROTOCOL_VERSION})[0] == P.Op.REPLY
+        for _ in range(STATUS_SPARES):  # status probes that stay
+            held.append(raw_conn(sock))
+            hello = {"version": P.PROTOCOL_VERSION, "role": "status"}
+            assert exchange(held[-1], P.Op.HELLO, hello)[0] == P.Op.REPLY
+        res = CliRunner().invoke(main, ["status", "--connect", str(sock)])
+        assert res.exit_code == 2, res.output
+        assert "connection limit of 1" in res.output
+        held.pop().close()
+
+        def status_served() -> bool:
+            res = CliRunner().invoke(main, ["status", "--connect", str(sock), "--json"])
+            return res.exit_code == 0 and json.loads(res.stdout)["connections"] == 1
+
+        wait_for(status_served, timeout=60)  # once the daemon has seen that spare close
+    finally:
+        for s in held:
+            s.close()
+        assert daemon.terminate() == 0, daemon.log.read_text()
+
+
+def test_limit_and_descriptor_messages_are_logged_now_and_then(tmp_path: Path) -> None:
+    _store(tmp_path / "store")
+    logs: list[str] = []
+    srv = Server(str(tmp_path / "store"), str(tmp_path / "s.sock"), host_cache="4MiB",
+                 log=logs.append)
+    try:
+        now = [1000.0]
+        srv._clock = lambda: now[0]
+        for t in (0, 1, 2, LOG_EVERY_S - 1):  # the first at once, then quiet for a while
+            now[0] = 1000.0 + t
+            srv._log_now_and_then("limit", "at the limit")
+        srv._log_now_and_then("accept", "out of descriptors")  # its own clock
+        now[0] = 1000.0 + LOG_EVERY_S
+        srv._log_now_and_then("limit", "at the limit")
+        now[0] = 1000.0 + 10 * LOG_EVERY_S  # a day later, say: full again
+        srv._log_now_and_then("limit", "at the limit")
+        assert logs == ["at the limit", "out of descriptors",
+                        "at the limit (4 times since the last report)", "at the limit"]
+    finally:
+        srv.shutdown()
 
 
 # -- releases on a refused request --------------------------------------------------------------

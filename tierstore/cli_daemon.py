@@ -45,7 +45,7 @@ def _known_policy(ctx: click.Context, _param: Any, value: str) -> str:
               show_default=True,
               help="Most connections at once (each costs a thread; a client process opens "
                    "up to nine); one more is answered with an error naming this limit, then "
-                   "closed.")
+                   "closed. `tierstore status` still answers, from four spares.")
 @click.option("--hello-timeout", type=TIMEOUT, default=10, show_default=True,
               help="Seconds a new connection has to say hello before it is dropped, so idle "
                    "ones cannot hold the connection slots.")

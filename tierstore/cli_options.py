@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from .errors import StoreError
-from .sizes import format_size, parse_size
+from .sizes import TIMEOUT_RANGE_S, format_size, parse_size
 
 
 class SizeType(click.ParamType):
@@ -62,9 +62,8 @@ class SecondsType(click.ParamType):
         return s
 
 
-#: A socket timeout: at least a millisecond (to the kernel a send timeout of zero means none
-#: at all, and to Python a timeout of zero means non-blocking), at most a day.
-TIMEOUT = SecondsType(0.001, 86400.0)
+#: A socket timeout (see :data:`~tierstore.sizes.TIMEOUT_RANGE_S`).
+TIMEOUT = SecondsType(*TIMEOUT_RANGE_S)
 
 
 class CommaList(click.ParamType):

@@ -1,4 +1,5 @@
-"""Byte sizes as users write them: ``4096``, ``"64MiB"``, ``"2 GiB"``, ``"1.5GB"``."""
+"""Byte sizes as users write them: ``4096``, ``"64MiB"``, ``"2 GiB"``, ``"1.5GB"``; and the
+range a timeout in seconds may take."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ _UNITS = {
     "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
+#: A socket timeout in seconds: at least a millisecond (to the kernel a send timeout of zero
+#: means none at all, and to Python a timeout of zero means non-blocking), at most a day.
+TIMEOUT_RANGE_S = (0.001, 86400.0)
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 

@@ -4,7 +4,9 @@
   because every store call blocks (LMDB, I/O, waiting on another thread's cache fill) and
   the store is thread-safe; the heavy parts (I/O, checksums, copies) release the GIL. At
   most ``max_connections`` (``--max-connections``, 1024) at once: one more is answered with
-  an error saying so, then closed. A connection is dropped if it has not said hello within
+  an error saying so, then closed, unless it is a status probe (``tierstore status``),
+  for which a few spare connections stay (``STATUS_SPARES``), so that a full daemon can
+  still be asked who holds it. A connection is dropped if it has not said hello within
   ``--hello-timeout`` (10 s), or has not taken a byte of an answer for ``--send-timeout``
   (30 s).
 - Bulk bytes do not: the host cache's slot arena is a memfd (shared memory) that the
@@ -67,7 +69,7 @@ from ..errors import StoreError
 from ..interface import status_figures
 from ..local import LocalStore
 from ..opening import check_host_cache, open_store
-from ..sizes import format_size, parse_size
+from ..sizes import TIMEOUT_RANGE_S, format_size, parse_size
 from . import protocol as P
 from .handlers import HANDLERS, OpHandlers
 from .intake import (
@@ -85,6 +87,13 @@ from .shared_cache import SharedCache
 # A connection costs a thread; more are answered with an error and closed
 # (``--max-connections``).
 MAX_CONNECTIONS = 1024
+# Connections past that limit taken for a look at the daemon (``tierstore status``): a full
+# daemon must still say who holds it. Each is served a status request and nothing else, and
+# is dropped if it is quiet for the hello timeout.
+STATUS_SPARES = 4
+# A condition the operator should hear of (at the connection limit, out of descriptors) is
+# logged when it first happens and then at most this often, with how often it happened.
+LOG_EVERY_S = 60.0
 # A connection that has not said hello by then is dropped: idle ones must not hold the
 # connection slots (or descriptors) that real clients need (``--hello-timeout``).
 HELLO_DEADLINE_S = 10.0
@@ -129,7 +138,9 @@ class Server(OpHandlers):
         self.hello_timeout = _timeout("--hello-timeout", hello_timeout_s)
         self.send_timeout = _timeout("--send-timeout", send_timeout_s)
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self._logged: set[str] = set()
+        self._logged: dict[str, tuple[float, int]] = {}  # what -> (last logged, times since)
+        self._clock = time.monotonic
+        self._spares = 0  # connections open in the status spares (STATUS_SPARES)
         _raise_open_files_limit()
         cap = parse_size(host_cache) // PAGE * PAGE
         if cap < PAGE:
@@ -242,11 +253,14 @@ class Server(OpHandlers):
                     if e.errno in _OUT_OF_DESCRIPTORS:
                         # The listener stays readable: without a pause this loop would
                         # spin on the same error until a connection closes.
-                        self._log_once("accept", f"tierstore serve: cannot accept a "
-                                       f"connection ({e.strerror}); waiting for one to close")
+                        self._log_now_and_then(
+                            "accept", f"tierstore serve: cannot accept a connection "
+                            f"({e.strerror}); waiting for one to close")
                         self._stop.wait(0.1)
                     continue
-                if len(self._conns) >= self.max_connections:
+                with self._conns_lock:
+                    spare = len(self._conns) - self._spares >= self.max_connections
+                if spare and self._spares >= STATUS_SPARES:
                     self._refuse(sock)
                     continue
                 sock.settimeout(self.hello_timeout)  # until its hello (see _serve_one)
@@ -254,10 +268,12 @@ class Server(OpHandlers):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack(
                     "ll", secs, round((self.send_timeout - secs) * 1e6)))
                 conn = Conn(sock, next(self._cids))
+                conn.spare = spare
                 conn.thread = threading.Thread(target=self._serve_conn, args=(conn,),
                                                name=f"tierstore-conn-{conn.cid}", daemon=True)
                 with self._conns_lock:
                     self._conns[conn.cid] = conn
+                    self._spares += spare
                 conn.thread.start()
         finally:
             sel.close()
@@ -267,8 +283,9 @@ class Server(OpHandlers):
     def _refuse(self, sock: socket.socket) -> None:
         """Tell a connection over the limit why it is closed, rather than hang up on it."""
         limit = self.max_connections
-        self._log_once("limit", f"tierstore serve: at the limit of {limit} connections "
-                       "(--max-connections): refusing new ones until some close")
+        self._log_now_and_then("limit", f"tierstore serve: at the limit of {limit} "
+                               "connections (--max-connections): refusing new ones until "
+                               "some close")
         # Request id 0 and ``closed``: it answers no request (none is read), it ends the
         # connection. Sent without blocking, since this is the accept loop: a new socket's
         # empty buffer takes one small frame, and a client already gone is no loss.
@@ -284,10 +301,18 @@ class Server(OpHandlers):
     def stop(self) -> None:
         self._stop.set()
 
-    def _log_once(self, what: str, message: str) -> None:
-        if what not in self._logged:
-            self._logged.add(what)
-            self._log(message)
+    def _log_now_and_then(self, what: str, message: str) -> None:
+        """Log ``message`` the first time ``what`` happens, then at most every LOG_EVERY_S,
+        saying how many times it happened since: a flood of refusals is one line a minute,
+        and a daemon full again a day later says so again."""
+        now = self._clock()
+        last, times = self._logged.get(what, (None, 0))
+        times += 1
+        if last is not None and now - last < LOG_EVERY_S:
+            self._logged[what] = (last, times)
+            return
+        self._logged[what] = (now, 0)
+        self._log(message if times == 1 else f"{message} ({times} times since the last report)")
 
     def shutdown(self) -> None:
         """Stop serving: drop every connection (their leases with them), flush, close."""
@@ -338,6 +363,7 @@ class Server(OpHandlers):
         finally:
             with self._conns_lock:
                 self._conns.pop(conn.cid, None)
+                self._spares -= conn.spare
             try:
                 conn.release_all()
             finally:
@@ -355,7 +381,11 @@ class Server(OpHandlers):
             op, flags, rid, nfields, npayload = head
             admit(conn, op, nfields, npayload)
             fields = req.fields()
-            if op == P.Op.HELLO:
+            if conn.spare and op != P.Op.STATUS and not (
+                    op == P.Op.HELLO and fields.get("role") == "status"):
+                self._refuse(conn.sock)  # a client in a status spare: over the limit
+                return False
+            if op == P.Op.HELLO and not conn.spare:
                 conn.sock.settimeout(None)  # a client may be quiet as long as it likes
             try:
                 answer = self._dispatch(conn, op, fields, req)
@@ -507,9 +537,9 @@ def _check_socket_path(path: str) -> None:
 
 
 def _timeout(option: str, seconds: float) -> float:
-    # Zero would mean none to the kernel's send timeout and non-blocking to Python's.
-    if not 0.001 <= seconds <= 86400:  # false for nan as well
-        raise StoreError(f"{option} must be between 0.001 and 86400 seconds, not {seconds}")
+    low, high = TIMEOUT_RANGE_S  # as the command line's TIMEOUT checks it
+    if not low <= seconds <= high:  # false for nan as well
+        raise StoreError(f"{option} must be between {low:g} and {high:g} seconds, not {seconds}")
     return float(seconds)
 
 
