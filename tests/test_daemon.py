@@ -20,6 +20,7 @@ import grp
 import json
 import os
 import random
+import re
 import signal
 import socket
 import stat
@@ -37,6 +38,7 @@ import torch
 
 import tierstore
 from tierstore.daemon import protocol as P
+from tierstore.daemon.server import MAX_CONNECTIONS
 
 SHARED = 8
 SHARED_ELEMS = 64 * 1024  # 256 KiB float32 experts
@@ -386,6 +388,9 @@ def test_metrics_and_health(served: Daemon) -> None:
                  "tierstore_prefetch_stall_seconds_total", "tierstore_clients",
                  'tierstore_request_duration_seconds_bucket{op="get",le="+Inf"}'):
         assert name in text, name
+    # The limit beside what is open (the client's own connections among them).
+    assert f"tierstore_max_connections {MAX_CONNECTIONS}" in text
+    assert re.search(r"^tierstore_open_connections [1-9]", text, re.M)
 
 
 def test_status_command(served: Daemon) -> None:

@@ -328,7 +328,13 @@ def test_a_connection_over_the_limit_is_told_why(tmp_path: Path) -> None:
             # A full daemon still says who holds it: status has spare connections.
             res = CliRunner().invoke(main, ["status", "--connect", str(sock), "--json"])
             assert res.exit_code == 0, res.output
-            assert json.loads(res.stdout)["connections"] == 2
+            got = json.loads(res.stdout)
+            # The two clients, and the probe itself, over the limit in a spare.
+            assert (got["connections"], got["open_connections"], got["max_connections"]) == (
+                2, 3, 2)
+            res = CliRunner().invoke(main, ["status", "--connect", str(sock)])
+            assert res.exit_code == 0, res.output
+            assert "2 connections, 0 leases); 3 connections open, limit 2" in res.output
             # A spare serves status and nothing else: a client's hello there, or any other
             # request, is refused as over the limit, and the spare is given back.
             for first in ((P.Op.HELLO, {"version": P.PROTOCOL_VERSION}),

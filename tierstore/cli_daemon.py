@@ -99,7 +99,8 @@ def status(socket_path: str, as_json: bool) -> None:
         click.echo(f"daemon    pid {s['pid']}, up {s['uptime_s']:.0f} s, {s['socket']}")
         click.echo(f"store     {s['store']} ({s['backend']})")
         click.echo(f"clients   {s['clients']} ({s['connections']} connections, "
-                   f"{s['leases']} leases)")
+                   f"{s['leases']} leases); {s['open_connections']} connections open, limit "
+                   f"{s['max_connections']}")
         for c in s["client_list"]:
             click.echo(f"  pid {c['pid']}: {c['connections']} connections, {c['leases']} leases")
         cache = s["cache"] or {}

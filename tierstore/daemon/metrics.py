@@ -81,6 +81,11 @@ def exposition(status: dict[str, Any], latency: Histogram) -> str:
                  [({}, status["clients"])])
     out += gauge("tierstore_connections", "Open client connections.",
                  [({}, status["connections"])])
+    out += gauge("tierstore_open_connections", "Open connections of every kind (clients, "
+                 "status probes, connections yet to say hello).",
+                 [({}, status["open_connections"])])
+    out += gauge("tierstore_max_connections", "The daemon's --max-connections.",
+                 [({}, status["max_connections"])])
     out += gauge("tierstore_leases", "Cache slots leased to clients (pinned until released).",
                  [({}, status["leases"])])
     out += gauge("tierstore_cache_hits_total", "Host cache hits.",

@@ -508,6 +508,10 @@ class Server(OpHandlers):
             "metrics_port": self.metrics.port if self.metrics is not None else None,
             "clients": len(clients),
             "connections": sum(c["connections"] for c in clients.values()),
+            # Every open connection (before its hello, and status probes too) against the
+            # limit, which only the former count towards: what an operator of a full
+            # daemon needs to see.
+            "open_connections": len(conns), "max_connections": self.max_connections,
             "leases": sum(c["leases"] for c in clients.values()),
             "client_list": list(clients.values()),
             **figures,
