@@ -196,6 +196,35 @@ def test_one_batch_of_aligned_and_staged_chunks_checksums_every_chunk(make_store
     assert all(same(st.get(k), w) for k, w in want.items())
 
 
+def test_a_batch_past_the_free_space_grows_and_a_failed_growth_gives_its_space_back(
+        tmp_path) -> None:
+    """A batch takes what fits in one step and grows new slabs for the rest; where growing
+    fails part way, the space the batch had already taken is free again."""
+    def vals(prefix: str, n: int) -> dict[str, torch.Tensor]:  # 256 KiB each
+        return {f"{prefix}{i}": torch.full((64 << 10,), float(i)) for i in range(n)}
+
+    first = vals("a", 6)  # 1.5 MiB over 1 MiB slabs: a slab and a half
+    with tierstore.open(tmp_path / "s", create=True, host_cache=0, slab_size="1MiB") as st:
+        st.put_many(first)
+        assert all(torch.equal(st.get(k), v) for k, v in first.items())
+        assert st.stats()["free_bytes"] == 512 << 10
+        # The next slab's file is in the way, holding data nobody's catalog names.
+        slabs = sorted((tmp_path / "s" / "slabs").iterdir())
+        in_the_way = slabs[-1].with_name(f"slab-{len(slabs):06d}.dat")
+        in_the_way.write_bytes(b"x" * 4096)
+        with pytest.raises(tierstore.StoreError, match="holds data"):
+            st.put_many(vals("b", 4))  # two fit the free half slab; the third must grow
+        assert st.stats()["free_bytes"] == 512 << 10
+        st.put_many(vals("c", 2))  # fits without growing: the space did come back
+        in_the_way.unlink()
+        st.put_many(vals("d", 4))
+        assert not any(f"b{i}" in st for i in range(4))
+        report = st.fsck()
+        assert report.ok, report.problems
+        for prefix, n in (("a", 6), ("c", 2), ("d", 4)):
+            assert all(torch.equal(st.get(k), v) for k, v in vals(prefix, n).items())
+
+
 def test_default_chunk_size_boundaries(make_store) -> None:
     """Exactly one 8 MiB chunk, one byte more, and one element more, at the default chunk."""
     st = make_store(host_cache=0)  # chunk_size defaults to 8 MiB; straight to the medium

@@ -199,6 +199,13 @@ class WritePath(LocalState):
         work: list[tuple[int, int, int]] = []  # (entry, start, end) of each chunk
         srcs: list[np.ndarray] = []
         try:
+            # Extents for as many as fit now, in one call; the rest one at a time, growing
+            # the medium as they need (_allocate). All are in ``taken`` at once, so a
+            # failure part way gives back every one.
+            lengths = [align_up(src.nbytes) for _, _, src, _ in batch if src.nbytes]
+            places = self._alloc.allocate_many(lengths)
+            taken += [(seg, off, n) for (seg, off), n in zip(places, lengths)]
+            placed = iter(places)
             for name, k, src, meta in batch:
                 rec = Record(
                     dtype=meta.dtype, shape=list(meta.shape), nbytes=src.nbytes, crc=[],
@@ -208,9 +215,12 @@ class WritePath(LocalState):
                     rec.crc = [0]
                 else:
                     length = align_up(src.nbytes)
-                    rec.seg, rec.off = self._allocate(length)
+                    place = next(placed, None)
+                    if place is None:
+                        place = self._allocate(length)
+                        taken.append((*place, length))
+                    rec.seg, rec.off = place
                     rec.length = length
-                    taken.append((rec.seg, rec.off, length))
                     starts = range(0, length, self._chunk)
                     rec.crc = [0] * len(starts)  # filled by chunk, in any order
                     work += [(len(records), start, min(start + self._chunk, length))
@@ -438,7 +448,7 @@ class WritePath(LocalState):
         entries = cat.db["entries"]
         for name, kind, rec in records:
             key = entry_key(name, kind)
-            old = cat.get_record(txn, name, kind, key)
+            old = cat.replaced(txn, key)
             dead = self._tombstones.get((name, kind))
             if (old is not None and old.version > rec.version) or (
                     dead is not None and dead > rec.version):
