@@ -1,5 +1,5 @@
 """Catalog records: the bytes a record is written as, and reading them back (in full, or
-the numbers a commit needs of the record it replaces); and the allocator placing a batch."""
+the numbers a commit needs of the record it replaces)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import tempfile
 
 import pytest
 
-from tierstore.alloc import ExtentAllocator
 from tierstore.catalog import Catalog, Record, Replaced, entry_key
 from tierstore.tensors import DTYPES
 
@@ -72,22 +71,3 @@ def test_a_commit_reads_the_record_it_replaces_whatever_its_spelling(
     raw = rec.encode() if spelling == "encoded" else json.dumps(vars(rec)).encode()
     assert _replaced_of(raw) == Replaced(rec.nbytes, rec.version, rec.seg, rec.off,
                                          rec.length)
-
-
-def test_allocate_many_places_as_allocate_would_and_stops_at_the_first_misfit() -> None:
-    def fresh() -> ExtentAllocator:
-        a = ExtentAllocator()
-        # Holes of 8 and 4 pages in segment 0, then 64 pages in segment 1.
-        a.load([(0, 0, 8 * 4096), (0, 16 * 4096, 4 * 4096), (1, 0, 64 * 4096)])
-        return a
-
-    sizes = [4096 * n for n in (4, 4, 2, 16, 40, 2, 1)]
-    one_by_one = fresh()
-    expected = [one_by_one.allocate(n) for n in sizes]
-    assert None not in expected
-    many = fresh()
-    assert many.allocate_many(sizes) == expected
-    assert many.free_bytes() == one_by_one.free_bytes() == 7 * 4096
-    # 32 pages fit nowhere once segment 1 is taken: the list ends there, though a page
-    # would still have fitted (the caller goes on one at a time, growing the medium).
-    assert fresh().allocate_many([64 * 4096, 32 * 4096, 4096]) == [(1, 0)]

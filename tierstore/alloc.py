@@ -40,32 +40,15 @@ class ExtentAllocator:
     def allocate(self, nbytes: int) -> tuple[int, int] | None:
         """First fit over segments in order; None when no free extent is large enough."""
         with self.lock:
-            return self._first_fit(sorted(self._offs), nbytes)
-
-    def allocate_many(self, sizes: list[int]) -> list[tuple[int, int]]:
-        """:meth:`allocate` of each size in turn, under one lock, up to the first that does
-        not fit: the places of those that did. A batch of small entries pays for the lock
-        and the segment order once, not per entry."""
-        got: list[tuple[int, int]] = []
-        with self.lock:
-            segs = sorted(self._offs)
-            for nbytes in sizes:
-                place = self._first_fit(segs, nbytes)
-                if place is None:
-                    break
-                got.append(place)
-        return got
-
-    def _first_fit(self, segs: list[int], nbytes: int) -> tuple[int, int] | None:
-        for seg in segs:
-            lens = self._lens[seg]
-            for off in self._offs[seg]:
-                length = lens[off]
-                if length >= nbytes:
-                    self._remove(seg, off)
-                    if length > nbytes:
-                        self._insert(seg, off + nbytes, length - nbytes)
-                    return seg, off
+            for seg in sorted(self._offs):
+                lens = self._lens[seg]
+                for off in self._offs[seg]:
+                    length = lens[off]
+                    if length >= nbytes:
+                        self._remove(seg, off)
+                        if length > nbytes:
+                            self._insert(seg, off + nbytes, length - nbytes)
+                        return seg, off
         return None
 
     def release(self, extents: Iterable[Extent]) -> None:

@@ -199,13 +199,6 @@ class WritePath(LocalState):
         work: list[tuple[int, int, int]] = []  # (entry, start, end) of each chunk
         srcs: list[np.ndarray] = []
         try:
-            # Extents for as many as fit now, in one call; the rest one at a time, growing
-            # the medium as they need (_allocate). All are in ``taken`` at once, so a
-            # failure part way gives back every one.
-            lengths = [align_up(src.nbytes) for _, _, src, _ in batch if src.nbytes]
-            places = self._alloc.allocate_many(lengths)
-            taken += [(seg, off, n) for (seg, off), n in zip(places, lengths)]
-            placed = iter(places)
             for name, k, src, meta in batch:
                 rec = Record(
                     dtype=meta.dtype, shape=list(meta.shape), nbytes=src.nbytes, crc=[],
@@ -215,12 +208,9 @@ class WritePath(LocalState):
                     rec.crc = [0]
                 else:
                     length = align_up(src.nbytes)
-                    place = next(placed, None)
-                    if place is None:
-                        place = self._allocate(length)
-                        taken.append((*place, length))
-                    rec.seg, rec.off = place
+                    rec.seg, rec.off = self._allocate(length)
                     rec.length = length
+                    taken.append((rec.seg, rec.off, length))
                     starts = range(0, length, self._chunk)
                     rec.crc = [0] * len(starts)  # filled by chunk, in any order
                     work += [(len(records), start, min(start + self._chunk, length))
