@@ -34,6 +34,7 @@ import re
 import resource
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -430,6 +431,39 @@ def test_limit_and_descriptor_messages_are_logged_now_and_then(tmp_path: Path) -
         srv._log_now_and_then("limit", "at the limit")
         assert logs == ["at the limit", "out of descriptors",
                         "at the limit (4 times since the last report)", "at the limit"]
+    finally:
+        srv.shutdown()
+
+
+def test_refusals_from_many_threads_are_all_counted(tmp_path: Path) -> None:
+    """The accept loop and connection threads refuse at once: one line, no count lost."""
+    _store(tmp_path / "store")
+    logs: list[str] = []
+    srv = Server(str(tmp_path / "store"), str(tmp_path / "s.sock"), host_cache="4MiB",
+                 log=logs.append)
+    try:
+        now = [1000.0]
+        srv._clock = lambda: now[0]
+        start = threading.Barrier(4)
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads taking turns often, as on a busy daemon
+
+        def refuse_many() -> None:
+            start.wait()
+            for _ in range(2000):
+                srv._log_now_and_then("limit", "at the limit")
+
+        threads = [threading.Thread(target=refuse_many) for _ in range(4)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            sys.setswitchinterval(switch)
+        now[0] += LOG_EVERY_S
+        srv._log_now_and_then("limit", "at the limit")
+        assert logs == ["at the limit", "at the limit (8000 times since the last report)"]
     finally:
         srv.shutdown()
 

@@ -139,6 +139,7 @@ class Server(OpHandlers):
         self.send_timeout = _timeout("--send-timeout", send_timeout_s)
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._logged: dict[str, tuple[float, int]] = {}  # what -> (last logged, times since)
+        self._logged_lock = threading.Lock()
         self._clock = time.monotonic
         self._spares = 0  # connections open in the status spares (STATUS_SPARES)
         _raise_open_files_limit()
@@ -260,7 +261,8 @@ class Server(OpHandlers):
                     continue
                 with self._conns_lock:
                     spare = len(self._conns) - self._spares >= self.max_connections
-                if spare and self._spares >= STATUS_SPARES:
+                    full = spare and self._spares >= STATUS_SPARES
+                if full:
                     self._refuse(sock)
                     continue
                 sock.settimeout(self.hello_timeout)  # until its hello (see _serve_one)
@@ -305,13 +307,14 @@ class Server(OpHandlers):
         """Log ``message`` the first time ``what`` happens, then at most every LOG_EVERY_S,
         saying how many times it happened since: a flood of refusals is one line a minute,
         and a daemon full again a day later says so again."""
-        now = self._clock()
-        last, times = self._logged.get(what, (None, 0))
-        times += 1
-        if last is not None and now - last < LOG_EVERY_S:
-            self._logged[what] = (last, times)
-            return
-        self._logged[what] = (now, 0)
+        with self._logged_lock:  # the accept loop and connection threads both refuse
+            now = self._clock()
+            last, times = self._logged.get(what, (None, 0))
+            times += 1
+            if last is not None and now - last < LOG_EVERY_S:
+                self._logged[what] = (last, times)
+                return
+            self._logged[what] = (now, 0)
         self._log(message if times == 1 else f"{message} ({times} times since the last report)")
 
     def shutdown(self) -> None:
