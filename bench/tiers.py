@@ -15,8 +15,9 @@ thread, fio ``io_uring`` (``libaio`` where io_uring is unavailable) at queue dep
 with the request size the store issues (the entry, cut into the store's chunks) and the same
 O_DIRECT flag, and DeepSpeed's DeepNVMe ``aio_handle`` (1 MiB blocks, queue depth 32, page-
 locked buffers; :mod:`bench.deepnvme`) where deepspeed is installed. They read the region the
-entries occupy and write never-written parts of the slab, ending with an fsync as the store
-does (:mod:`bench.ceilings`). All sides are timed in their steady state (see
+entries occupy and write a part of the slab of their own, ending with an fsync as the store
+does (:mod:`bench.ceilings`). All sides are timed in their steady state, writes rewriting
+space written once before, and reported beside it, into never-written space (see
 :func:`measure_nvme`). The store's
 ratio to the best ceiling is the figure of merit. Where CUDA, kvikio and ``gdsio`` are present,
 the same measurement runs with the kvikio engine against gdsio (GPUDirect Storage) as the
@@ -174,10 +175,14 @@ def measure_nvme(
     rows) on the same slab file, same request size and O_DIRECT flag; medians over
     ``repeats`` fresh stores, and the store's ratio to the best ceiling.
 
-    Writes: the store's second ``put_many`` of ``n`` entries (the first, untimed, sets up its
-    staging buffers as fio sets up its own before timing), then each ceiling writing as many
-    bytes into a never-written region of the slab of its own, ending with an fsync as the
-    store's fdatasync. Reads: one untimed store pass of each kind, then the store (into
+    Writes, like for like: the slab is fallocated, and the first write into a region of it
+    converts its unwritten extents, which on the development machine's ext4 halved fio's
+    bandwidth (3.1 against 5.3-6.9 GB/s at 256 KiB). So the store and every ceiling are
+    timed twice on their own region: once into never-written space (the ``fresh`` figures:
+    the store's second ``put_many``, the first having set up its staging buffers as fio sets
+    up its own before timing), then rewriting it (the row: the store's later puts, which
+    copy-on-write places in the space the one before freed, as a store in use does). Every
+    side ends with an fsync, as the store's fdatasync. Reads: one untimed store pass of each kind, then the store (into
     memory allocated before its clock starts and reused, as fio's and DeepNVMe's buffers
     are; and, reported beside it, as fresh results) and every ceiling read the same region,
     in an order reversed every round and rotated between repeats, so a drift of the shared
@@ -200,6 +205,8 @@ def measure_nvme(
     names = [f"bench.experts.{i}.w" for i in range(n)]
     runs: dict[str, dict[str, list[float]]] = {}
     unaligned: list[float] = []
+    fresh_write: list[float] = []
+    fresh_ceiling: dict[str, list[float]] = {}
     described = engine
     rss: list[tuple[float, float]] = []
 
@@ -217,7 +224,8 @@ def measure_nvme(
                     for name in ceilings:
                         runs[op].setdefault(name, [])
                 _store_write(st, names, data)  # region 0, untimed
-                # Regions 1 and 0 again (copy-on-write frees the older one), in turns.
+                fresh_write.append(_store_write(st, names, aligned))  # region 1, never written
+                # Regions 0 and 1 again (copy-on-write frees the older one), in turns.
                 for src in (aligned, data) if r % 2 else (data, aligned):
                     (runs["write"]["store"] if src is aligned else unaligned).append(
                         _store_write(st, names, src))
@@ -230,7 +238,9 @@ def measure_nvme(
                         max(i.offset + block for i in infos))
                 unused = -(-used[1] // bs) * bs
                 for j, (name, fn) in enumerate(ceilings.items()):
-                    runs["write"][name].append(fn(slab, "write", unused + j * n * block, n * block))
+                    at = unused + j * n * block
+                    fresh_ceiling.setdefault(name, []).append(fn(slab, "write", at, n * block))
+                    runs["write"][name].append(fn(slab, "write", at, n * block))
                 _store_read(st, names, block, paths, into)
                 _store_read(st, names, block, paths)
                 sides = ["store", FRESH, *ceilings]
@@ -257,7 +267,8 @@ def measure_nvme(
                              "peak_rss_mb": max(p for p, _ in rss),
                              "rss_mb": max(c for _, c in rss)}
     extra_write = {"write_unaligned_gbps": round(statistics.median(unaligned), 3),
-                   "write_unaligned_runs": [round(x, 3) for x in unaligned]}
+                   "write_unaligned_runs": [round(x, 3) for x in unaligned],
+                   **_fresh(fresh_write, fresh_ceiling)}
     extra_read = {"read_fresh_gbps": round(statistics.median(fresh), 3),
                   "read_fresh_runs": [round(x, 3) for x in fresh]}
     if ceiling == "gdsio":
@@ -275,6 +286,18 @@ def measure_nvme(
             ceiling_runs={k: [round(x, 3) for x in v] for k, v in runs[op].items()
                           if k != "store"}))
     return rows
+
+
+def _fresh(store: list[float], ceilings: dict[str, list[float]]) -> dict[str, Any]:
+    """The writes into never-written space (see :func:`measure_nvme`), reported beside the
+    row: the store's median, each ceiling's, and the ratio to the best of them."""
+    medians = {name: statistics.median(v) for name, v in ceilings.items()}
+    best = max(medians, key=lambda k: medians[k])
+    got = statistics.median(store)
+    return {"write_fresh_gbps": round(got, 3), "write_fresh_runs": [round(x, 3) for x in store],
+            "fresh_ceilings": {k: round(v, 3) for k, v in medians.items()},
+            "fresh_ceiling_runs": {k: [round(x, 3) for x in v] for k, v in ceilings.items()},
+            "fresh_ceiling": best, "fresh_ratio": round(got / medians[best], 3)}
 
 
 def measure_entry_sizes(root: str, engine: str, threads: int, total: int, repeats: int = 3,
@@ -299,7 +322,9 @@ def measure_entry_sizes(root: str, engine: str, threads: int, total: int, repeat
                             chunk_size=CHUNK) as st:
             described = st.describe().split(": ", 1)[-1]
             paths: set[str] = set()
-            for b in sizes:  # untimed: staging buffers and read destinations set up
+            for b in sizes:  # untimed: staging buffers and read destinations set up, and
+                # two versions written, so every timed put rewrites space (see measure_nvme)
+                _store_write(st, names[b], data[b])
                 _store_write(st, names[b], data[b])
                 if not engine_reads_direct(engine, st.describe()):
                     paths.add(st.info(names[b][0]).path)
@@ -524,6 +549,15 @@ def run_tiers(
              f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} {r['gbps']:7.3f} "
              f"{r['ceiling']:>20} {r['ceiling_gbps']:7.3f} {r['ratio']:6.2f} "
              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
+    fresh = [r for r in rows if "write_fresh_gbps" in r]
+    if fresh:
+        echo("writes above rewrite space a store has written before; into never-written "
+             "(fallocated) space:")
+    for r in fresh:
+        echo(f"{r['tier']:5} fresh {r['engine'][:15]:15} "
+             f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} "
+             f"{r['write_fresh_gbps']:7.3f} {r['fresh_ceiling']:>20} "
+             f"{r['fresh_ceilings'][r['fresh_ceiling']]:7.3f} {r['fresh_ratio']:6.2f}")
     for z in sizes_rows:
         name = z["engine"] + ("=" + z["engine_described"].split(" ", 1)[0]
                               if z["engine"] == "auto" else "")

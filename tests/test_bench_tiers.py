@@ -49,6 +49,14 @@ def test_bench_tiers_writes_the_table_and_the_entry_size_comparison(tmp_path) ->
     assert {(r["op"], r["block_bytes"]) for r in data["results"]} == {
         ("write", 1 << 20), ("read", 1 << 20)}
     assert all(r["ceiling"] and r["ceiling_gbps"] > 0 for r in data["results"])
+    # Beside the write row (rewrites), the same writes into never-written space, for the
+    # store and each of the same ceilings.
+    (write,) = [r for r in data["results"] if r["op"] == "write"]
+    assert set(write["fresh_ceilings"]) == set(write["ceilings"])
+    assert write["fresh_ratio"] == pytest.approx(
+        write["write_fresh_gbps"] / write["fresh_ceilings"][write["fresh_ceiling"]], rel=2e-3)
+    assert "into never-written (fallocated) space:" in result.output
+    assert "nvme  fresh posix-direct" in result.output
     (sizes,) = data["entry_sizes"]
     assert (sizes["engine"], sizes["small_bytes"], sizes["large_bytes"]) == (
         "posix-direct", 256 << 10, 16 << 20)

@@ -14,8 +14,8 @@
   before a successor could bind the path;
 - a connection over the daemon's --max-connections is told so, in a clear error, and the
   daemon serves new clients once others have gone; a full daemon still answers status
-  from a few spares, which serve nothing else and come back when closed; the limit's log
-  line comes when it is first reached, then at most once a minute;
+  from a few spares, which serve nothing else and come back when closed (the limit's log
+  line, at most once a minute, is in test_daemon_log.py);
 - releases riding on a request the daemon refuses unread go again with the next request,
   so no lease is left behind;
 - a client that stops reading an answer is dropped after --send-timeout, giving back the
@@ -34,7 +34,6 @@ import re
 import resource
 import select
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -50,7 +49,7 @@ from tierstore.cli import main
 from tierstore.daemon import protocol as P
 from tierstore.daemon.client import RemoteStore
 from tierstore.daemon.connection import Connection, Lease
-from tierstore.daemon.server import LOG_EVERY_S, STATUS_SPARES, Server
+from tierstore.daemon.server import STATUS_SPARES, Server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -411,61 +410,6 @@ def test_status_spares_are_bounded_and_given_back(tmp_path: Path) -> None:
         for s in held:
             s.close()
         assert daemon.terminate() == 0, daemon.log.read_text()
-
-
-def test_limit_and_descriptor_messages_are_logged_now_and_then(tmp_path: Path) -> None:
-    _store(tmp_path / "store")
-    logs: list[str] = []
-    srv = Server(str(tmp_path / "store"), str(tmp_path / "s.sock"), host_cache="4MiB",
-                 log=logs.append)
-    try:
-        now = [1000.0]
-        srv._clock = lambda: now[0]
-        for t in (0, 1, 2, LOG_EVERY_S - 1):  # the first at once, then quiet for a while
-            now[0] = 1000.0 + t
-            srv._log_now_and_then("limit", "at the limit")
-        srv._log_now_and_then("accept", "out of descriptors")  # its own clock
-        now[0] = 1000.0 + LOG_EVERY_S
-        srv._log_now_and_then("limit", "at the limit")
-        now[0] = 1000.0 + 10 * LOG_EVERY_S  # a day later, say: full again
-        srv._log_now_and_then("limit", "at the limit")
-        assert logs == ["at the limit", "out of descriptors",
-                        "at the limit (4 times since the last report)", "at the limit"]
-    finally:
-        srv.shutdown()
-
-
-def test_refusals_from_many_threads_are_all_counted(tmp_path: Path) -> None:
-    """The accept loop and connection threads refuse at once: one line, no count lost."""
-    _store(tmp_path / "store")
-    logs: list[str] = []
-    srv = Server(str(tmp_path / "store"), str(tmp_path / "s.sock"), host_cache="4MiB",
-                 log=logs.append)
-    try:
-        now = [1000.0]
-        srv._clock = lambda: now[0]
-        start = threading.Barrier(4)
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(1e-6)  # threads taking turns often, as on a busy daemon
-
-        def refuse_many() -> None:
-            start.wait()
-            for _ in range(2000):
-                srv._log_now_and_then("limit", "at the limit")
-
-        threads = [threading.Thread(target=refuse_many) for _ in range(4)]
-        try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        finally:
-            sys.setswitchinterval(switch)
-        now[0] += LOG_EVERY_S
-        srv._log_now_and_then("limit", "at the limit")
-        assert logs == ["at the limit", "at the limit (8000 times since the last report)"]
-    finally:
-        srv.shutdown()
 
 
 # -- releases on a refused request --------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""A batch written through the AIO engine is placed a group of chunks at a time, as the
+engine takes its requests (``tierstore.writes.PLACE_AHEAD_CHUNKS``): whole batches read
+back, and a group that cannot be placed fails the batch cleanly after earlier groups were
+sent. Real files, the real engine; its submission hook only counts requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_nvme_aio import _count
+from tierstore.nvme import libaio
+
+import tierstore
+from tierstore import writes
+
+pytestmark = pytest.mark.skipif(libaio.unavailable() is not None,
+                                reason=f"Linux AIO unavailable: {libaio.unavailable()}")
+
+def test_a_batch_placed_group_by_group_reads_back_whole(tmp_path) -> None:
+    """A batch of many groups (see ``PLACE_AHEAD_CHUNKS``), with empty entries, entries of
+    several chunks and unaligned sources among small ones: every entry reads back, before
+    and after a reopen, and no request is longer than a chunk."""
+    chunk = 64 << 10
+    gen = torch.Generator().manual_seed(3)
+    sizes = [0, 1000, chunk, 3 * chunk + 4096, 4096, 70_000]  # bytes
+    data = {f"e{i}": torch.randint(0, 255, (sizes[i % len(sizes)],), dtype=torch.uint8,
+                                   generator=gen) for i in range(60)}
+    data.update({f"f{i}": torch.randn(5000 + i, generator=gen) for i in range(10)})
+    assert sum(t.nbytes for t in data.values()) > 8 * writes.PLACE_AHEAD_CHUNKS * chunk
+    kw = dict(host_cache=0, engine="aio", slab_size="4MiB", chunk_size=chunk, io_threads=1)
+    with tierstore.open(tmp_path / "s", create=True, **kw) as st:
+        sent: list[Any] = []
+        st._medium.engine.inject = _count("submit", sent)
+        st.put_many(data)
+        st._medium.engine.inject = None
+        assert sent and max(r[2] for r in sent) <= chunk
+        assert all(torch.equal(st.get(k), v) for k, v in data.items())
+    with tierstore.open(tmp_path / "s", **kw) as st:
+        assert st.fsck().ok
+        assert all(torch.equal(st.get(k), v) for k, v in data.items())
+
+
+def test_a_group_that_cannot_be_placed_fails_the_batch_after_earlier_ones_were_sent(
+        tmp_path) -> None:
+    """The first group is on its way before the next is placed; where the next cannot be
+    (its slab cannot grow), what was sent lands, every extent the batch took is free
+    again, and nothing of it is committed."""
+    chunk = 64 << 10
+    group = writes.PLACE_AHEAD_CHUNKS
+
+    def vals(prefix: str, n: int, fill: float) -> dict[str, torch.Tensor]:  # a chunk each
+        return {f"{prefix}{i}": torch.full((chunk // 4,), fill + i) for i in range(n)}
+
+    slab = 16 * chunk
+    first = vals("a", 16 - group, 0.0)  # the first slab, but for one group's room
+    with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
+                        slab_size=slab, chunk_size=chunk, io_threads=1) as st:
+        st.put_many(first)
+        assert st.stats()["free_bytes"] == group * chunk
+        slabs = sorted((tmp_path / "s" / "slabs").iterdir())
+        in_the_way = slabs[-1].with_name(f"slab-{len(slabs):06d}.dat")
+        in_the_way.write_bytes(b"x" * 4096)  # the next slab's file: it cannot grow
+        sent: list[Any] = []
+        st._medium.engine.inject = _count("submit", sent)
+        with pytest.raises(tierstore.StoreError, match="holds data"):
+            st.put_many(vals("b", 2 * group, 100.0))
+        st._medium.engine.inject = None
+        assert sent  # the first group's requests were sent before the second was placed
+        assert st.stats()["free_bytes"] == group * chunk
+        assert not any(f"b{i}" in st for i in range(2 * group))
+        in_the_way.unlink()
+        assert st.fsck().ok
+        st.put_many(vals("c", 2 * group, 200.0))
+        for prefix, n, fill in (("a", 16 - group, 0.0), ("c", 2 * group, 200.0)):
+            assert all(torch.equal(st.get(k), v) for k, v in vals(prefix, n, fill).items())
+        assert st.fsck().ok
