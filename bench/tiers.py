@@ -551,8 +551,8 @@ def run_tiers(
              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
     fresh = [r for r in rows if "write_fresh_gbps" in r]
     if fresh:
-        echo("writes above rewrite space a store has written before; into never-written "
-             "(fallocated) space:")
+        echo("the writes above rewrite space written once before; the same writes into "
+             "never-written (fallocated) space:")
     for r in fresh:
         echo(f"{r['tier']:5} fresh {r['engine'][:15]:15} "
              f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} "
