@@ -394,9 +394,9 @@ class WritePath(LocalState):
                 raise
             if not isinstance(e, BatchError) and not isinstance(e, FileNotFoundError):
                 # The batch's failure (no AIO context, io_getevents), not a chunk's.
-                name, kind = records[0][:2]
+                name, kind = batch[0][:2]  # records holds only the entries placed so far
                 raise OSError(e.errno, f"writing {name!r} (kind {kind!r}) and "
-                              f"{len(records) - 1} other entries: {e.strerror}") from e
+                              f"{len(batch) - 1} other entries: {e.strerror}") from e
             first, last = runs[e.index if isinstance(e, BatchError) else at[0]]
             name, kind, rec = records[work[first][0]]
             start = work[first][1]
