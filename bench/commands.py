@@ -148,7 +148,9 @@ def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list
                 repeats: int, json_out: str | None, plot_out: str | None) -> None:
     """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
     run: NVMe through the store's engines against fio (psync, and io_uring at queue depth 32)
-    and DeepNVMe on the same file with the same request size and O_DIRECT flag; PMem against pmem_memcpy_persist and memcpy; host cache
+    and DeepNVMe on the same file with the same request size and O_DIRECT flag (NVMe writes
+    rewrite space each side wrote once before; their first writes into never-written space
+    are listed after the table); PMem against pmem_memcpy_persist and memcpy; host cache
     hits against memcpy; host<->device against plain pinned copies."""
     from tierstore.bench.tiers import run_tiers
 
