@@ -181,8 +181,10 @@ def measure_nvme(
     timed twice on their own region: once into never-written space (the ``fresh`` figures:
     the store's second ``put_many``, the first having set up its staging buffers as fio sets
     up its own before timing), then rewriting it (the row: the store's later puts, which
-    copy-on-write places in the space the one before freed, as a store in use does). Every
-    side ends with an fsync, as the store's fdatasync. Reads: one untimed store pass of each kind, then the store (into
+    copy-on-write places in the space the one before freed, as a store in use does). gdsio
+    writes a file of its own that is written in full before its first use, so the ``gds``
+    rows have no fresh figures. Every side ends with an fsync, as the store's fdatasync.
+    Reads: one untimed store pass of each kind, then the store (into
     memory allocated before its clock starts and reused, as fio's and DeepNVMe's buffers
     are; and, reported beside it, as fresh results) and every ceiling read the same region,
     in an order reversed every round and rotated between repeats, so a drift of the shared
@@ -239,7 +241,9 @@ def measure_nvme(
                 unused = -(-used[1] // bs) * bs
                 for j, (name, fn) in enumerate(ceilings.items()):
                     at = unused + j * n * block
-                    fresh_ceiling.setdefault(name, []).append(fn(slab, "write", at, n * block))
+                    if ceiling == "fio":  # gdsio writes a file of its own, written in full
+                        fresh_ceiling.setdefault(name, []).append(
+                            fn(slab, "write", at, n * block))
                     runs["write"][name].append(fn(slab, "write", at, n * block))
                 _store_read(st, names, block, paths, into)
                 _store_read(st, names, block, paths)
@@ -268,7 +272,7 @@ def measure_nvme(
                              "rss_mb": max(c for _, c in rss)}
     extra_write = {"write_unaligned_gbps": round(statistics.median(unaligned), 3),
                    "write_unaligned_runs": [round(x, 3) for x in unaligned],
-                   **_fresh(fresh_write, fresh_ceiling)}
+                   **(_fresh(fresh_write, fresh_ceiling) if fresh_ceiling else {})}
     extra_read = {"read_fresh_gbps": round(statistics.median(fresh), 3),
                   "read_fresh_runs": [round(x, 3) for x in fresh]}
     if ceiling == "gdsio":
@@ -306,7 +310,9 @@ def measure_entry_sizes(root: str, engine: str, threads: int, total: int, repeat
     one rotation: ``put_many`` and ``get_many(out=...)`` of ``total`` bytes as entries of
     each size, in turns whose order reverses every round, ``repeats`` rounds of two each.
     The main table's rows for two sizes are minutes apart, so their ratio carries the
-    disk's drift between them; this one is measured side by side."""
+    disk's drift between them; this one is measured side by side. Two untimed puts of
+    each size come first, so every timed one rewrites space (see :func:`measure_nvme`)
+    where ``total`` is at least ``large``; below that, a large put may reach past it."""
     path = os.path.join(root, f"{engine}-entry-sizes")
     sizes = (small, large)
     n = {b: max(1, total // b) for b in sizes}

@@ -76,3 +76,16 @@ def test_a_group_that_cannot_be_placed_fails_the_batch_after_earlier_ones_were_s
         for prefix, n, fill in (("a", 16 - group, 0.0), ("c", 2 * group, 200.0)):
             assert all(torch.equal(st.get(k), v) for k, v in vals(prefix, n, fill).items())
         assert st.fsck().ok
+
+
+@pytest.mark.timeout(120)
+def test_groups_of_one_entry_each(tmp_path, monkeypatch) -> None:
+    """However small the group is set, each takes an entry at least, so a batch ends."""
+    monkeypatch.setattr(writes, "PLACE_AHEAD_CHUNKS", 0)
+    data = {f"e{i}": torch.full((1000 + i,), float(i)) for i in range(20)}
+    data["empty"] = torch.empty(0)
+    with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
+                        chunk_size=64 << 10, io_threads=1) as st:
+        st.put_many(data)
+        assert all(torch.equal(st.get(k), v) for k, v in data.items())
+        assert st.fsck().ok

@@ -269,7 +269,7 @@ class WritePath(LocalState):
             i, first, budget = placed[0], len(work), PLACE_AHEAD_CHUNKS * chunk
             if i == len(batch):
                 return False
-            while i < len(batch) and budget > 0:
+            while i < len(batch) and (budget > 0 or i == placed[0]):  # one entry at least
                 name, k, src, meta = batch[i]
                 rec = Record(
                     dtype=meta.dtype, shape=list(meta.shape), nbytes=src.nbytes, crc=[],
