@@ -182,7 +182,8 @@ class WritePath(LocalState):
                 records.append((name, k, rec))
                 started.append(futs)
             for (_, _, rec), futs in zip(records, started):
-                rec.crc = rec.crc or [f.result() for f in futs]
+                if futs:
+                    rec.crc = [f.result() for f in futs]
             self._medium.sync({seg for seg, _, length in taken if length})
             freed = self._catalog.write(lambda txn: self._commit(txn, records))
         except BaseException as e:
@@ -252,47 +253,31 @@ class WritePath(LocalState):
         extents: list[tuple[int, int]] = []  # each entry's (segment, offset)
         runs: list[tuple[int, int]] = []  # requests: [first, last) of work
         sizes: list[int] = []
-        placed = [0]  # entries of batch placed so far
         placing: list[BaseException] = []  # what placing entries raised (a full disk)
 
         def place() -> bool:
             """Place the next group of entries and plan their requests; False once every
             entry is placed. A request never spans two groups: a group is several chunks,
             so that costs at most one short request per group."""
-            try:
-                return plan()
-            except BaseException as e:
-                placing.append(e)  # raised as it is, not as a failed write (see below)
-                raise
-
-        def plan() -> bool:
-            i, first, budget = placed[0], len(work), PLACE_AHEAD_CHUNKS * chunk
+            i = first_entry = len(records)
+            first, budget = len(work), PLACE_AHEAD_CHUNKS * chunk
             if i == len(batch):
                 return False
-            while i < len(batch) and (budget > 0 or i == placed[0]):  # one entry at least
+            while i < len(batch) and (budget > 0 or i == first_entry):  # one entry at least
                 name, k, src, meta = batch[i]
-                rec = Record(
-                    dtype=meta.dtype, shape=list(meta.shape), nbytes=src.nbytes, crc=[],
-                    chunk=chunk, version=meta.version, seg=-1, off=0, length=0,
-                )
-                if src.nbytes == 0:
-                    rec.crc = [0]
-                else:
-                    length = align_up(src.nbytes)
-                    rec.seg, rec.off = self._allocate(length)
-                    rec.length = length
-                    taken.append((rec.seg, rec.off, length))
-                    starts = range(0, length, chunk)
-                    rec.crc = [0] * len(starts)  # filled by chunk, in any order
-                    work.extend((len(records), start, min(start + chunk, length))
-                                for start in starts)
-                    budget -= length
+                try:
+                    rec = self._placed(src, meta, taken)
+                except BaseException as e:
+                    placing.append(e)  # raised as it is, not as a failed write (see below)
+                    raise
+                work.extend((i, start, min(start + chunk, rec.length))
+                            for start in range(0, rec.length, chunk))
+                budget -= rec.length
                 records.append((name, k, rec))
                 srcs.append(src)
                 addrs.append(src.ctypes.data)
                 extents.append((rec.seg, rec.off))
                 i += 1
-            placed[0] = i
             for a, b in adjacent_runs(work[first:], extents, chunk, MAX_PIECES):
                 runs.append((first + a, first + b))
                 sizes.append(sum(work[n][2] - work[n][1] for n in range(first + a, first + b)))
@@ -417,18 +402,10 @@ class WritePath(LocalState):
         self, src: np.ndarray, meta: Meta, taken: list[tuple[int, int, int]]
     ) -> tuple[Record, list[Future[int]]]:
         """Start writing ``src`` to fresh extents; the futures give each chunk's crc32c."""
-        nbytes = src.nbytes
-        rec = Record(
-            dtype=meta.dtype, shape=list(meta.shape), nbytes=nbytes, crc=[],
-            chunk=self._chunk, version=meta.version, seg=-1, off=0, length=0,
-        )
-        if nbytes == 0:
-            rec.crc = [0]
+        rec = self._placed(src, meta, taken)
+        if not rec.length:
             return rec, []
-        length = align_up(nbytes)
-        seg, off = self._allocate(length)
-        taken.append((seg, off, length))
-        rec.seg, rec.off, rec.length = seg, off, length
+        nbytes, seg, off, length = src.nbytes, rec.seg, rec.off, rec.length
         # O_DIRECT and GDS need page-aligned memory (cache slots are). Otherwise each chunk
         # is copied into an aligned staging buffer by a worker just before its write, so
         # copies, checksums and writes of different chunks overlap.
@@ -452,6 +429,20 @@ class WritePath(LocalState):
             return crc
 
         return rec, [self._workers.submit(chunk_job, start) for start in range(0, length, self._chunk)]
+
+    def _placed(self, src: np.ndarray, meta: Meta, taken: list[tuple[int, int, int]]) -> Record:
+        """The record of ``src``'s new version at a fresh extent, appended to ``taken``, its
+        chunks' crc32c still to fill in; an empty tensor has no extent (and crc [0])."""
+        rec = Record(
+            dtype=meta.dtype, shape=list(meta.shape), nbytes=src.nbytes, crc=[0],
+            chunk=self._chunk, version=meta.version, seg=-1, off=0, length=0,
+        )
+        if src.nbytes:
+            rec.length = align_up(src.nbytes)
+            rec.seg, rec.off = self._allocate(rec.length)
+            taken.append(rec.extent)
+            rec.crc = [0] * -(-rec.length // self._chunk)
+        return rec
 
     def _allocate(self, length: int) -> tuple[int, int]:
         got = self._alloc.allocate(length)
