@@ -158,6 +158,18 @@ def test_decode_threads_take_over_after_the_prefill(mixtral: Path) -> None:
     assert threads[:layers] == [1] * layers and threads[layers:] == [2] * (2 * layers)
 
 
+def test_a_prefill_projects_its_last_position_only(mixtral: Path) -> None:
+    """``decode(last_only=True)``, which generation uses, gives the last position's logits
+    of the full decode (the output projection of every other prompt token is skipped)."""
+    with tierstore.open(mixtral) as st:
+        model = load_model(st, "cpu")
+        ids = torch.tensor([list(range(3, 15)), list(range(20, 32))])
+        full = model.decode(ids, make_source("resident", st, model))
+        last = model.decode(ids, make_source("resident", st, model), last_only=True)
+    assert full.shape[1] == 12 and last.shape == (2, 1, full.shape[2])
+    torch.testing.assert_close(last, full[:, -1:], rtol=1e-4, atol=1e-4)
+
+
 def test_compute_threads_leave_a_core_only_while_experts_stream() -> None:
     """Without --threads, the ring and expert mode on a CPU leave a core to their read
     threads while experts stream from the backing tier: every pass where the host cache

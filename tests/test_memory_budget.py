@@ -201,6 +201,43 @@ def test_small_budgets_give_the_resident_tokens(tiny: Path) -> None:
             make_source("ring", store, model, budget=one - 1).begin_pass(model, 1)
 
 
+def test_the_ring_takes_its_slots_before_the_first_pass(tiny: Path) -> None:
+    """``prepare``, which ``generate`` calls before its clock starts, makes the ring's own
+    slots and reads nothing, so every read of the first pass is timed with it; the pass
+    then makes no slot of its own, and the tokens are the resident model's."""
+    with tierstore.open(tiny, host_cache="16KiB") as store:
+        model = load_model(store, "cpu")
+        one = sum(store.info(n).nbytes for n in expert_names(model.cfg.moe_layers[0], 0))
+        prompt = [list(range(3, 19))]
+        want = generate(model, make_source("resident", store, model), prompt, 3).tokens
+
+        def read() -> int:
+            return sum(t["bytes_read"] for t in store.stats()["tiers"].values())
+
+        src = make_source("ring", store, model, budget=2 * one)
+        try:
+            before = read()
+            src.prepare(model)
+            assert read() == before
+            made = src.stats()
+            assert made["own_slots"] and made["part_slots"] == 2
+            assert made["peak_bytes"] >= 2 * one  # both slots exist before any pass
+            calls: list[str] = []
+            begin = src.begin_pass
+
+            def counted(m: object, n: int) -> None:
+                calls.append("begin_pass")
+                begin(m, n)  # type: ignore[arg-type]
+
+            src.begin_pass = counted  # type: ignore[method-assign]
+            got = generate(model, src, prompt, 3)
+            assert got.tokens == want and calls
+            assert got.source["peak_bytes"] == made["peak_bytes"]
+            assert got.source["bytes_read"] > 0
+        finally:
+            src.close()
+
+
 def test_get_many_without_caching_reads_into_out(tiny: Path) -> None:
     """``cache=False``: a miss lands in the caller's page-aligned tensor itself and takes
     no cache slot; an entry the cache holds is copied out of it."""

@@ -35,7 +35,7 @@ import abc
 import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -536,6 +536,12 @@ class ExpertSource(abc.ABC):
     #: this process holds the whole batch.
     count_reducer: CountReducer | None = None
 
+    def prepare(self, model: MoEModel) -> None:  # noqa: B027 (a hook; most sources need nothing here)
+        """Called once before the first pass, outside any pass's time (``generate`` calls
+        it before its clock starts): take what the source holds for its whole life, such as
+        memory of its own. It must read no expert, or the first pass's reads would be
+        timed short."""
+
     def begin_pass(self, model: MoEModel, n_tokens: int) -> None:  # noqa: B027 (a hook; most sources need nothing here)
         """A forward pass over ``n_tokens`` tokens (batch x new positions) starts."""
 
@@ -721,20 +727,25 @@ class MoEModel(nn.Module):
     def _run(self, idx: Tensor, experts: ExpertSource, cos: Tensor, sin: Tensor,
              masks: Mapping[int, Tensor | None], cache: KVCache | None, start: int,
              losses: bool) -> tuple[Tensor, dict[int, Routing]]:
-        """Every layer over ``idx`` as one pass of ``experts``: the last hidden states, and
-        the routing of each MoE layer."""
+        """Every layer over ``idx`` within a pass of ``experts`` (see :meth:`_pass`): the
+        last hidden states, and the routing of each MoE layer."""
         routing: dict[int, Routing] = {}
-        experts.begin_pass(self, idx.numel())
+        x = self.tok_emb(idx)
+        for block in self.layers:
+            x, r = block(x, cos, sin, experts, masks[self.cfg.window(block.layer)], cache,
+                         start, losses)
+            if r is not None:
+                routing[block.layer] = r
+        return x, routing
+
+    @contextmanager
+    def _pass(self, experts: ExpertSource, n_tokens: int) -> Iterator[None]:
+        """One pass of ``experts`` over ``n_tokens`` tokens."""
+        experts.begin_pass(self, n_tokens)
         try:
-            x = self.tok_emb(idx)
-            for block in self.layers:
-                x, r = block(x, cos, sin, experts, masks[self.cfg.window(block.layer)], cache,
-                             start, losses)
-                if r is not None:
-                    routing[block.layer] = r
+            yield
         finally:
             experts.end_pass()
-        return x, routing
 
     def _head(self, x: Tensor) -> Tensor:
         head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
@@ -769,7 +780,8 @@ class MoEModel(nn.Module):
         ctx = (torch.autocast(device_type=idx.device.type, dtype=torch.bfloat16)
                if cfg.dtype == "bfloat16" else nullcontext())
         with ctx:
-            x, routed = self._run(idx, source, cos, sin, masks, None, 0, losses=True)
+            with self._pass(source, idx.numel()):
+                x, routed = self._run(idx, source, cos, sin, masks, None, 0, losses=True)
             logits = self._head(x)
         zero = logits.new_zeros(())
         aux_terms = [r.aux_loss for r in routed.values() if r.aux_loss is not None]
@@ -792,8 +804,11 @@ class MoEModel(nn.Module):
 
     @torch.no_grad()
     def decode(self, ids: Tensor, experts: ExpertSource, cache: KVCache | None = None,
-               attention_mask: Tensor | None = None) -> Tensor:
-        """Inference: ``ids`` ``[B, T]`` -> logits ``[B, T, V]`` fp32.
+               attention_mask: Tensor | None = None, *, last_only: bool = False) -> Tensor:
+        """Inference: ``ids`` ``[B, T]`` -> logits ``[B, T, V]`` fp32 (``[B, 1, V]``, the
+        last position's, with ``last_only``: all a generation's prefill needs, and the
+        output projection over every prompt token would be most of a short prefill's
+        compute after its last expert has landed).
 
         ``attention_mask`` ``[B, cache.length + T]`` marks real tokens with 1 and left
         padding with 0 (``[B, T]`` is taken as the new tokens' part, the cached ones keeping
@@ -810,28 +825,35 @@ class MoEModel(nn.Module):
                 raise ValueError(f"cache holds batch {cache.batch}, ids have {b}")
             if start + t > cache.max_len:
                 raise ValueError(f"cache of {cache.max_len} tokens cannot take {start + t}")
-        if attention_mask is not None:
-            am = attention_mask.to(device=dev).bool()
-            if cache is not None and start and am.shape == (b, t):
-                am = torch.cat([cache.mask[:, :start], am], dim=1)  # the new tokens' part only
-            if am.shape != (b, start + t):
-                raise ValueError(f"attention_mask must be [{b}, {start + t}], got "
-                                 f"{list(am.shape)}")
-        elif cache is not None:
-            am = torch.cat([cache.mask[:, :start],
-                            torch.ones(b, t, dtype=torch.bool, device=dev)], dim=1)
-        else:
-            am = torch.ones(b, t, dtype=torch.bool, device=dev)
-        if cache is not None:
-            cache.mask[:, :start + t] = am
-        # transformers' generate: a token's position is the number of real tokens before it.
-        pos = (am.long().cumsum(-1) - 1).masked_fill(~am, 0)[:, -t:]
-        cos, sin = self._rope(pos)
-        masks = {w: _allowed(am, start, t, w) for w in self.windows}
-        x, _ = self._run(ids, experts, cos, sin, masks, cache, start, losses=False)
+        # (b, t) with a cache: the new tokens' part only, the cached ones keeping theirs.
+        shapes = {(b, start + t)} | ({(b, t)} if cache is not None and start else set())
+        if attention_mask is not None and tuple(attention_mask.shape) not in shapes:
+            raise ValueError(f"attention_mask must be [{b}, {start + t}], got "
+                             f"{list(attention_mask.shape)}")
+        # The pass begins before the masks and positions are made, so a source's first
+        # reads start that much sooner (in a fresh process those first tensor operations
+        # take tens of milliseconds).
+        with self._pass(experts, ids.numel()):
+            if attention_mask is not None:
+                am = attention_mask.to(device=dev).bool()
+                if am.shape == (b, t) and cache is not None and start:
+                    am = torch.cat([cache.mask[:, :start], am], dim=1)
+            elif cache is not None:
+                am = torch.cat([cache.mask[:, :start],
+                                torch.ones(b, t, dtype=torch.bool, device=dev)], dim=1)
+            else:
+                am = torch.ones(b, t, dtype=torch.bool, device=dev)
+            if cache is not None:
+                cache.mask[:, :start + t] = am
+            # transformers' generate: a token's position is the number of real tokens
+            # before it.
+            pos = (am.long().cumsum(-1) - 1).masked_fill(~am, 0)[:, -t:]
+            cos, sin = self._rope(pos)
+            masks = {w: _allowed(am, start, t, w) for w in self.windows}
+            x, _ = self._run(ids, experts, cos, sin, masks, cache, start, losses=False)
         if cache is not None:
             cache.length = start + t
-        return self._head(x)
+        return self._head(x[:, -1:] if last_only else x)
 
 
 class MoEDecoder(MoEModel):

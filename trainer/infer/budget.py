@@ -61,7 +61,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, context: int,
     copies, keys and values repeated over the query heads, and the scores with their
     softmax, as the math kernel keeps them), its MoE part (the gathered tokens, one
     expert's intermediates over every token, the routed outputs in fp32) and the head's
-    fp32 logits."""
+    fp32 logits, of each sequence's last position only (generation projects no other)."""
     per = torch.empty(0, dtype=dtype).element_size()
     n = batch * tokens
     h, k = cfg.hidden_size, cfg.top_k
@@ -71,7 +71,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, context: int,
                  + 2 * batch * cfg.n_heads * tokens * context * 4)
     ffn = max(cfg.moe_ffn, cfg.dense_ffn, cfg.shared_ffn)
     moe = n * (3 * ffn + 4 * k * h + h) * 4
-    head = n * (cfg.vocab_size * 2 + h) * 4
+    head = batch * (cfg.vocab_size * 2 + h) * 4
     return residual + max(attention, moe, head)
 
 

@@ -111,6 +111,9 @@ class _Instrumented(ExpertSource):
         self.waited = 0.0
         self.last = False  # the coming pass is the generation's last
 
+    def prepare(self, model: MoEModel) -> None:
+        self.inner.prepare(model)
+
     def begin_pass(self, model: MoEModel, n_tokens: int) -> None:
         if self.last:
             self.inner.final_pass()  # a ring reads nothing for a pass that will not run
@@ -239,6 +242,7 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
     n = 0
+    wrapped.prepare(model)
     clock = DeviceClock(torch.device(dev))  # device time: CUDA kernels are only queued
     start = time.perf_counter()
     first = clock.mark()
@@ -247,7 +251,7 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
         if max_new_tokens:
             cache = model.new_cache(b, t + max_new_tokens)
             wrapped.last = max_new_tokens == 1
-            logits = model.decode(ids, wrapped, cache, mask)[:, -1]
+            logits = model.decode(ids, wrapped, cache, mask, last_only=True)[:, -1]
             prefill_s = clock.seconds(first, clock.mark())
             if decode_threads is not None:
                 torch.set_num_threads(decode_threads)
@@ -265,7 +269,7 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
                 mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
                 wrapped.step += 1
                 wrapped.last = n + 1 == max_new_tokens
-                logits = model.decode(tok[:, None], wrapped, cache, mask)[:, -1]
+                logits = model.decode(tok[:, None], wrapped, cache, mask, last_only=True)[:, -1]
     seconds = time.perf_counter() - start
     tokens = _trim(out[:, :n].tolist(), set(eos))
     stats = dict(source.stats())

@@ -56,6 +56,11 @@ from .ring_parts import PartRing, PartsOfLayer
 
 INLINE_BORROW_S = 1e-3  # a layer's borrow faster than this read nothing: see RingSource
 STREAM_PARTS = 4  # a layer read from the backing tier is borrowed in this many parts
+# A part of the ring's own slots holds at least this many bytes of experts (where the budget
+# allows two such parts): its two reading threads each keep one part's requests in flight,
+# and parts of 48 MiB (six 8 MiB chunks) left the disk's queue short. A cold prefill of a
+# 1.6 GB model read at 3.0 GB/s with them against 3.4 with parts of 72 or 96 MiB.
+OWN_PART_MIN_BYTES = 64 << 20
 
 
 def layer_entry_bytes(store: tierstore.Store, layer: int, n_experts: int) -> int:
@@ -165,6 +170,7 @@ class RingSource(ExpertSource):
         self._stall_marks: list[tuple[Any, Any]] = []
         self._moved_start = self._read_start = 0
         self._calibrating: tuple[float, list[Future[Tensor]], list[float]] | None = None
+        self._to_calibrate = False  # the first pass times a layer's transfer (auto)
         self._final = self._final_next = False  # see final_pass
         self._pass_end = 0  # ring position just past the running pass
 
@@ -190,7 +196,7 @@ class RingSource(ExpertSource):
             return
         cap = max_slots(self.layer_bytes, self.budget, len(self.layers))
         if self.auto:
-            self._calibrate()
+            self._to_calibrate = True  # when the first pass begins: binding reads nothing
             self.slots = cap  # no compute measured yet: as many slots as the budget holds
         else:
             self.slots = min(self.fixed or 1, cap)
@@ -211,8 +217,10 @@ class RingSource(ExpertSource):
         if self.dtype is not None and stored != self.dtype:
             per = torch.empty(0, dtype=self.dtype).element_size()
             budget -= self.layer_bytes // torch.empty(0, dtype=stored).element_size() * per
+        expert = max(1, self.layer_bytes // self.n_experts)
+        per_part = max(self._per_part, -(-OWN_PART_MIN_BYTES // expert))
         parts = PartRing(self.store, self.layers, self.n_experts, max(budget, 0),
-                         per_part=self._per_part, layers_held=self.fixed)
+                         per_part=per_part, layers_held=self.fixed)
         self._parts_ring = parts
         self.slots = parts.slots // parts.n_parts
 
@@ -310,6 +318,14 @@ class RingSource(ExpertSource):
             self._calibrating = None
 
     # -- the ExpertSource protocol ------------------------------------------------------
+    def prepare(self, model: Any) -> None:
+        """Bind to ``model``: name its layers' experts and, where the ring owns its slots,
+        make them (every page touched, so no read of the first pass waits for the kernel
+        to fault in and zero the memory it lands in: 0.3 s of a 0.9 s cold prefill on a
+        1.6 GB model with 400 MiB of slots). Reads nothing."""
+        if not self.layers:
+            self._bind(model)
+
     def begin_pass(self, model: Any, n_tokens: int) -> None:
         if not self.layers:
             self._bind(model)
@@ -321,6 +337,9 @@ class RingSource(ExpertSource):
         if self._parts_ring is not None:
             self._begin_owned_pass()
             return
+        if self._to_calibrate:
+            self._to_calibrate = False
+            self._calibrate()
         if self.auto and self.t_compute > 0 and self._calibrating is None:
             self.slots = choose_slots(self.t_transfer, self.t_compute, self.layer_bytes,
                                       self.budget, len(self.layers))

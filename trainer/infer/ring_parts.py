@@ -49,10 +49,12 @@ def _align(n: int, a: int) -> int:
 
 
 def _aligned_bytes(n: int) -> Tensor:
-    """``n`` uninitialised bytes starting on a page (O_DIRECT reads need that)."""
-    raw = torch.empty(n + ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip:skip + n]
+    """``n`` bytes starting on a page (O_DIRECT reads need that), on 2 MiB pages where the
+    kernel has them (:func:`tierstore.read_buffer`), every page touched now: a read into
+    memory never touched has the kernel fault in and zero each page as the read lands."""
+    buf = tierstore.read_buffer(n)
+    buf[::ALIGN] = 0
+    return buf
 
 
 class PartLayout:
@@ -120,7 +122,10 @@ class PartRing:
                         for layer in self.layers
                         for p, s in enumerate(range(0, n_experts, self.per_part))}
         self.part_bytes = max(lay.nbytes for lay in self.layouts.values())
-        self._arenas: list[Tensor | None] = [None] * self.slots
+        # Made now, not at a slot's first read: the memory the budget allows is taken when
+        # the ring is built (before the first pass, see RingSource.prepare).
+        self._arenas: list[Tensor] = [_aligned_bytes(self.part_bytes)
+                                      for _ in range(self.slots)]
         self._holds: list[tuple[int, int] | None] = [None] * self.slots  # landed content
         self._last: list[Future[Any] | None] = [None] * self.slots  # the slot's last read
         self._futures: dict[int, Future[dict[str, Tensor]]] = {}  # position -> its read
@@ -156,10 +161,7 @@ class PartRing:
         s = q % self.slots
         where = self._where(q)
         lay = self.layouts[where]
-        arena = self._arenas[s]
-        if arena is None:
-            arena = self._arenas[s] = _aligned_bytes(self.part_bytes)
-        views = lay.views(arena)
+        views = lay.views(self._arenas[s])
         last = self._last[s]
         if self._keeps:
             versions = [self.store.info(n).version for n in views]
@@ -239,8 +241,8 @@ class PartRing:
 
     @property
     def arena_bytes(self) -> int:
-        """Bytes of the slots' arenas made so far."""
-        return sum(self.part_bytes for a in self._arenas if a is not None)
+        """Bytes of the slots' arenas."""
+        return self.part_bytes * len(self._arenas)
 
 
 class PartsOfLayer(Landing):
