@@ -222,17 +222,9 @@ def test_the_ring_takes_its_slots_before_the_first_pass(tiny: Path) -> None:
             made = src.stats()
             assert made["own_slots"] and made["part_slots"] == 2
             assert made["peak_bytes"] >= 2 * one  # both slots exist before any pass
-            calls: list[str] = []
-            begin = src.begin_pass
-
-            def counted(m: object, n: int) -> None:
-                calls.append("begin_pass")
-                begin(m, n)  # type: ignore[arg-type]
-
-            src.begin_pass = counted  # type: ignore[method-assign]
             got = generate(model, src, prompt, 3)
-            assert got.tokens == want and calls
-            assert got.source["peak_bytes"] == made["peak_bytes"]
+            assert got.tokens == want
+            assert got.source["peak_bytes"] == made["peak_bytes"]  # no slot made in a pass
             assert got.source["bytes_read"] > 0
         finally:
             src.close()
