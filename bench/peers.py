@@ -399,7 +399,7 @@ def _run_row(name: str, rnd: int, res: LimitedRun, prompt_len: int, cmd: list[st
                prefill_tokens_per_s=prompt_len / got["prefill_s"],
                decode_tokens_per_s=(len(tokens) - 1) / got["decode_s"]
                if got["decode_s"] > 0 else 0.0)
-    for k in ("load_s", "bytes_read", "hit_rate", "spec_accuracy", "stall_frac",
+    for k in ("load_s", "prepare_s", "bytes_read", "hit_rate", "spec_accuracy", "stall_frac",
               "accelerate", "transformers", "cache_after_load", "offloaded_modules", "threads"):
         if got.get(k) is not None:
             row[k] = got[k]
@@ -429,6 +429,10 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
                                                    default=0),
                              "cgroup_peak_bytes": max((r["cgroup_peak_bytes"] or 0
                                                        for r in mine), default=0) or None}
+        # Setup outside the timed phases: loading (accelerate) and the memory a source
+        # takes before its first pass (tierstore, see ExpertSource.prepare).
+        for k in ("load_s", "prepare_s"):
+            s[k] = _median_or_none([r[k] for r in ok if k in r])
         for phase in ("prefill", "decode"):
             key = f"{phase}_tokens_per_s"
             rates = [r[key] for r in ok]
@@ -501,9 +505,11 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
                if len(s[f"decode_vs_{peer}_runs"]) > 1 else "") + ")"
             if s[f"prefill_vs_{peer}"] is not None and s[f"decode_vs_{peer}"] is not None
             else "")
+        setup = "".join(f"; {k[:-2]} {s[k]:.2f} s" for k in ("load_s", "prepare_s")
+                        if s.get(k) is not None)
         echo(f"{name:10s} prefill {s['prefill_tokens_per_s']:8.1f} tok/s, decode "
              f"{s['decode_tokens_per_s']:6.2f} tok/s{vs}; {s['completed']}/{s['runs']} "
-             f"completed; peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB")
+             f"completed; peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB{setup}")
     rp = results.get("ring_prefill")
     if rp and "ring_vs_limit" in rp:
         echo(f"ring prefill {rp['ring_prefill_s']:.2f} s against its limit "

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from test_hf_models import imported_path  # noqa: E402 (the families' tiny HF models)
 
 KEYS = {"tokens", "tokens_per_s", "stall_frac", "hit_rate", "spec_accuracy", "prefill_s",
-        "decode_s", "bytes_read", "peak_rss_bytes"}
+        "decode_s", "prepare_s", "bytes_read", "peak_rss_bytes"}
 
 
 @pytest.fixture(scope="module")
