@@ -9,12 +9,25 @@ import shutil
 import statistics
 
 import pytest
+import torch
 from click.testing import CliRunner
-from tierstore.bench.tiers import measure_entry_sizes
+from tierstore.bench.tiers import _write_source, measure_entry_sizes
 
 from tierstore.cli import main
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+
+
+@pytest.mark.parametrize("nbytes", [256 << 10, 3 << 20])
+def test_the_store_writes_from_memory_made_for_io(nbytes: int) -> None:
+    """The store's write rows write from a buffer of their own as fio and DeepNVMe do: the
+    same bytes, in a ``read_buffer`` of at least 2 MiB that starts on a 2 MiB boundary (where
+    transparent huge pages can back it), not in torch's allocator's memory."""
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    src = _write_source(data)
+    assert torch.equal(src, data) and src.data_ptr() != data.data_ptr()
+    assert src.data_ptr() % (2 << 20) == 0
+    assert src.untyped_storage().nbytes() >= 2 << 20
 
 
 @pytest.mark.parametrize("engine", ["auto", "posix-direct"])
