@@ -95,7 +95,7 @@ def _write_source(data: torch.Tensor) -> torch.Tensor:
     2 MiB pages; a small source gets a 2 MiB buffer of its own). On the development VM the
     raw AIO engine, no store code, wrote 256 MiB from a 64 MiB source at 7.8 GB/s on 2 MiB
     pages and at 4.4 from a fresh source on 4 KiB pages, while fio's own 4 KiB-page buffers
-    wrote at 3.1-7.5 from one process to the next: the disk takes at most 254 segments a
+    wrote at 3.0-7.5 from one process to the next: the disk takes at most 254 segments a
     request, and how many a request needs depends on where its pages sit."""
     buf = tierstore.read_buffer(max(data.nbytes, 2 << 20))[: data.nbytes]
     return buf.view(data.dtype).view(data.shape).copy_(data)

@@ -82,7 +82,7 @@ class GenerationResult:
     source: dict[str, Any] = field(default_factory=dict)  # the source's own statistics
     peak_rss_bytes: int = 0  # the process's peak resident memory when generation ended
     # Before the clock: the source taking the memory its first pass reads into (see
-    # ExpertSource.prepare), counted apart so that no setup hides in neither figure.
+    # ExpertSource.prepare), reported apart so that it shows and neither timed phase hides it.
     prepare_s: float = 0.0
 
     @property
