@@ -230,6 +230,31 @@ def test_the_ring_takes_its_slots_before_the_first_pass(tiny: Path) -> None:
             src.close()
 
 
+def test_an_auto_ring_over_the_host_cache_reads_nothing_before_its_first_pass(
+        tiny: Path) -> None:
+    """Where the host cache holds the ring, ``prepare`` binds it and reads nothing: the auto
+    ring times a layer's transfer as its first pass begins, inside that pass's time."""
+    prompt = [list(range(3, 19))]
+    with tierstore.open(tiny) as store:
+        model = load_model(store, "cpu")
+        want = generate(model, make_source("resident", store, model), prompt, 3).tokens
+    with tierstore.open(tiny, host_cache="64MiB") as store:  # a cold cache
+        model = load_model(store, "cpu")
+
+        def read() -> int:
+            return sum(t["bytes_read"] for t in store.stats()["tiers"].values())
+
+        src = make_source("ring", store, model)
+        try:
+            before = read()
+            src.prepare(model)
+            assert read() == before and not src.stats()["own_slots"]
+            got = generate(model, src, prompt, 3)
+            assert got.tokens == want and read() > before
+        finally:
+            src.close()
+
+
 def test_get_many_without_caching_reads_into_out(tiny: Path) -> None:
     """``cache=False``: a miss lands in the caller's page-aligned tensor itself and takes
     no cache slot; an entry the cache holds is copied out of it."""

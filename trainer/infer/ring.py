@@ -170,7 +170,6 @@ class RingSource(ExpertSource):
         self._stall_marks: list[tuple[Any, Any]] = []
         self._moved_start = self._read_start = 0
         self._calibrating: tuple[float, list[Future[Tensor]], list[float]] | None = None
-        self._to_calibrate = False  # the first pass times a layer's transfer (auto)
         self._final = self._final_next = False  # see final_pass
         self._pass_end = 0  # ring position just past the running pass
 
@@ -196,7 +195,8 @@ class RingSource(ExpertSource):
             return
         cap = max_slots(self.layer_bytes, self.budget, len(self.layers))
         if self.auto:
-            self._to_calibrate = True  # when the first pass begins: binding reads nothing
+            # The first pass times a layer's transfer as it begins (_calibrate): binding
+            # reads nothing.
             self.slots = cap  # no compute measured yet: as many slots as the budget holds
         else:
             self.slots = min(self.fixed or 1, cap)
@@ -337,8 +337,7 @@ class RingSource(ExpertSource):
         if self._parts_ring is not None:
             self._begin_owned_pass()
             return
-        if self._to_calibrate:
-            self._to_calibrate = False
+        if self.auto and not self.slot_history:  # the first pass
             self._calibrate()
         if self.auto and self.t_compute > 0 and self._calibrating is None:
             self.slots = choose_slots(self.t_transfer, self.t_compute, self.layer_bytes,
