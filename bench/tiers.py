@@ -2,11 +2,8 @@
 
 The NVMe and PMem tiers are measured with the host cache off (``host_cache=0``), so the
 figures are the tiers' own; the host cache is measured on its own (hits against memcpy), and
-host-device copies where CUDA is present (against a plain pinned copy).
-
-PMem tier: the same ``put_many``/``get_many`` on a pmem-backed store, beside
-``pmem_memcpy_persist`` into a file on the pool's filesystem (writes) and plain memcpy
-(reads) with the same bytes and threads.
+host-device copies where CUDA is present (against a plain pinned copy). The memory-side
+tiers (PMem, the host cache, the GPU copies) and the plot are in :mod:`bench.tiers_memory`.
 
 NVMe tier: the store writes ``n`` entries of a block size with ``put_many`` (copy-on-write,
 fdatasync, one commit) and reads them back with ``get_many`` (crc32c-verified). Beside each,
@@ -36,13 +33,15 @@ two sizes' rows in the table are minutes apart and carry the disk's drift.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ from .ceilings import gds_unavailable, nvme_ceilings
 
 CHUNK = 8 << 20
 FRESH = "store, fresh results"
+UNALIGNED = "store, unaligned source"
 # The entry sizes held against each other (measure_entry_sizes): the trainer's small
 # presets' experts, and a large expert matrix.
 SMALL_ENTRY, LARGE_ENTRY = 256 << 10, 16 << 20
@@ -80,6 +80,23 @@ def drop_page_cache(paths: set[str]) -> None:
 def _percentiles(samples: list[float]) -> tuple[float, float]:
     s = sorted(samples)
     return s[len(s) // 2] * 1e3, s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3
+
+
+@contextlib.contextmanager
+def _young_heap() -> Iterator[None]:
+    """Time with only the run's own objects in reach of Python's cycle collector, as
+    ``timeit`` turns the collector off while it times. The benchmark's process holds the
+    200,000 objects that torch and DeepSpeed leave, a full collection of them took 82-96 ms
+    on the development machine, and a put of 1,024 small entries allocates enough to set
+    one off: it landed in the timed 256 KiB put of 2 rounds in 5, the same rounds from run
+    to run. Objects made before the clock are set aside (``gc.freeze``) for every side
+    alike; the collector still runs over what the timed work allocates."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _store_write(st: tierstore.Store, names: list[str], data: torch.Tensor) -> float:
@@ -134,22 +151,6 @@ def _latencies(st: tierstore.Store, names: list[str], data: torch.Tensor) -> dic
     return lat
 
 
-def _store_rw(st: tierstore.Store, block: int, n: int, drop_cache: bool) -> dict[str, Any]:
-    """Time ``put_many`` and ``get_many`` of ``n`` entries of ``block`` bytes, and the
-    latency of single puts and gets. One untimed read pass comes first: the timed one then
-    lands in memory the process already has, as a steady stream of reads does (and as fio's
-    reused buffers do)."""
-    data = torch.randint(0, 255, (block,), dtype=torch.uint8)
-    names = [f"bench.experts.{i}.w" for i in range(n)]
-    write = _store_write(st, names, data)
-    infos = [st.info(name) for name in names]
-    paths = {i.path for i in infos if i.path} if drop_cache else set()
-    _store_read(st, names, block, paths)
-    read = _store_read(st, names, block, paths)
-    lat = _latencies(st, names, data)
-    return {"write": (write, lat["write"]), "read": (read, lat["read"]), "infos": infos}
-
-
 def _row(tier: str, op: str, engine: str, block: int, threads: int, gbps: float,
          lat: list[float], ceiling: float, ceiling_name: str, **extra: Any) -> dict[str, Any]:
     p50, p99 = _percentiles(lat)
@@ -188,6 +189,8 @@ def measure_nvme(
     copy-on-write places in the space the one before freed, as a store in use does). gdsio
     writes a file of its own that is written in full before its first use, so the ``gds``
     rows have no fresh figures. Every side ends with an fsync, as the store's fdatasync.
+    The rewrites are timed once a side each round, in an order rotated every round. Each
+    round times with only its own objects in reach of the cycle collector (``_young_heap``).
     Reads: one untimed store pass of each kind, then the store (into
     memory allocated before its clock starts and reused, as fio's and DeepNVMe's buffers
     are; and, reported beside it, as fresh results) and every ceiling read the same region,
@@ -219,36 +222,50 @@ def measure_nvme(
     for r in range(repeats):  # a fresh store each time: same free layout, same slab state
         ceilings, closers = nvme_ceilings(ceiling, bs, threads, direct, n * block)
         regions = 3 + len(ceilings)
+        held = contextlib.ExitStack()
         try:
             with tierstore.open(path, create=True, engine=engine, io_threads=threads,
                                 host_cache=0, slab_size=regions * n * block + (64 << 20),
                                 chunk_size=CHUNK) as st:
                 described = st.describe().split(": ", 1)[-1]
                 direct = engine_reads_direct(engine, st.describe())
+                held.enter_context(_young_heap())
                 for op in ("write", "read"):
                     runs.setdefault(op, {}).setdefault("store", [])
                     for name in ceilings:
                         runs[op].setdefault(name, [])
                 _store_write(st, names, data)  # region 0, untimed
                 fresh_write.append(_store_write(st, names, aligned))  # region 1, never written
-                # Regions 0 and 1 again (copy-on-write frees the older one), in turns.
-                for src in (aligned, data) if r % 2 else (data, aligned):
-                    (runs["write"]["store"] if src is aligned else unaligned).append(
-                        _store_write(st, names, src))
+                slab = st.info(names[0]).path
+                # The store's copy-on-write keeps to its first three regions (two versions
+                # and the one being written); each ceiling writes a region after them.
+                region = -(-n * block // bs) * bs
+                at = {name: (3 + j) * region for j, name in enumerate(ceilings)}
+                if ceiling == "fio":  # gdsio writes a file of its own, written in full
+                    for name, fn in ceilings.items():
+                        fresh_ceiling.setdefault(name, []).append(
+                            fn(slab, "write", at[name], n * block))
+                # Each side writes once a round, in an order rotated every round, so a
+                # drift of the shared disk lands on all sides alike. The store's two
+                # sources rewrite regions 0 and 1 in turns (copy-on-write frees the older).
+                sides = ["store", UNALIGNED, *ceilings]
+                for side in sides[r % len(sides):] + sides[: r % len(sides)]:
+                    if side == "store":
+                        runs["write"]["store"].append(_store_write(st, names, aligned))
+                    elif side == UNALIGNED:
+                        unaligned.append(_store_write(st, names, data))
+                    else:
+                        runs["write"][side].append(
+                            ceilings[side](slab, "write", at[side], n * block))
                 infos = [st.info(name) for name in names]
-                slab = infos[0].path
                 # kvikio's direct reads are a request that its version may ignore: drop
                 # the page cache for it regardless, so a cached read is never counted.
                 paths = {slab} if not direct or engine == "kvikio" else set()
                 used = (min(i.offset for i in infos) // bs * bs,
                         max(i.offset + block for i in infos))
-                unused = -(-used[1] // bs) * bs
-                for j, (name, fn) in enumerate(ceilings.items()):
-                    at = unused + j * n * block
-                    if ceiling == "fio":  # gdsio writes a file of its own, written in full
-                        fresh_ceiling.setdefault(name, []).append(
-                            fn(slab, "write", at, n * block))
-                    runs["write"][name].append(fn(slab, "write", at, n * block))
+                if used[1] > 3 * region:
+                    raise RuntimeError(f"the store wrote past its regions ({used[1]} > "
+                                       f"{3 * region}): the ceilings' writes overlapped it")
                 _store_read(st, names, block, paths, into)
                 _store_read(st, names, block, paths)
                 sides = ["store", FRESH, *ceilings]
@@ -265,6 +282,7 @@ def measure_nvme(
                 got = _latencies(st, names, data)
                 rss.append(_rss())
         finally:
+            held.close()
             for c in closers:
                 c.close()
             shutil.rmtree(path, ignore_errors=True)
@@ -339,11 +357,12 @@ def measure_entry_sizes(root: str, engine: str, threads: int, total: int, repeat
                 if not engine_reads_direct(engine, st.describe()):
                     paths.add(st.info(names[b][0]).path)
                 _store_read(st, names[b], b, paths, into)
-            for r in range(repeats):
-                order = list(sizes) if r % 2 == 0 else list(sizes)[::-1]
-                for b in order + order[::-1]:
-                    runs["write"][b].append(_store_write(st, names[b], data[b]))
-                    runs["read"][b].append(_store_read(st, names[b], b, paths, into))
+            with _young_heap():
+                for r in range(repeats):
+                    order = list(sizes) if r % 2 == 0 else list(sizes)[::-1]
+                    for b in order + order[::-1]:
+                        runs["write"][b].append(_store_write(st, names[b], data[b]))
+                        runs["read"][b].append(_store_read(st, names[b], b, paths, into))
     finally:
         shutil.rmtree(path, ignore_errors=True)
     out: dict[str, Any] = {"engine": engine, "engine_described": described, "threads": threads,
@@ -355,132 +374,6 @@ def measure_entry_sizes(root: str, engine: str, threads: int, total: int, repeat
                    "small_runs": [round(x, 3) for x in runs[op][small]],
                    "large_runs": [round(x, 3) for x in runs[op][large]]}
     return out
-
-
-def measure_pmem(
-    root: str, pool_dir: str, block: int, threads: int, total: int
-) -> list[dict[str, Any]]:
-    """PMem tier through the store; ceilings: pmem_memcpy_persist into a file beside the
-    pool (writes) and plain memcpy (reads), same bytes and threads."""
-    n = max(threads, total // block)
-    path = os.path.join(root, f"pmem-{block}")
-    pool = os.path.join(pool_dir, f"bench-{os.getpid()}-{block}.pool")
-    try:
-        with tierstore.open(path, create=True, backing="pmem", pmem_path=pool,
-                            pmem_size=n * block + (64 << 20), io_threads=threads,
-                            chunk_size=CHUNK, host_cache=0) as st:
-            engine = st.describe().split(": ", 1)[1].split(",")[0]
-            got = _store_rw(st, block, n, drop_cache=False)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-        if os.path.exists(pool):
-            os.unlink(pool)
-    nbytes = min(n * block, 256 << 20)
-    persist = tierstore.probes.pmem_memcpy_persist_gbps(
-        os.path.join(pool_dir, f"ceiling-{os.getpid()}.pool"), nbytes, threads)
-    memcpy = tierstore.probes.memcpy_gbps(nbytes, threads)
-    write_ceiling, write_name = (persist, "pmem_memcpy_persist") if persist else (memcpy, "memcpy")
-    return [
-        _row("pmem", "write", engine, block, threads, got["write"][0], got["write"][1],
-             write_ceiling, write_name, memcpy_gbps=round(memcpy, 3)),
-        _row("pmem", "read", engine, block, threads, got["read"][0], got["read"][1],
-             memcpy, "memcpy", pmem_memcpy_persist_gbps=round(persist or 0.0, 3)),
-    ]
-
-
-def measure_host(root: str, block: int, threads: int, total: int) -> list[dict[str, Any]]:
-    """Host cache hits: ``get`` of resident entries (a copy out of the slot) against a plain
-    memcpy of the same bytes."""
-    n = max(1, min(total, 512 << 20) // block)
-    path = os.path.join(root, f"host-{block}")
-    with tierstore.open(path, create=True, host_cache=2 * n * block + (16 << 20),
-                        slab_size=n * block + (16 << 20)) as st:
-        data = torch.randint(0, 255, (block,), dtype=torch.uint8)
-        names = [f"bench.experts.{i}.w" for i in range(n)]
-        st.put_many([(name, data) for name in names])
-        st.get_many(names)  # every page of the slots and results touched once
-        lat = []
-        t0 = time.perf_counter()
-        for name in names:
-            t1 = time.perf_counter()
-            st.get(name)
-            lat.append(time.perf_counter() - t1)
-        gbps = n * block / (time.perf_counter() - t0) / 1e9
-        hits = st.stats()["cache"]["hits"]
-    shutil.rmtree(path, ignore_errors=True)
-    if hits < n:
-        raise tierstore.StoreError(f"host cache benchmark: only {hits} of {n} gets were hits")
-    ceiling = tierstore.probes.memcpy_gbps(block, 1, repeat=5)
-    return [_row("host", "read", "cache hit", block, 1, gbps, lat, ceiling, "memcpy")]
-
-
-def measure_gpu(root: str, block: int) -> list[dict[str, Any]]:
-    """Host to device through the store (a pinned cache slot copied to the GPU) against a
-    plain pinned-to-device copy of the same size; device to host likewise for ``put``."""
-    dev = torch.device("cuda")
-    path = os.path.join(root, f"gpu-{block}")
-    with tierstore.open(path, create=True, host_cache=4 * block + (16 << 20),
-                        slab_size=2 * block + (16 << 20)) as st:
-        src = torch.randint(0, 255, (block,), dtype=torch.uint8, device=dev)
-        st.put("bench.w", src)
-        st.get("bench.w", device=dev)
-        h2d, d2h = [], []
-        for _ in range(8):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            st.get("bench.w", device=dev)
-            torch.cuda.synchronize()
-            h2d.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            st.put("bench.w", src)
-            d2h.append(time.perf_counter() - t0)
-    shutil.rmtree(path, ignore_errors=True)
-    pinned = torch.empty(block, dtype=torch.uint8, pin_memory=True)
-
-    def copy_secs(fn: Callable[[], object]) -> float:
-        best = float("inf")
-        for _ in range(8):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    up = block / copy_secs(lambda: pinned.to(dev, non_blocking=True)) / 1e9
-    down = block / copy_secs(lambda: pinned.copy_(src, non_blocking=True)) / 1e9
-    name = torch.cuda.get_device_name(dev)
-    return [
-        _row("gpu", "h2d", name, block, 1, block / min(h2d) / 1e9, h2d, up, "pinned copy"),
-        _row("gpu", "d2h", name, block, 1, block / min(d2h) / 1e9, d2h, down, "pinned copy"),
-    ]
-
-
-def plot(rows: list[dict[str, Any]], out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(r["tier"], r["op"]) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.6), squeeze=False)
-    for ax, (tier, op) in zip(axes[0], groups):
-        series = sorted({(r["engine"], r["threads"]) for r in rows if (r["tier"], r["op"]) == (tier, op)})
-        for engine, threads in series:
-            pts = sorted((r["block_bytes"], r["gbps"], r["ceiling_gbps"]) for r in rows
-                         if (r["tier"], r["op"], r["engine"], r["threads"]) == (tier, op, engine, threads))
-            xs = [p[0] / 2**20 for p in pts]
-            line, = ax.plot(xs, [p[1] for p in pts], marker="o", label=f"{engine} x{threads}")
-            ax.plot(xs, [p[2] for p in pts], linestyle="--", color=line.get_color())
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("entry size (MiB)")
-        ax.set_ylabel("GB/s (dashed: ceiling)")
-        ax.set_title(f"{tier} {op}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 def run_tiers(
@@ -503,6 +396,8 @@ def run_tiers(
         raise tierstore.StoreError("fio is not installed (apt-get install fio): it measures "
                                    "the ceiling every figure is compared with")
     from tqdm import tqdm
+
+    from .tiers_memory import measure_gpu, measure_host, measure_pmem, plot
 
     root = store or tempfile.mkdtemp(prefix="tierstore-bench-", dir=os.getcwd())
     os.makedirs(root, exist_ok=True)

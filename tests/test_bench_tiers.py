@@ -3,15 +3,17 @@ the command's JSON, on a real store and real fio (small totals; no figure is ass
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 import statistics
+import weakref
 
 import pytest
 import torch
 from click.testing import CliRunner
-from tierstore.bench.tiers import _write_source, measure_entry_sizes
+from tierstore.bench.tiers import _write_source, _young_heap, measure_entry_sizes
 
 from tierstore.cli import main
 
@@ -28,6 +30,31 @@ def test_the_store_writes_from_memory_made_for_io(nbytes: int) -> None:
     assert torch.equal(src, data) and src.data_ptr() != data.data_ptr()
     assert src.data_ptr() % (2 << 20) == 0
     assert src.untyped_storage().nbytes() >= 2 << 20
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.other: _Node | None = None
+
+
+def test_timed_work_leaves_older_objects_out_of_the_collectors_reach() -> None:
+    """A full collection scans every object of the process: the timed work is spared
+    scanning what existed before its clock started, yet its own garbage is collected."""
+    old = _Node()
+    old.other = old  # a cycle that exists before the clock
+    old_ref = weakref.ref(old)
+    with _young_heap():
+        assert gc.get_freeze_count() > 0
+        new = _Node()
+        new.other = new
+        new_ref = weakref.ref(new)
+        del old, new  # both cycles are garbage now
+        gc.collect()
+        # Only the one made under the clock is collected; the older one waits.
+        assert new_ref() is None and old_ref() is not None
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert old_ref() is None
 
 
 @pytest.mark.parametrize("engine", ["auto", "posix-direct"])
