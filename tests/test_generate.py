@@ -158,6 +158,38 @@ def test_decode_threads_take_over_after_the_prefill(mixtral: Path) -> None:
     assert threads[:layers] == [1] * layers and threads[layers:] == [2] * (2 * layers)
 
 
+def test_generate_warms_the_model_up_before_its_clock_without_the_source(mixtral: Path) -> None:
+    """Before its clock, ``generate`` runs the prompt through the model once with narrow
+    zero experts of its own (which pages in every operation's code): the source's first
+    pass is the timed prefill, and the tokens are the ones a model that was never warmed
+    up gives."""
+    with tierstore.open(mixtral) as st:
+        model = load_model(st, "cpu")
+        src = make_source("resident", st, model)
+        cold = [model.decode(torch.tensor([[1, 2, 3, 4]]), src, last_only=True)]
+        passes: list[object] = []
+        decode = model.decode
+
+        def watched(ids, experts, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            passes.append(experts)
+            return decode(ids, experts, *a, **k)
+
+        model.decode = watched  # type: ignore[method-assign]
+        begun: list[int] = []
+        begin = src.begin_pass
+
+        def counted(m, n):  # noqa: ANN001, ANN202
+            begun.append(len(passes))
+            return begin(m, n)
+
+        src.begin_pass = counted  # type: ignore[method-assign]
+        res = generate(model, src, [[1, 2, 3, 4]], 2, eos_token_ids=())
+    # The warm-up through experts of its own, then the prefill and one decode step.
+    assert len(passes) == 3 and passes[0] is not passes[1] and passes[1] is passes[2]
+    assert begun == [2, 3]
+    assert res.tokens[0][0] == int(cold[0][0, -1].argmax())
+
+
 def test_a_prefill_projects_its_last_position_only(mixtral: Path) -> None:
     """``decode(last_only=True)``, which generation uses, gives the last position's logits
     of the full decode (the output projection of every other prompt token is skipped)."""
