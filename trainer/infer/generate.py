@@ -226,8 +226,9 @@ def warm_up(model: MoEModel, ids: Tensor, mask: Tensor) -> None:
     of every operation it runs, and with a cold page cache each page is a read queued
     behind the experts' 8 MiB requests: on the development VM, 31 such faults held a
     ring's first MoE layer 140 ms behind its reads, its slots filled, and the disk sat idle
-    35 ms. Warmed up (about 80 ms, before the clock), the layer's experts were asked for 5
-    ms into the pass and the reads never stopped."""
+    35 ms. Warmed up (45 ms here, before the clock), the layer's experts were asked for 5
+    ms into the pass and the reads never stopped. The faults are paid either way; taken
+    here they do not stall a pass that streams (docs/inference.md)."""
     b, t = ids.shape
     model.decode(ids, _NarrowExperts(model), model.new_cache(b, t), mask, last_only=True)
 
