@@ -67,12 +67,12 @@ def test_json_line_with_text_and_id_prompts(mixtral: Path, tmp_path: Path) -> No
         ids = [tok.encode(t).ids for t in ("the store keeps experts", "a ring of slots")]
     trace = tmp_path / "trace.csv"
     args = ["generate", "--store", str(mixtral), "--max-new-tokens", "5", "--greedy",
-            "--mode", "expert", "--json", "--trace", str(trace)]
+            "--mode", "expert", "--json", "--trace", str(trace), "--no-warm-up"]
     for p in ids:
         args += ["--prompt-ids", ",".join(map(str, p))]
     code, out = run(*args)
     assert code == 0, out
-    again = json_line(out)
+    again = json_line(out)  # without the warm-up: the same tokens
     assert again["tokens"] == got["tokens"]
     assert 0 <= again["hit_rate"] <= 1 and 0 <= again["spec_accuracy"] <= 1
     tr = read_trace(trace)
@@ -158,11 +158,13 @@ def test_decode_threads_take_over_after_the_prefill(mixtral: Path) -> None:
     assert threads[:layers] == [1] * layers and threads[layers:] == [2] * (2 * layers)
 
 
-def test_generate_warms_the_model_up_before_its_clock_without_the_source(mixtral: Path) -> None:
+@pytest.mark.parametrize("warm", [True, False])
+def test_generate_warms_the_model_up_before_its_clock_without_the_source(
+        mixtral: Path, warm: bool) -> None:
     """Before its clock, ``generate`` runs the prompt through the model once with narrow
-    zero experts of its own (which pages in every operation's code): the source's first
-    pass is the timed prefill, and the tokens are the ones a model that was never warmed
-    up gives."""
+    zero experts of its own (which pages in every operation's code), unless told not to:
+    the source's first pass is the timed prefill, and the tokens are the ones a model that
+    was never warmed up gives."""
     with tierstore.open(mixtral) as st:
         model = load_model(st, "cpu")
         src = make_source("resident", st, model)
@@ -183,10 +185,13 @@ def test_generate_warms_the_model_up_before_its_clock_without_the_source(mixtral
             return begin(m, n)
 
         src.begin_pass = counted  # type: ignore[method-assign]
-        res = generate(model, src, [[1, 2, 3, 4]], 2, eos_token_ids=())
+        res = generate(model, src, [[1, 2, 3, 4]], 2, eos_token_ids=(), warm=warm)
     # The warm-up through experts of its own, then the prefill and one decode step.
-    assert len(passes) == 3 and passes[0] is not passes[1] and passes[1] is passes[2]
-    assert begun == [2, 3]
+    if warm:
+        assert len(passes) == 3 and passes[0] is not passes[1] and passes[1] is passes[2]
+        assert begun == [2, 3]
+    else:
+        assert len(passes) == 2 and passes[0] is passes[1] and begun == [1, 2]
     assert res.tokens[0][0] == int(cold[0][0, -1].argmax())
 
 

@@ -364,16 +364,21 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
 @click.option("--trace", type=OUTPUT_FILE,
               help="Record the routing trace (CSV step,layer,expert,nbytes: `tierstore bench "
                    "cache --trace`).")
+@click.option("--warm-up/--no-warm-up", default=True, show_default=True,
+              help="Before the clock starts, run the prompts once through the model with "
+                   "zero experts (no store reads), so the first pass does not page in the code "
+                   "of every operation it runs from a disk busy with experts; counted in "
+                   "prepare_s.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print one line: {"tokens": [[...]] per prompt, "tokens_per_s", "stall_frac", '
-                   '"hit_rate", "spec_accuracy", "prefill_s", "decode_s", "bytes_read", '
-                   '"peak_rss_bytes"}.')
+                   '"hit_rate", "spec_accuracy", "prefill_s", "decode_s", "prepare_s", '
+                   '"bytes_read", "peak_rss_bytes"}.')
 def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
              prompt_ids: tuple[str, ...],
              max_new_tokens: int, greedy: bool, temperature: float, top_p: float,
              seed: int | None, device_budget: int | None, ring_slots: str, mode: str,
              device: str, host_cache: int | None, threads: int | None, trace: str | None,
-             as_json: bool) -> None:
+             warm_up: bool, as_json: bool) -> None:
     """Generate text from the model in STORE with its experts offloaded: a batch of prompts
     (left-padded), a KV cache, one token per step until max-new-tokens or every prompt's
     end-of-sequence token.
@@ -395,4 +400,4 @@ def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
         greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
         device_budget=device_budget, ring_slots=ring_slots, mode=mode, device=device,
         host_cache=host_cache, trace=trace, as_json=as_json, threads=threads,
-        echo=click.echo, connect=connect))
+        echo=click.echo, connect=connect, warm=warm_up))

@@ -238,7 +238,7 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
              top_p: float = 1.0, seed: int | None = None,
              eos_token_ids: Sequence[int] | None = None, pad_token_id: int | None = None,
              trace: Any = None, trace_nbytes: int | None = None,
-             decode_threads: int | None = None) -> GenerationResult:
+             decode_threads: int | None = None, warm: bool = True) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids).
     Sampling (``greedy=False``) with a ``seed`` repeats its tokens; without one it does not.
 
@@ -247,7 +247,8 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
     receives every MoE layer's routed experts per step (step 0 is the prefill, step n the
     n-th decode step), each access ``trace_nbytes`` long (default: one expert's bytes).
     ``decode_threads``: torch's thread count from the first decode step on (default: as
-    it is).
+    it is). ``warm``: run the prompts through the model once before the clock starts
+    (:func:`warm_up`), counted in ``prepare_s``.
     """
     if max_new_tokens < 0:
         raise tierstore.StoreError("max_new_tokens must be >= 0")
@@ -279,7 +280,7 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
     n = 0
     t_prepare = time.perf_counter()
     wrapped.prepare(model)
-    if max_new_tokens:
+    if warm and max_new_tokens:
         warm_up(model, ids, mask)
     prepare_s = time.perf_counter() - t_prepare
     clock = DeviceClock(torch.device(dev))  # device time: CUDA kernels are only queued
@@ -390,7 +391,7 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
                  seed: int | None, device_budget: int | None, ring_slots: str, mode: str,
                  device: str, host_cache: int | None, trace: str | None, as_json: bool,
                  threads: int | None = None, echo: Any = print,
-                 connect: str | None = None) -> None:
+                 connect: str | None = None, warm: bool = True) -> None:
     """What ``tierstore generate`` runs (see its --help)."""
     import json
 
@@ -476,7 +477,7 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
         try:
             res = generate(model, source, ids, max_new_tokens, greedy=greedy,
                            temperature=temperature, top_p=top_p, seed=seed, trace=recorder,
-                           decode_threads=decode_threads)
+                           decode_threads=decode_threads, warm=warm)
         except BudgetError as e:  # the source's share was too small: name the whole
             plan.check(e.what, e.need)
             raise
