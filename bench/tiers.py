@@ -222,14 +222,12 @@ def measure_nvme(
     for r in range(repeats):  # a fresh store each time: same free layout, same slab state
         ceilings, closers = nvme_ceilings(ceiling, bs, threads, direct, n * block)
         regions = 3 + len(ceilings)
-        held = contextlib.ExitStack()
         try:
             with tierstore.open(path, create=True, engine=engine, io_threads=threads,
                                 host_cache=0, slab_size=regions * n * block + (64 << 20),
-                                chunk_size=CHUNK) as st:
+                                chunk_size=CHUNK) as st, _young_heap():
                 described = st.describe().split(": ", 1)[-1]
                 direct = engine_reads_direct(engine, st.describe())
-                held.enter_context(_young_heap())
                 for op in ("write", "read"):
                     runs.setdefault(op, {}).setdefault("store", [])
                     for name in ceilings:
@@ -282,7 +280,6 @@ def measure_nvme(
                 got = _latencies(st, names, data)
                 rss.append(_rss())
         finally:
-            held.close()
             for c in closers:
                 c.close()
             shutil.rmtree(path, ignore_errors=True)

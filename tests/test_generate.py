@@ -168,7 +168,7 @@ def test_generate_warms_the_model_up_before_its_clock_without_the_source(
     with tierstore.open(mixtral) as st:
         model = load_model(st, "cpu")
         src = make_source("resident", st, model)
-        cold = [model.decode(torch.tensor([[1, 2, 3, 4]]), src, last_only=True)]
+        cold = model.decode(torch.tensor([[1, 2, 3, 4]]), src, last_only=True)
         passes: list[object] = []
         decode = model.decode
 
@@ -192,7 +192,7 @@ def test_generate_warms_the_model_up_before_its_clock_without_the_source(
         assert begun == [2, 3]
     else:
         assert len(passes) == 2 and passes[0] is passes[1] and begun == [1, 2]
-    assert res.tokens[0][0] == int(cold[0][0, -1].argmax())
+    assert res.tokens[0][0] == int(cold[0, -1].argmax())
 
 
 def test_a_prefill_projects_its_last_position_only(mixtral: Path) -> None:
