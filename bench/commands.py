@@ -138,8 +138,8 @@ def bench() -> None:
               help="Directory for the PMem pool (a DAX mount such as /mnt/pmem0 in production; "
                    "default: the scratch directory).")
 @click.option("--repeat", "repeats", type=click.IntRange(min=1), default=5, show_default=True,
-              help="NVMe: store and ceilings measured in turn this many times; medians "
-                   "reported.")
+              help="NVMe and PMem: store and ceilings measured in turn this many times; "
+                   "medians reported.")
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
 @click.option("--plot", "plot_out", type=OUTPUT_FILE,
               help="Write a PNG: GB/s against entry size per tier, ceilings dashed.")
@@ -150,7 +150,8 @@ def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list
     run: NVMe through the store's engines against fio (psync, and io_uring at queue depth 32)
     and DeepNVMe on the same file with the same request size and O_DIRECT flag (NVMe writes
     rewrite space each side wrote once before; their first writes into never-written space
-    are listed after the table); PMem against pmem_memcpy_persist and memcpy; host cache
+    are listed after the table); PMem against the same durable copy without the store
+    (pmem_memcpy_persist on DAX, memcpy + pmem_msync elsewhere) and memcpy; host cache
     hits against memcpy; host<->device against plain pinned copies."""
     from tierstore.bench.tiers import run_tiers
 

@@ -430,7 +430,7 @@ def run_tiers(
             if tier == "nvme":
                 rows += measure_nvme(root, engine, block, t, total, repeats)
             elif tier == "pmem":
-                rows += measure_pmem(root, pmem_dir or root, block, t, total)
+                rows += measure_pmem(root, pmem_dir or root, block, t, total, repeats)
             elif tier == "gds":
                 rows += measure_nvme(root, engine, block, t, total, repeats, ceiling="gdsio")
             elif tier == "sizes":

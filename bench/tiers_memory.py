@@ -1,8 +1,9 @@
 """The memory-side rows of ``bench tiers``, and its plot.
 
 PMem tier: the same ``put_many``/``get_many`` as the NVMe rows on a pmem-backed store,
-beside ``pmem_memcpy_persist`` into a file on the pool's filesystem (writes) and plain
-memcpy (reads) with the same bytes and threads. Host cache: hits against memcpy. GPU:
+beside the same durable copy without the store into a file on the pool's filesystem
+(writes: ``pmem_memcpy_persist`` on DAX, a copy and ``pmem_msync`` elsewhere) and plain
+memcpy (reads), with the same bytes and threads. Host cache: hits against memcpy. GPU:
 host-device copies through the store against a plain pinned copy, where CUDA is present.
 The NVMe rows, the shared row format and the command are in :mod:`bench.tiers`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,53 +21,93 @@ import torch
 
 import tierstore
 
-from .tiers import CHUNK, _latencies, _row, _store_read, _store_write
-
-
-def _store_rw(st: tierstore.Store, block: int, n: int, drop_cache: bool) -> dict[str, Any]:
-    """Time ``put_many`` and ``get_many`` of ``n`` entries of ``block`` bytes, and the
-    latency of single puts and gets. One untimed read pass comes first: the timed one then
-    lands in memory the process already has, as a steady stream of reads does (and as fio's
-    reused buffers do)."""
-    data = torch.randint(0, 255, (block,), dtype=torch.uint8)
-    names = [f"bench.experts.{i}.w" for i in range(n)]
-    write = _store_write(st, names, data)
-    infos = [st.info(name) for name in names]
-    paths = {i.path for i in infos if i.path} if drop_cache else set()
-    _store_read(st, names, block, paths)
-    read = _store_read(st, names, block, paths)
-    lat = _latencies(st, names, data)
-    return {"write": (write, lat["write"]), "read": (read, lat["read"]), "infos": infos}
+from .tiers import (
+    CHUNK,
+    _latencies,
+    _row,
+    _store_read,
+    _store_write,
+    _write_source,
+    _young_heap,
+)
 
 
 def measure_pmem(
-    root: str, pool_dir: str, block: int, threads: int, total: int
+    root: str, pool_dir: str, block: int, threads: int, total: int, repeats: int = 3,
 ) -> list[dict[str, Any]]:
-    """PMem tier through the store; ceilings: pmem_memcpy_persist into a file beside the
-    pool (writes) and plain memcpy (reads), same bytes and threads."""
+    """PMem tier through the store against the same durable copy without it
+    (:class:`tierstore.probes.DurableCopy`: ``pmem_memcpy_persist`` on DAX, a copy and
+    ``pmem_msync`` elsewhere) with the same bytes and threads; reads against memcpy.
+
+    Writes, like for like, as the NVMe rows: the store's first ``put_many`` lands in
+    never-written pool space and the ceiling's first copy in its never-written file (the
+    ``fresh`` figures); the row's writes rewrite space written before on both sides (the
+    store's later puts, which copy-on-write places in the space the one before last
+    freed). Then ``repeats`` rounds: each side once, the side going first alternating, each
+    under ``_young_heap``; medians. Reads: an untimed pass of each kind, then ``repeats``
+    rounds into memory reused from round to round (the row), and as fresh results
+    (``read_fresh_gbps``: on the development VM fresh memory is paid for again in page
+    faults whenever the host has taken it back, 0.4-0.6 GB/s in such rounds).
+    ``pmem_memcpy_persist`` into a plain file is reported beside (``memcpy_flush_gbps``):
+    a cache-flushing copy that is not durable there."""
     n = max(threads, total // block)
+    nbytes = n * block
     path = os.path.join(root, f"pmem-{block}")
     pool = os.path.join(pool_dir, f"bench-{os.getpid()}-{block}.pool")
+    data = torch.randint(0, 255, (block,), dtype=torch.uint8)
+    source = _write_source(data)  # a buffer of its own, as the ceiling's (see there)
+    names = [f"bench.experts.{i}.w" for i in range(n)]
+    ceiling = tierstore.probes.DurableCopy(
+        os.path.join(pool_dir, f"ceiling-{os.getpid()}-{block}.pool"), nbytes, threads)
+    runs: dict[str, list[float]] = {"store": [], "ceiling": [], "read": [], "fresh": []}
+    # Reads land in memory allocated before the clock and reused, as memcpy's destination
+    # is (and as the NVMe rows read); fresh results are timed beside.
+    into = tierstore.read_buffer(min(nbytes, 256 << 20))
     try:
+        # Two versions of every entry (copy-on-write), and room for the latency puts.
         with tierstore.open(path, create=True, backing="pmem", pmem_path=pool,
-                            pmem_size=n * block + (64 << 20), io_threads=threads,
+                            pmem_size=2 * nbytes + (64 << 20), io_threads=threads,
                             chunk_size=CHUNK, host_cache=0) as st:
             engine = st.describe().split(": ", 1)[1].split(",")[0]
-            got = _store_rw(st, block, n, drop_cache=False)
+            with _young_heap():
+                fresh = _store_write(st, names, source)
+                fresh_ceiling = ceiling.write()
+                _store_write(st, names, source)  # the second version: fresh space again
+            for r in range(repeats):
+                for side in ("store", "ceiling")[:: 1 if r % 2 == 0 else -1]:
+                    with _young_heap():
+                        runs[side].append(_store_write(st, names, source) if side == "store"
+                                          else ceiling.write())
+            _store_read(st, names, block, set(), into)
+            _store_read(st, names, block, set())
+            for _ in range(repeats):
+                with _young_heap():
+                    runs["read"].append(_store_read(st, names, block, set(), into))
+                    runs["fresh"].append(_store_read(st, names, block, set()))
+            lat = _latencies(st, names, data)
     finally:
+        ceiling.close()
         shutil.rmtree(path, ignore_errors=True)
         if os.path.exists(pool):
             os.unlink(pool)
-    nbytes = min(n * block, 256 << 20)
-    persist = tierstore.probes.pmem_memcpy_persist_gbps(
-        os.path.join(pool_dir, f"ceiling-{os.getpid()}.pool"), nbytes, threads)
-    memcpy = tierstore.probes.memcpy_gbps(nbytes, threads)
-    write_ceiling, write_name = (persist, "pmem_memcpy_persist") if persist else (memcpy, "memcpy")
+    span = min(nbytes, 256 << 20)
+    flush = tierstore.probes.pmem_memcpy_persist_gbps(
+        os.path.join(pool_dir, f"flush-{os.getpid()}.pool"), span, threads)
+    memcpy = tierstore.probes.memcpy_gbps(span, threads)
+    med = {k: statistics.median(v) for k, v in runs.items()}
     return [
-        _row("pmem", "write", engine, block, threads, got["write"][0], got["write"][1],
-             write_ceiling, write_name, memcpy_gbps=round(memcpy, 3)),
-        _row("pmem", "read", engine, block, threads, got["read"][0], got["read"][1],
-             memcpy, "memcpy", pmem_memcpy_persist_gbps=round(persist or 0.0, 3)),
+        _row("pmem", "write", engine, block, threads, med["store"], lat["write"],
+             med["ceiling"], ceiling.name, repeats=repeats,
+             store_runs=[round(x, 3) for x in runs["store"]],
+             ceiling_runs={ceiling.name: [round(x, 3) for x in runs["ceiling"]]},
+             write_fresh_gbps=round(fresh, 3), fresh_ceiling=ceiling.name,
+             fresh_ceilings={ceiling.name: round(fresh_ceiling, 3)},
+             fresh_ratio=round(fresh / fresh_ceiling, 3),
+             memcpy_gbps=round(memcpy, 3), memcpy_flush_gbps=round(flush or 0.0, 3)),
+        _row("pmem", "read", engine, block, threads, med["read"], lat["read"],
+             memcpy, "memcpy", repeats=repeats, store_runs=[round(x, 3) for x in runs["read"]],
+             read_fresh_gbps=round(med["fresh"], 3),
+             read_fresh_runs=[round(x, 3) for x in runs["fresh"]]),
     ]
 
 

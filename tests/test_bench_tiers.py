@@ -101,3 +101,47 @@ def test_bench_tiers_writes_the_table_and_the_entry_size_comparison(tmp_path) ->
     assert (sizes["engine"], sizes["small_bytes"], sizes["large_bytes"]) == (
         "posix-direct", 256 << 10, 16 << 20)
     assert len(sizes["read"]["small_runs"]) == 2
+
+
+def test_the_pmem_ceiling_is_the_durable_copy_the_pool_makes(tmp_path) -> None:
+    """``DurableCopy`` copies every byte into its file and makes it durable the way the
+    pool makes its own writes durable (a copy and msync where the file is not persistent
+    memory: a cache-flushing copy alone would persist nothing there), and removes its file."""
+    from tierstore.pmem.dax import really_pmem
+
+    from tierstore import probes
+
+    path = str(tmp_path / "ceiling.pool")
+    c = probes.DurableCopy(path, 3 << 20, threads=2)
+    try:
+        assert c.write() > 0
+        with open(path, "rb") as f:
+            assert f.read() == b"\1" * (3 << 20)
+        assert c.name == ("pmem_memcpy_persist" if really_pmem(path) else
+                          "memcpy+pmem_msync" if _libpmem_loads() else "memcpy+msync")
+    finally:
+        c.close()
+    assert not os.path.exists(path)
+
+
+def _libpmem_loads() -> bool:
+    from tierstore.pmem.libpmem import load
+
+    return load() is not None
+
+
+def test_the_pmem_rows_time_rewrites_against_the_durable_copy(tmp_path) -> None:
+    """The PMem rows: writes rewriting space written before, beside the durable copy of
+    the same bytes (its runs and the store's each ``repeats`` long, the ratio of their
+    medians), the first writes into never-written space beside; reads into reused memory,
+    fresh results beside."""
+    from tierstore.bench.tiers_memory import measure_pmem
+
+    write, read = measure_pmem(str(tmp_path), str(tmp_path), 1 << 20, 1, 4 << 20, repeats=3)
+    assert write["ceiling"] in ("pmem_memcpy_persist", "memcpy+pmem_msync", "memcpy+msync")
+    assert len(write["store_runs"]) == len(write["ceiling_runs"][write["ceiling"]]) == 3
+    assert write["gbps"] == pytest.approx(statistics.median(write["store_runs"]), abs=1e-3)
+    assert write["ratio"] == pytest.approx(write["gbps"] / write["ceiling_gbps"], rel=1e-2)
+    assert write["fresh_ceiling"] == write["ceiling"] and write["write_fresh_gbps"] > 0
+    assert read["ceiling"] == "memcpy" and len(read["read_fresh_runs"]) == 3
+    assert os.listdir(tmp_path) == []  # the store, its pool and the ceiling's file are gone

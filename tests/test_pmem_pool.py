@@ -276,6 +276,27 @@ def test_sync_covers_completed_writes(make_pool: Callable[..., PoolMedium]) -> N
     assert pool.durability in ("msync", "persist")
 
 
+@pytest.mark.parametrize("nbytes", [0, 4096, 12 << 20])
+def test_blocking_copies_on_the_calling_thread_or_split_alike(
+        make_pool: Callable[..., PoolMedium], nbytes: int) -> None:
+    """The blocking ``write``/``read`` (the store's) copy a buffer too small to split on the
+    calling thread, a large one across the pool's threads: either way the bytes round-trip,
+    the written range waits for ``sync``, and an empty buffer leaves nothing to sync."""
+    pool = make_pool(size=32 << 20, threads=2)
+    pool.create_segment(0, 16 << 20)
+    data = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+    pool.write(0, 4096, memoryview(data))
+    assert pool._dirty == ({0: [(HEADER_SIZE + 4096, HEADER_SIZE + 4096 + nbytes)]}
+                           if nbytes else {})
+    back = np.zeros(nbytes, dtype=np.uint8)
+    pool.read(0, 4096, memoryview(back))
+    assert np.array_equal(back, data)
+    pool.sync([0])
+    assert not pool._dirty
+    with pytest.raises(ValueError, match="outside"):
+        pool.write(0, (16 << 20) - 4096, memoryview(np.zeros(8192, dtype=np.uint8)))
+
+
 def _patch(path: Path, offset: int, data: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
