@@ -7,6 +7,13 @@ extents were never removed from the durable map.
 Readers *lease* the extent of the record they are reading. An extent freed by a commit while
 leased is parked until the last lease ends, so a concurrent writer can never reuse space a
 reader is still reading (which would show up as a false checksum error).
+
+Allocation is first fit in (segment, offset) order, so a batch of small entries lands side by
+side and its writes merge into few requests. Each segment's holes are kept in offset order in
+blocks of up to ``2 * _BLOCK``, each block with a bound on its largest hole, so first fit
+passes over a block of holes too small in one comparison. On the development machine, with
+that many one-page holes ahead of the first fit: 100,000 holes, 30 us an allocation (it was
+5-14 ms scanning them one by one); 1,000, 5 us (23-33); none or 30, unchanged (0.8, 1.8).
 """
 
 from __future__ import annotations
@@ -19,12 +26,106 @@ from collections.abc import Iterable
 Extent = tuple[int, int, int]  # (segment, offset, length)
 
 
+_BLOCK = 64  # a block of holes splits in two past twice this
+
+
+class _Holes:
+    """One segment's free extents in offset order, neighbours always coalesced: ``lens``
+    maps each hole's offset to its length; the offsets sit in sorted blocks, each with its
+    first offset (to find a block by bisection) and a bound on its largest length (to skip
+    it). The bound may be stale-high after a hole shrinks, never low: first fit then scans
+    a block it could have skipped, and sets the bound to what it saw."""
+
+    def __init__(self) -> None:
+        self.lens: dict[int, int] = {}
+        self._blocks: list[list[int]] = []
+        self._firsts: list[int] = []
+        self._maxes: list[int] = []
+
+    def _find(self, off: int) -> tuple[int, int]:
+        """(block, index) where ``off`` is, or would be inserted."""
+        if not self._blocks:
+            return 0, 0
+        k = max(0, bisect.bisect_right(self._firsts, off) - 1)
+        return k, bisect.bisect_left(self._blocks[k], off)
+
+    def _removed(self, k: int, i: int) -> None:
+        """Block ``k`` lost its offset at index ``i``."""
+        block = self._blocks[k]
+        if not block:
+            del self._blocks[k], self._firsts[k], self._maxes[k]
+        elif i == 0:
+            self._firsts[k] = block[0]
+
+    def insert(self, off: int, length: int) -> None:
+        """Add a free extent, merging it with the holes it touches."""
+        lens, blocks = self.lens, self._blocks
+        if off + length in lens:  # merge with the next hole
+            k, i = self._find(off + length)
+            del blocks[k][i]
+            length += lens.pop(off + length)
+            self._removed(k, i)
+        if not blocks:
+            blocks.append([off])
+            self._firsts.append(off)
+            self._maxes.append(length)
+            lens[off] = length
+            return
+        k = max(0, bisect.bisect_right(self._firsts, off) - 1)  # _find, inline: the hot path
+        i = bisect.bisect_left(blocks[k], off)
+        prev = None
+        if i:
+            prev = blocks[k][i - 1]
+        elif k:
+            k -= 1
+            prev, i = blocks[k][-1], len(blocks[k])
+        if prev is not None and prev + lens[prev] == off:  # merge into the previous hole
+            lens[prev] += length
+            self._maxes[k] = max(self._maxes[k], lens[prev])  # block k holds it
+            return
+        lens[off] = length
+        block = blocks[k]
+        block.insert(i, off)
+        self._firsts[k] = block[0]
+        self._maxes[k] = max(self._maxes[k], length)
+        if len(block) > 2 * _BLOCK:  # split; each half keeps the whole block's bound
+            blocks.insert(k + 1, block[_BLOCK:])
+            del block[_BLOCK:]
+            self._firsts.insert(k + 1, blocks[k + 1][0])
+            self._maxes.insert(k + 1, self._maxes[k])
+
+    def take(self, nbytes: int) -> int | None:
+        """First fit: carve ``nbytes`` from the front of the first hole that holds them."""
+        lens, maxes = self.lens, self._maxes
+        for k in range(len(maxes)):
+            if maxes[k] < nbytes:
+                continue
+            block = self._blocks[k]
+            seen = 0
+            for i, off in enumerate(block):
+                length = lens[off]
+                if length >= nbytes:
+                    del lens[off]
+                    if length == nbytes:
+                        del block[i]
+                        self._removed(k, i)
+                    else:  # the rest keeps its place in offset order
+                        block[i] = off + nbytes
+                        lens[off + nbytes] = length - nbytes
+                        if i == 0:
+                            self._firsts[k] = off + nbytes
+                    return off
+                if length > seen:
+                    seen = length
+            maxes[k] = seen  # no hole here holds nbytes: the bound is exact again
+        return None
+
+
 class ExtentAllocator:
     def __init__(self, alignment: int = 4096) -> None:
         self.alignment = alignment
         self.lock = threading.Lock()
-        self._offs: dict[int, list[int]] = {}  # segment -> sorted free offsets
-        self._lens: dict[int, dict[int, int]] = {}  # segment -> {offset: length}
+        self._holes: dict[int, _Holes] = {}  # segment -> its free extents
         self._leases: Counter[tuple[int, int]] = Counter()
         self._parked: dict[tuple[int, int], int] = {}  # freed while leased: (seg, off) -> len
 
@@ -35,20 +136,15 @@ class ExtentAllocator:
 
     def free_bytes(self) -> int:
         with self.lock:
-            return sum(sum(d.values()) for d in self._lens.values())
+            return sum(sum(h.lens.values()) for h in self._holes.values())
 
     def allocate(self, nbytes: int) -> tuple[int, int] | None:
         """First fit over segments in order; None when no free extent is large enough."""
         with self.lock:
-            for seg in sorted(self._offs):
-                lens = self._lens[seg]
-                for off in self._offs[seg]:
-                    length = lens[off]
-                    if length >= nbytes:
-                        self._remove(seg, off)
-                        if length > nbytes:
-                            self._insert(seg, off + nbytes, length - nbytes)
-                        return seg, off
+            for seg in sorted(self._holes):
+                off = self._holes[seg].take(nbytes)
+                if off is not None:
+                    return seg, off
         return None
 
     def release(self, extents: Iterable[Extent]) -> None:
@@ -80,21 +176,8 @@ class ExtentAllocator:
                 if length is not None:
                     self._insert(seg, off, length)
 
-    # -- sorted free lists, coalescing neighbours -------------------------------------
-    def _remove(self, seg: int, off: int) -> None:
-        offs = self._offs[seg]
-        del offs[bisect.bisect_left(offs, off)]
-        del self._lens[seg][off]
-
     def _insert(self, seg: int, off: int, length: int) -> None:
-        offs = self._offs.setdefault(seg, [])
-        lens = self._lens.setdefault(seg, {})
-        i = bisect.bisect_left(offs, off)
-        if i < len(offs) and offs[i] == off + length:  # merge with the next extent
-            length += lens.pop(offs[i])
-            del offs[i]
-        if i > 0 and offs[i - 1] + lens[offs[i - 1]] == off:  # merge into the previous one
-            lens[offs[i - 1]] += length
-            return
-        offs.insert(i, off)
-        lens[off] = length
+        holes = self._holes.get(seg)
+        if holes is None:
+            holes = self._holes[seg] = _Holes()
+        holes.insert(off, length)
