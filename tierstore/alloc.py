@@ -71,7 +71,8 @@ class _Holes:
             self._maxes.append(length)
             lens[off] = length
             return
-        k = max(0, bisect.bisect_right(self._firsts, off) - 1)  # _find, inline: the hot path
+        k = bisect.bisect_right(self._firsts, off) - 1  # _find, inline: the hot path
+        k = k if k > 0 else 0
         i = bisect.bisect_left(blocks[k], off)
         prev = None
         if i:
