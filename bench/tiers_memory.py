@@ -57,12 +57,12 @@ def measure_pmem(
     data = torch.randint(0, 255, (block,), dtype=torch.uint8)
     source = _write_source(data)  # a buffer of its own, as the ceiling's (see there)
     names = [f"bench.experts.{i}.w" for i in range(n)]
-    ceiling = tierstore.probes.DurableCopy(
-        os.path.join(pool_dir, f"ceiling-{os.getpid()}-{block}.pool"), nbytes, threads)
     runs: dict[str, list[float]] = {"store": [], "ceiling": [], "read": [], "fresh": []}
     # Reads land in memory allocated before the clock and reused, as memcpy's destination
     # is (and as the NVMe rows read); fresh results are timed beside.
     into = tierstore.read_buffer(min(nbytes, 256 << 20))
+    ceiling = tierstore.probes.DurableCopy(
+        os.path.join(pool_dir, f"ceiling-{os.getpid()}-{block}.pool"), nbytes, threads)
     try:
         # Two versions of every entry (copy-on-write), and room for the latency puts.
         with tierstore.open(path, create=True, backing="pmem", pmem_path=pool,

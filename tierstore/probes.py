@@ -54,14 +54,18 @@ class DurableCopy:
         from tierstore.pmem.libpmem import load
         from tierstore.pmem.mapping import LibpmemMapping, MmapMapping
 
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        finally:
-            os.close(fd)
         self.path, self.nbytes = path, nbytes
         lib = load()
-        self._map = LibpmemMapping(lib, path) if lib is not None else MmapMapping(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+            self._map = LibpmemMapping(lib, path) if lib is not None else MmapMapping(path)
+        except BaseException:
+            os.unlink(path)  # a full disk, say: no scratch file left behind
+            raise
         if self._map.durability == "persist":
             self.name = "pmem_memcpy_persist"
         else:
