@@ -102,3 +102,49 @@ def test_a_fit_behind_many_small_holes_is_found_past_them() -> None:
     assert a.free_bytes() == (5000 + 62) * page
     a.release([(0, 10_000 * page, 2 * page)])
     assert a._holes[0].lens[10_000 * page] == 64 * page
+
+
+def test_a_fragmented_store_keeps_its_allocator_equal_to_its_free_map(tmp_path, monkeypatch) -> None:
+    """Through the store: puts of mixed sizes over each other and deletes leave hundreds of
+    holes (blocks of two, so they split and empty all the time); every entry reads back,
+    the allocator's holes equal the durable free map, fsck is clean, and so after a
+    reopen, which loads the allocator from that map."""
+    import torch
+
+    import tierstore
+
+    monkeypatch.setattr(alloc, "_BLOCK", 2)
+    rng = random.Random(7)
+    gen = torch.Generator().manual_seed(7)
+    kw = dict(host_cache=0, slab_size="4MiB", chunk_size="64KiB", io_threads=2)
+    want: dict[str, torch.Tensor] = {}
+
+    def holes(st: tierstore.Store) -> tuple[dict, dict]:
+        inner = getattr(st, "_store", st)
+        mine = {(s, o): n for s, h in inner._alloc._holes.items() for o, n in h.lens.items()}
+        with inner._catalog.read() as txn:
+            durable = {(s, o): n for s, o, n in inner._catalog.free_extents(txn)}
+        return mine, durable
+
+    with tierstore.open(tmp_path / "s", create=True, **kw) as st:
+        for _ in range(600):
+            name = f"e{rng.randrange(150)}"
+            if name in want and rng.random() < 0.3:
+                st.delete(name)
+                del want[name]
+                continue
+            batch = {name: torch.randint(0, 255, (rng.choice([1, 3, 9, 16]) * 4096,),
+                                         dtype=torch.uint8, generator=gen)}
+            st.put_many(batch)
+            want.update(batch)
+        mine, durable = holes(st)
+        assert mine == durable and len(durable) > 20, len(durable)
+        assert max(len(h._blocks) for h in getattr(st, "_store", st)._alloc._holes.values()) > 4
+        assert all(torch.equal(st.get(k), v) for k, v in want.items())
+        assert st.fsck().ok
+    with tierstore.open(tmp_path / "s", **kw) as st:
+        mine, durable = holes(st)
+        assert mine == durable
+        assert all(torch.equal(st.get(k), v) for k, v in want.items())
+        st.put_many({f"n{i}": torch.ones(i + 1) for i in range(40)})  # into the holes
+        assert st.fsck().ok
