@@ -10,6 +10,7 @@ from pathlib import Path
 
 import tierstore
 
+from .heap import SteadyHeap
 from .resident import Metrics
 
 PathLike = str | os.PathLike[str]
@@ -51,16 +52,19 @@ def run_steps(steps: range, step: Callable[[int], Metrics], log: MetricsLog | No
               on_step: Callable[[Metrics], None] | None) -> list[Metrics]:
     """Run ``step`` for each of ``steps``: each step's metrics go to ``log`` (closed at the
     end, whatever happens, so a crash leaves the lines of the steps that ran) and to
-    ``on_step``; returns them all."""
+    ``on_step``; returns them all. The run's long-lived objects are set aside from the
+    cycle collector after the first step (see :mod:`.heap`)."""
     history: list[Metrics] = []
     try:
-        for s in steps:
-            m = step(s)
-            history.append(m)
-            if log is not None:
-                log.write(m)
-            if on_step is not None:
-                on_step(m)
+        with SteadyHeap() as heap:
+            for s in steps:
+                m = step(s)
+                heap.step_done()
+                history.append(m)
+                if log is not None:
+                    log.write(m)
+                if on_step is not None:
+                    on_step(m)
     finally:
         if log is not None:
             log.close()

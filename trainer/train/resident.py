@@ -27,6 +27,7 @@ from torch import nn
 from ..model import ExpertProvider, ModelConfig, MoEModel
 from ..presets import PRESETS, TrainModel, config_from_dict, with_dtype
 from .data import BatchSampler, Corpus, load_corpus
+from .heap import SteadyHeap
 from .optim import clip_grads_, grad_norms, lr_at, total_norm
 
 CHECKPOINT_NAME = "resident.pt"
@@ -264,36 +265,38 @@ def train_resident(
         })
 
     history: list[Metrics] = []
-    for step in range(start, steps):
-        t0 = time.perf_counter()
-        lr = tc.lr_for(step)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        ce_sum = aux_sum = z_sum = 0.0
-        for _ in range(tc.grad_accum):
-            x, y = sampler.next_batch()
-            _, loss, info = net(x.to(dev), y.to(dev))
-            assert loss is not None
-            (loss / tc.grad_accum).backward()
-            ce_sum += float(info["ce"])
-            aux_sum += float(info["aux_loss"])
-            z_sum += float(info["z_loss"])
-        grads = [p.grad for _, p in params if p.grad is not None]
-        # One global norm over every gradient, dense and expert alike.
-        norm = (clip_grads_(grads, tc.clip) if tc.clip is not None
-                else total_norm(grad_norms(grads)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        m = step_metrics(step, tc, dev, t0, ce_sum, aux_sum, z_sum, norm, lr)
-        done = step + 1
-        if tc.eval_every > 0 and (done % tc.eval_every == 0 or done == steps):
-            m["val_loss"] = evaluate(net, val_batches, dev)
-        if checkpoint_dir is not None and (
-                (checkpoint_every > 0 and done % checkpoint_every == 0) or done == steps):
-            checkpoint(done)
-        history.append(m)
-        if on_step is not None:
-            on_step(m)
+    with SteadyHeap() as heap:  # see .heap: as the store trainer's steps
+        for step in range(start, steps):
+            t0 = time.perf_counter()
+            lr = tc.lr_for(step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            ce_sum = aux_sum = z_sum = 0.0
+            for _ in range(tc.grad_accum):
+                x, y = sampler.next_batch()
+                _, loss, info = net(x.to(dev), y.to(dev))
+                assert loss is not None
+                (loss / tc.grad_accum).backward()
+                ce_sum += float(info["ce"])
+                aux_sum += float(info["aux_loss"])
+                z_sum += float(info["z_loss"])
+            grads = [p.grad for _, p in params if p.grad is not None]
+            # One global norm over every gradient, dense and expert alike.
+            norm = (clip_grads_(grads, tc.clip) if tc.clip is not None
+                    else total_norm(grad_norms(grads)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            m = step_metrics(step, tc, dev, t0, ce_sum, aux_sum, z_sum, norm, lr)
+            heap.step_done()
+            done = step + 1
+            if tc.eval_every > 0 and (done % tc.eval_every == 0 or done == steps):
+                m["val_loss"] = evaluate(net, val_batches, dev)
+            if checkpoint_dir is not None and (
+                    (checkpoint_every > 0 and done % checkpoint_every == 0) or done == steps):
+                checkpoint(done)
+            history.append(m)
+            if on_step is not None:
+                on_step(m)
     return history
 
 
