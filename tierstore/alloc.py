@@ -71,9 +71,7 @@ class _Holes:
             self._maxes.append(length)
             lens[off] = length
             return
-        k = bisect.bisect_right(self._firsts, off) - 1  # _find, inline: the hot path
-        k = k if k > 0 else 0
-        i = bisect.bisect_left(blocks[k], off)
+        k, i = self._find(off)
         prev = None
         if i:
             prev = blocks[k][i - 1]
