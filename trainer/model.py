@@ -54,7 +54,9 @@ QK_NORMS = ("none", "full", "head")  # OLMoE: over the whole projection; Qwen3: 
 AUX_FORMS = ("per_layer", "transformers")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-ExpertWeights = tuple[Tensor, Tensor, Tensor]  # (w1 gate, w2 down, w3 up)
+# One expert's tensors: (w1 gate, w2 down, w3 up) in this model; an experts module's entries,
+# in the order its ExpertLayer names them, under tierstore.hf.
+ExpertWeights = tuple[Tensor, ...]
 # provider(layer_index, sorted expert ids) -> {expert_id: (w1, w2, w3)}
 ExpertProvider = Callable[[int, list[int]], Mapping[int, ExpertWeights]]
 CountReducer = Callable[[Tensor], Tensor]  # sums per-expert counts over data-parallel ranks
