@@ -161,6 +161,15 @@ class Checked:
         return out
 
 
+def slab_size_for(checkpoint_bytes: int) -> int:
+    """The slab size of a store made for a checkpoint: the default 1 GiB, or for a smaller
+    checkpoint its size rounded up to 64 MiB (slabs are preallocated: a 1 GiB slab for a
+    model of a few megabytes is a gigabyte of disk for nothing). An existing store keeps
+    its own."""
+    step = 64 << 20
+    return int(min(1 << 30, max(step, -(-checkpoint_bytes * 5 // 4 // step) * step)))
+
+
 def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
               progress: bool | Callable[[int], Any] = True, *,
               resume: bool = False) -> dict[str, Any]:
@@ -191,7 +200,8 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
     layout = ck.experts_layout()
     # No host cache: an import reads nothing back, and each expert should be durable once
     # its put_many returns, so that an interrupted import can be resumed from there.
-    with tierstore.open(store_path, create=True, host_cache=0) as store:
+    with tierstore.open(store_path, create=True, host_cache=0,
+                        slab_size=slab_size_for(total)) as store:
         _begin(store, source, resume, layout)
         try:
             _put_experts(store, ck, reader, layout, advance, resume)

@@ -95,10 +95,15 @@ class Loaded:
         if self.source is not None and self.source is not source:
             self.source.close()
         self.source, self.mode = source, mode
+        self.swap_source(source)
+        source.prepare(self.served)
+
+    def swap_source(self, source: Any) -> None:
+        """Feed the experts from ``source`` without preparing it or closing the one before
+        (a wrapper around the attached source, for one generation)."""
         self.passes.source = source
         for layer in self.served.layers.values():
             layer.source = source
-        source.prepare(self.served)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.source.stats()) if self.source is not None else {}
@@ -155,6 +160,10 @@ def build(store: tierstore.Store, owns: bool, *, device: torch.device,
         raise tierstore.StoreError(f"{sm.family}: MoE layers with different numbers of experts "
                                    "are not served yet")
     _load_dense(model, store, sm, where)
+    if sm.generation_config:
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_dict(sm.generation_config)
     model.to(device)
     model.eval()
     served = ServedModel(model, layers, modules, device, dt, shapes)

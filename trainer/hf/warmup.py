@@ -124,3 +124,38 @@ def warm_up(model: nn.Module, served: ServedModel, source: NarrowExperts, ids: T
             mask: Tensor | None) -> None:
     """The prompt through the model once, with ``source``'s zero experts."""
     _run(model, served, source, ids, mask)
+
+
+def _cache_tensors_bytes(cache: Any) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []) or []:
+        for v in vars(layer).values():
+            if isinstance(v, Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def cache_bytes(model: nn.Module, served: ServedModel, source: NarrowExperts) -> tuple[int, int]:
+    """``(per position, besides)``: the bytes the family's own cache holds for one sequence,
+    measured by running one and two tokens (whatever its layers keep: keys and values,
+    MLA's compressed latents, a linear-attention layer's fixed state). A sliding-window
+    layer is counted as if it kept every position, a bound."""
+    sizes = []
+    layers = list(served.layers.values())
+    saved = [layer.source for layer in layers]
+    for layer in layers:
+        layer.source = source
+    try:
+        for n in (1, 2):
+            ids = torch.zeros((1, n), dtype=torch.long, device=served.device)
+            with torch.no_grad():
+                out = model(input_ids=ids, use_cache=True)
+            cache = getattr(out, "cache", None)
+            if cache is None:
+                cache = out.past_key_values
+            sizes.append(_cache_tensors_bytes(cache))
+    finally:
+        for layer, s in zip(layers, saved):
+            layer.source = s
+    per = max(0, sizes[1] - sizes[0])
+    return per, max(0, sizes[0] - per)

@@ -1,0 +1,51 @@
+"""The tokenizer a store holds (``tokenizer.json`` among the import's tokenizer files), and
+prompts through it. A trainer run has none: its vocabulary is the 256 byte values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import tierstore
+
+from .layout import TOKENIZER_KIND, TOKENIZER_PREFIX, StoredModel
+
+if TYPE_CHECKING:
+    import tokenizers
+
+
+def load_tokenizer(store: tierstore.Store) -> tokenizers.Tokenizer | None:
+    """The store's ``tokenizer.json`` as a ``tokenizers.Tokenizer``; ``None`` when the model
+    has none. A damaged one is a one-line :class:`tierstore.StoreError`."""
+    name = TOKENIZER_PREFIX + "tokenizer.json"
+    if (name, TOKENIZER_KIND) not in store:
+        return None
+    import tokenizers
+
+    raw = store.get(name, TOKENIZER_KIND).numpy().tobytes()
+    try:
+        return tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:  # noqa: BLE001  (UnicodeDecodeError, or the library's own types)
+        raise tierstore.StoreError(
+            f"store {store.path}: its tokenizer.json does not load ({type(e).__name__}); "
+            "import the model again with its original tokenizer, or pass --prompt-ids") from e
+
+
+def tokenizer_files(store: tierstore.Store) -> dict[str, bytes]:
+    """Every stored tokenizer file, by its original file name."""
+    names = store.names(TOKENIZER_PREFIX, kind=TOKENIZER_KIND)
+    return {n[len(TOKENIZER_PREFIX):]: store.get(n, TOKENIZER_KIND).numpy().tobytes()
+            for n in names}
+
+
+def encode_prompts(store: tierstore.Store, stored: StoredModel, texts: Sequence[str]
+                   ) -> tuple[list[list[int]], Any]:
+    """Token ids of text prompts through the store's tokenizer (a trainer run, which has
+    none, reads UTF-8 bytes), and the tokenizer (None for bytes)."""
+    tok = load_tokenizer(store)
+    if tok is not None:
+        return [tok.encode(t).ids for t in texts], tok
+    if stored.step is not None:
+        return [list(t.encode("utf-8")) for t in texts], None
+    raise tierstore.StoreError(f"store {store.path} holds no tokenizer: pass token ids with "
+                               "--prompt-ids")
