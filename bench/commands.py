@@ -94,16 +94,17 @@ def _memory_limit(ctx: click.Context, _param: Any, value: str | None) -> str | N
     return value
 
 
-def _check_synthetic(layers: int, experts: int, hidden: int, ffn: int) -> None:
+def _check_synthetic(shape: str, layers: int, experts: int, hidden: int, ffn: int) -> None:
     # The synthetic model checks its shape only once the benchmark builds it, and names its
     # own fields (top_k, head dimension) rather than the options.
-    from tierstore.bench.infer import synthetic_config
+    from tierstore.bench.infer import check_synthetic
 
     try:
-        synthetic_config(layers, experts, hidden, ffn)
-    except ValueError as e:
-        raise click.UsageError(f"--layers {layers} --experts {experts} --hidden {hidden} "
-                               f"--ffn {ffn} make no synthetic model: {e}") from None
+        check_synthetic(shape, layers, experts, hidden, ffn)
+    except (ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise click.UsageError(f"--shape {shape} --layers {layers} --experts {experts} --hidden "
+                               f"{hidden} --ffn {ffn} make no synthetic model: {first}") from None
 
 
 @click.group()
@@ -242,8 +243,13 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
 
 @bench.command(name="infer")
 @click.option("--store", "store", type=click.Path(exists=True, file_okay=False),
-              help="A store holding a model (default: a synthetic Mixtral-shaped model written "
+              help="A store holding a model (default: a synthetic model of --shape written "
                    "to a temporary store here).")
+@click.option("--shape", type=click.Choice(["mixtral", "deepseek_v3", "gpt_oss"]),
+              default="mixtral", show_default=True,
+              help="Synthetic model's family and shape: Mixtral (8 wide experts, top-2), "
+                   "DeepSeek-V3 (MLA, many small routed experts in groups, top-6, a shared "
+                   "expert) or gpt-oss (biased, transposed experts, attention sinks).")
 @click.option("--model-dir", type=click.Path(exists=True, file_okay=False),
               help="A Hugging Face model directory, imported into a temporary store first.")
 @click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1),
@@ -282,7 +288,7 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
 @click.option("--vocab", type=click.IntRange(min=8),
               help="Synthetic model: vocabulary [512; 32000 with --peer].")
 @click.option("--peer", type=click.Choice(["accelerate"]),
-              help="Also run the checkpoint (--model-dir, or a synthetic Mixtral-shaped one "
+              help="Also run the checkpoint (--model-dir, or a synthetic one of --shape "
                    "saved with transformers) through this system: accelerate's disk offload "
                    "(experts on \"disk\", the rest on the CPU). Every run is then a fresh "
                    "process (`tierstore generate` per mode: resident, ring auto, expert, "
@@ -310,7 +316,8 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
               help="The store's NVMe I/O engine (auto: Linux AIO where it runs; "
                    "posix-direct: the thread-pool fallback).")
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
-def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: int, hidden: int,
+def bench_infer(store: str | None, model_dir: str | None, shape: str, layers: int, experts: int,
+                hidden: int,
                 ffn: int, prefill_batch: int, prefill_len: int, decode_batch: int,
                 decode_tokens: int, ring_slots: list[int], tier: str, host_cache: int | None,
                 expert_budget: float, repeats: int, device: str | None, vocab: int | None,
@@ -343,7 +350,7 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
     if peer and engine != "auto":
         raise click.UsageError("--engine applies to the in-process benchmark, not --peer")
     if store is None and model_dir is None:
-        _check_synthetic(layers, experts, hidden, ffn)
+        _check_synthetic(shape, layers, experts, hidden, ffn)
     from tierstore.bench.infer import run_infer
 
     def go() -> None:
@@ -353,7 +360,7 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
                   host_cache=host_cache, expert_budget=expert_budget, device=device,
                   repeats=repeats, tier=tier, vocab=vocab, peer=peer,
                   memory_limit=memory_limit, cold=cold, device_budget=device_budget,
-                  threads=threads, engine=engine, echo=click.echo)
+                  threads=threads, engine=engine, shape=shape, echo=click.echo)
 
     _run(go)
 

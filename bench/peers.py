@@ -122,28 +122,28 @@ def run_bandwidth(store_path: str) -> dict[str, Any]:
     (no host cache): by ``get_many`` one layer at a time (the median layer), two layers at a
     time on two threads, and through the prefetch queue (four layers requested at once)."""
     import torch
-    from tierstore.trainer.infer.loading import model_info
-    from tierstore.trainer.model import ModelConfig, expert_names
+    from tierstore.hf.loader import build
 
-    from .infer import measure_bandwidth, measure_queue_bandwidth
+    from .infer import layer_names, measure_bandwidth, measure_queue_bandwidth
 
     dev = torch.device("cpu")
     with tierstore.open(store_path, host_cache=0, device_budget="1TiB") as store:
-        cfg = ModelConfig.from_dict(model_info(store)["config"])
-        got = measure_bandwidth(store, cfg, dev, repeats=1)
-        layers = list(cfg.moe_layers)
+        model, loaded = build(store, False, device=dev, dtype=None)
+        served = loaded.served
+        got = measure_bandwidth(store, served, dev, repeats=1)
 
         def read(layer: int) -> int:
-            names = [n for e in range(cfg.n_experts) for n in expert_names(layer, e)]
+            names = layer_names(served, layer)
             return sum(t.numel() * t.element_size() for t in store.get_many(names).values())
 
         # Two layers in flight at once, as the ring's two borrowing threads keep them.
         t0 = time.perf_counter()
         with ThreadPoolExecutor(2) as pool:
-            nbytes = sum(pool.map(read, layers))
+            nbytes = sum(pool.map(read, served.moe_layers))
         two = nbytes / (time.perf_counter() - t0)
         store.prefetch_views(dev)
-        queue, _ = measure_queue_bandwidth(store, cfg, dev)
+        queue, _ = measure_queue_bandwidth(store, served, dev)
+        loaded.close()
     # The fastest way found sets the limit (the conservative choice: the higher the
     # bandwidth, the lower a run's ratio to it).
     return {"get_many_bytes_per_s": got["bytes_per_s"], "two_streams_bytes_per_s": two,
@@ -153,33 +153,19 @@ def run_bandwidth(store_path: str) -> dict[str, Any]:
 
 # --- the study ----------------------------------------------------------------------------
 
-def write_hf_mixtral(model_dir: str, *, layers: int, experts: int, hidden: int, ffn: int,
-                     vocab: int, seed: int = 0) -> None:
-    """A Mixtral-shaped ``transformers`` checkpoint with random fp32 weights (``save_pretrained``
-    in its default format). Weights are drawn with a standard deviation of 1/sqrt(fan-in),
-    norms near 1, so activations stay O(1) and greedy tokens are far from ties."""
-    import torch
-    import transformers
+def stored_shape(store_path: str) -> dict[str, Any]:
+    """What the study needs to know of a stored model: its family, MoE layers, experts per
+    layer, bytes of one layer's experts as stored, vocabulary."""
+    from tierstore.hf.layout import stored_model
 
-    heads = max(1, hidden // 64)
-    cfg = transformers.MixtralConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-        num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        shell = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model = shell.to_empty(device="cpu")
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    model.eval()
-    model.save_pretrained(model_dir)
-    del model, shell
+    with tierstore.open(store_path, host_cache=0) as store:
+        sm = stored_model(store)
+        m = sm.experts[0]
+        one = sum(store.info(f"{m.prefix}.0.{p}").nbytes for _, parts in m.params for p in parts)
+        text = sm.hf_config.get("text_config") or sm.hf_config
+        return {"family": sm.family, "moe_layers": len(sm.experts), "experts": m.num_experts,
+                "expert_bytes": one, "layer_bytes": one * m.num_experts,
+                "vocab_size": int(text["vocab_size"]), "hf_config": sm.hf_config}
 
 
 def checkpoint_bytes(model_dir: str) -> int:
@@ -229,7 +215,7 @@ def _median_or_none(xs: Sequence[float]) -> float | None:
 
 
 def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
-                   layers: int = 8, experts: int = 8, hidden: int = 1024, ffn: int = 2048,
+                   shape: str = "mixtral", layers: int = 8, experts: int = 8, hidden: int = 1024, ffn: int = 2048,
                    vocab: int = 32000, prompt_len: int = 16, new_tokens: int = 16,
                    rounds: int = 3, memory_limit: str | float | int | None = None,
                    cold: bool = True, host_cache: int | None = None,
@@ -253,22 +239,22 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
     except ImportError as e:
         raise tierstore.StoreError(f"--peer accelerate needs accelerate and transformers "
                                    f"(pip install 'tierstore[peers]'): {e}") from None
-    from tierstore.trainer.infer.hf_import import import_hf
-    from tierstore.trainer.model import ModelConfig
+    from tierstore.hf import import_hf
+
+    from .hf_models import write_hf_checkpoint
 
     tmp = tempfile.mkdtemp(prefix="tierstore-peer-", dir=workdir)
     try:
         if model_dir is None:
             model_dir = os.path.join(tmp, "hf")
-            echo(f"writing a Mixtral-shaped checkpoint: {layers} layers x {experts} experts, "
+            echo(f"writing a {shape}-shaped checkpoint: {layers} layers x {experts} experts, "
                  f"hidden {hidden}, FFN {ffn}, vocab {vocab}, fp32")
-            write_hf_mixtral(model_dir, layers=layers, experts=experts, hidden=hidden,
-                             ffn=ffn, vocab=vocab, seed=seed)
+            write_hf_checkpoint(model_dir, shape, layers=layers, experts=experts, hidden=hidden,
+                                ffn=ffn, vocab=vocab, seed=seed)
         store = os.path.join(tmp, "store")
         echo("importing it into a store (tierstore import-hf)")
-        info = import_hf(model_dir, store, progress=True)
-        cfg = ModelConfig.from_dict(info["config"])
-        return _study(peer, model_dir, store, tmp, cfg, prompt_len=prompt_len,
+        import_hf(model_dir, store, progress=True)
+        return _study(peer, model_dir, store, tmp, stored_shape(store), prompt_len=prompt_len,
                       new_tokens=new_tokens, rounds=rounds, memory_limit=memory_limit,
                       cold=cold, host_cache=host_cache, device_budget=device_budget,
                       modes=modes, timeout_s=timeout_s, seed=seed, threads=threads,
@@ -283,8 +269,8 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
            timeout_s: float, seed: int, threads: int | None, json_out: str | None,
            echo: Callable[[str], Any]) -> dict[str, Any]:
     model_bytes = checkpoint_bytes(model_dir)
-    n_moe = len(cfg.moe_layers)
-    layer_bytes = cfg.layer_expert_bytes()
+    n_moe = cfg["moe_layers"]
+    layer_bytes = cfg["layer_bytes"]
     limit = resolve_limit(memory_limit, model_bytes)
     if host_cache is None:
         # Under a limit the cache must fit in it; with memory to spare it holds every
@@ -292,7 +278,7 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
         host_cache = limit // 6 if limit else int(n_moe * layer_bytes * 1.25) + 64 * MiB
     if device_budget is None and limit:
         device_budget = limit // 4
-    prompt = _prompt(cfg.vocab_size, prompt_len, seed + 1)
+    prompt = _prompt(cfg["vocab_size"], prompt_len, seed + 1)
     py = sys.executable
     offload = os.path.join(tmp, "offload")
     runs_spec: list[tuple[str, list[str], bool]] = [(peer, [
@@ -316,7 +302,7 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
             cmd += ["--threads", str(threads)]
         runs_spec.append((mode, cmd, mode != "resident"))
     results: dict[str, Any] = {
-        "peer": peer, "model": {**cfg.to_dict(), "checkpoint_bytes": model_bytes,
+        "peer": peer, "model": {**cfg, "checkpoint_bytes": model_bytes,
                                 "expert_bytes_total": n_moe * layer_bytes,
                                 "layer_bytes": layer_bytes},
         "prompt": prompt, "prompt_tokens": prompt_len, "new_tokens": new_tokens,

@@ -90,13 +90,19 @@ class Loaded:
     notes: list[str] = field(default_factory=list)
     narrow: Any = None  # zero experts for a warm-up pass (tierstore.hf.warmup)
 
-    def attach(self, source: Any, mode: str) -> None:
-        """Feed every experts module from ``source`` (closing the one before)."""
-        if self.source is not None and self.source is not source:
+    def attach(self, source: Any, mode: str, *, close_previous: bool = True) -> None:
+        """Feed every experts module from ``source`` (closing the one before, unless
+        ``close_previous`` is false: the caller keeps and closes it)."""
+        if close_previous and self.source is not None and self.source is not source:
             self.source.close()
         self.source, self.mode = source, mode
         self.swap_source(source)
         source.prepare(self.served)
+
+    def detach(self) -> None:
+        """Forget the source without closing it (its owner does)."""
+        self.source, self.mode = None, ""
+        self.swap_source(None)
 
     def swap_source(self, source: Any) -> None:
         """Feed the experts from ``source`` without preparing it or closing the one before
