@@ -27,8 +27,7 @@ import torch
 
 import tierstore
 
-from ..infer.generate import decode_tokens, encode_prompts, generate, make_source
-from ..infer.loading import load_model
+from ..infer.generate import decode_tokens, generate
 from ..model import EXPERT_WEIGHTS, MoEModel, expert_name
 from ..presets import MoEConfig, model_size
 from .checkpoint import latest_dense_state
@@ -163,8 +162,12 @@ def demo_training(store: str, *, model: str = "small", steps: int = 60, seed: in
         snaps = [s.tag for s in st.snapshots()]
         echo(f"  checkpoints    {', '.join(snaps)}; fsck: {report.entries} stored versions "
              f"verified, {'clean' if report.ok else report.problems}")
-        net = load_model(st, "cpu")
-        ids, tok = encode_prompts(st, "tierstore", [prompt])
+        from tierstore.hf.loader import build
+        from tierstore.hf.strategies import make_source
+        from tierstore.hf.tokenizer import encode_prompts
+
+        net, loaded = build(st, False, device=torch.device("cpu"), dtype=None)
+        ids, tok = encode_prompts(st, loaded.stored, [prompt])
         reference = in_memory_tokens(st, ids[0], new_tokens)
         result = DemoResult(history, report.ok, prompt, reference,
                             prompt + decode_tokens(tok, reference))
@@ -172,16 +175,14 @@ def demo_training(store: str, *, model: str = "small", steps: int = 60, seed: in
              f"memory:")
         echo(f"                 {result.text!r}")
         for mode in MODES:
-            source = make_source(mode, st, net)
-            try:
-                res = generate(net, source, ids, new_tokens, greedy=True)
-            finally:
-                source.close()
+            loaded.attach(make_source(mode, st, loaded.served), mode)
+            res = generate(net, ids, new_tokens, greedy=True)
             result.generated[mode] = res.tokens[0]
             same = "yes" if res.tokens[0] == reference else "NO"
             echo(f"  generate ({mode:6s}) experts from the store, {res.tokens_per_s:,.1f} "
                  f"tokens/s, stall {res.stall_frac:.0%}: identical to the in-memory model: "
                  f"{same}")
+        loaded.close()
     return result
 
 
