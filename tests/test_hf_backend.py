@@ -213,3 +213,50 @@ def test_a_store_without_a_model_is_one_line(tmp_path: Path) -> None:
     tierstore.open(tmp_path / "empty", create=True, slab_size="8MiB").close()
     with pytest.raises(tierstore.StoreError, match="holds no model"):
         th.load(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("moe_every", [1, 2])
+def test_a_trainer_run_is_served_as_the_transformers_model_it_computes(
+        tmp_path: Path, moe_every: int) -> None:
+    """A store ``tierstore train`` wrote is loaded as Mixtral (every layer MoE) or Qwen2-MoE
+    (dense layers between, a zero shared expert) and computes what the trainer's own model
+    computes, over a full sequence and through the KV cache."""
+    from dataclasses import replace
+
+    from tierstore.trainer.model import MoEModel
+    from tierstore.trainer.presets import PRESETS
+    from tierstore.trainer.train.checkpoint import latest_dense_state
+    from tierstore.trainer.train.data import load_corpus
+    from tierstore.trainer.train.resident import TrainConfig
+    from tierstore.trainer.train.store_trainer import train_store
+
+    cfg = replace(PRESETS["tiny"], moe_every=moe_every)
+    tc = TrainConfig(batch_size=2, seq_len=16, eval_every=0, lr=1e-2)
+    train_store(cfg, 3, seed=4, train=tc, corpus=load_corpus(max_bytes=64 * 1024),
+                store_path=tmp_path / "st", host_cache="4MiB", slab_size="16MiB")
+    model = th.load(tmp_path / "st", mode="on-demand", device="cpu")
+    try:
+        want_class = "MixtralForCausalLM" if moe_every == 1 else "Qwen2MoeForCausalLM"
+        assert type(model).__name__ == want_class
+        store = model.tierstore.store
+        ref = MoEModel(cfg, seed=None, resident_experts=True)
+        state = dict(latest_dense_state(store)["model"])
+        state.update({n: store.get(n) for n in ref.state_dict() if ".experts." in n})
+        ref.load_state_dict({k: v for k, v in state.items() if not k.startswith("rope_")},
+                            strict=False)
+        ref.eval()
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 256, (2, 20), generator=g)
+        with torch.no_grad():
+            want = ref(ids)[0]
+            torch.testing.assert_close(model(ids).logits, want, atol=1e-5, rtol=0)
+            out = model(ids[:, :15], use_cache=True)
+            steps = [out.logits]
+            cache = out.past_key_values
+            for j in range(15, 20):
+                out = model(ids[:, j:j + 1], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                steps.append(out.logits)
+        torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=0)
+    finally:
+        model.tierstore.close()

@@ -14,7 +14,8 @@ pass runs every kernel a real one runs at a fraction of its compute.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,16 +81,30 @@ def _narrow(layer: ExpertLayer, module: nn.Module, shapes: Sequence[Sequence[int
 
 def _run(model: nn.Module, served: ServedModel, source: Any, ids: Tensor,
          mask: Tensor | None) -> None:
+    with _feeding(model, served, source), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+@contextlib.contextmanager
+def _feeding(model: nn.Module, served: ServedModel, source: Any) -> Iterator[None]:
+    """Every experts module fed by ``source`` for the block, and the attached source's
+    passes left alone (a warm-up is not one of its passes)."""
     layers = list(served.layers.values())
     saved = [layer.source for layer in layers]
+    loaded = getattr(model, "tierstore", None)
+    passes = loaded.passes if loaded is not None else None
+    saved_pass = passes.source if passes is not None else None
     for layer in layers:
         layer.source = source
+    if passes is not None:
+        passes.source = None
     try:
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
+        yield
     finally:
         for layer, s in zip(layers, saved):
             layer.source = s
+        if passes is not None:
+            passes.source = saved_pass
 
 
 def narrow_source(model: nn.Module, served: ServedModel,
@@ -141,21 +156,13 @@ def cache_bytes(model: nn.Module, served: ServedModel, source: NarrowExperts) ->
     MLA's compressed latents, a linear-attention layer's fixed state). A sliding-window
     layer is counted as if it kept every position, a bound."""
     sizes = []
-    layers = list(served.layers.values())
-    saved = [layer.source for layer in layers]
-    for layer in layers:
-        layer.source = source
-    try:
+    with _feeding(model, served, source), torch.no_grad():
         for n in (1, 2):
             ids = torch.zeros((1, n), dtype=torch.long, device=served.device)
-            with torch.no_grad():
-                out = model(input_ids=ids, use_cache=True)
+            out = model(input_ids=ids, use_cache=True)
             cache = getattr(out, "cache", None)
             if cache is None:
                 cache = out.past_key_values
             sizes.append(_cache_tensors_bytes(cache))
-    finally:
-        for layer, s in zip(layers, saved):
-            layer.source = s
     per = max(0, sizes[1] - sizes[0])
     return per, max(0, sizes[0] - per)
