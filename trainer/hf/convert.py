@@ -232,10 +232,14 @@ def convert_expert(group: Group, plan_: Plan, model: nn.Module, e: int,
     return {k: v[0] for k, v in out.items()}
 
 
-def experts_held(group: Group) -> set[int] | None:
-    """The experts a group's per-expert sources hold (``None``: fused sources, all of them)."""
-    per = {s.expert for s in group.sources if not s.fused}
-    return None if not per else {e for e in per if e is not None}
+def experts_held(group: Group) -> dict[str, set[int]]:
+    """The experts each source pattern of a group holds per expert (fused sources, which
+    hold all of them, are left out)."""
+    held: dict[str, set[int]] = {}
+    for s in group.sources:
+        if not s.fused and s.expert is not None:
+            held.setdefault(s.pattern, set()).add(s.expert)
+    return held
 
 
 def check_shapes(p: Plan, model: nn.Module, family: str,
@@ -270,12 +274,27 @@ def check_shapes(p: Plan, model: nn.Module, family: str,
             made.add(name)
     for param, group in p.experts.items():
         n = p.expert_params[param].shape[0]
-        held = experts_held(group)
-        if held is not None and held != set(range(n)):
-            lacking = sorted(set(range(n)) - held)
-            what = f"lacks expert {lacking[0]}" if lacking else f"holds {len(held)} experts"
-            raise HFImportError(f"{family}: the checkpoint {what} of {param} "
-                                f"({n} experts in the config); {fix}")
+        # One expert is converted on meta below: every other expert's tensor of the same
+        # pattern must have its shape.
+        first: dict[str, Source] = {}
+        for s in group.sources:
+            ref = first.setdefault(s.pattern, s)
+            if headers[s.key][0] != headers[ref.key][0]:
+                raise HFImportError(f"{family}: checkpoint tensor {s.key} has shape "
+                                    f"{headers[s.key][0]}, its peers such as {ref.key} "
+                                    f"{headers[ref.key][0]}; {fix}")
+        patterns = {s.pattern for s in group.sources}
+        for pattern, held in experts_held(group).items():
+            if held != set(range(n)):
+                lacking = sorted(set(range(n)) - held)
+                what = f"lacks expert {lacking[0]}" if lacking else f"holds {len(held)} experts"
+                raise HFImportError(f"{family}: the checkpoint {what} of {param} ({pattern}; "
+                                    f"{n} experts in the config); {fix}")
+        converter_patterns = set(getattr(group.transform, "source_patterns", []) or [])
+        if group.transform is not None and not converter_patterns <= patterns:
+            lack = sorted(converter_patterns - patterns)[0]
+            raise HFImportError(f"{family}: the checkpoint has no {lack} tensors for {param}; "
+                                f"{fix}")
         try:
             out = convert_expert(group, p, model, 0, meta, meta_slice)
         except HFImportError:
