@@ -30,6 +30,15 @@ FAMILIES = th.causal_lm_families()
 NEW = 5
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    # Tiny models' kernels are microseconds: a second thread only adds hand-offs.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, vocab, (2, 7), generator=g)

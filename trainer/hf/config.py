@@ -11,7 +11,9 @@ dataclass validation). A quantized checkpoint is refused here, by the method nam
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,6 +75,77 @@ def _check_numbers(hf: Mapping[str, Any], where: str, depth: int = 0) -> None:
             raise HFImportError(f"{where}: {key} holds {len(v)} values; fix config.json")
 
 
+POSITIVE_FLOATS = ("rope_theta", "factor", "rms_norm_eps", "layer_norm_eps", "norm_eps")
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layers")
+TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_topk", "n_activated_experts")
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _bad(where: str, key: str, v: Any, what: str) -> HFImportError:
+    return HFImportError(f"{where}: {key} is {v!r}, {what}; fix config.json (or use the "
+                         "model's original one)")
+
+
+def _check_meanings(hf: Mapping[str, Any], where: str, vocab: int | None = None,
+                    depth: int = 0) -> None:
+    """What a value of a well-known field means, whatever the family: epsilons and rotary
+    bases positive and finite, windows whole and not negative, token ids inside the
+    vocabulary, at least one layer, experts per token within the experts."""
+    vocab = hf.get("vocab_size") if isinstance(hf.get("vocab_size"), int) else vocab
+    experts = max((v for k in EXPERT_COUNTS if type(v := hf.get(k)) is int), default=None)
+    for key, v in hf.items():
+        if isinstance(v, Mapping) and depth < 4:
+            if key != "quantization_config":
+                _check_meanings(v, f"{where} ({key})", vocab, depth + 1)
+            continue
+        if v is None:
+            continue
+        if key in POSITIVE_FLOATS or key.endswith("_eps"):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                    or v <= 0:
+                raise _bad(where, key, v, "not a finite number above 0")
+        elif key in ("rope_scaling", "rope_parameters"):
+            raise _bad(where, key, v, "not an object")
+        elif key == "sliding_window" and (type(v) is not int or v < 0):
+            raise _bad(where, key, v, "not a whole number of positions")
+        elif key.endswith("_token_id"):
+            ids = v if isinstance(v, list) else [v]
+            if not all(type(x) is int and 0 <= x < (vocab or ANY_INT_LIMIT) for x in ids):
+                raise _bad(where, key, v, "not a token id of the vocabulary, or a list of them")
+        elif key == "architectures" and (not isinstance(v, list) or
+                                         not all(isinstance(a, str) for a in v)):
+            raise _bad(where, key, v, "not a list of class names")
+        elif key in LAYER_COUNTS and type(v) is int and v < 1:
+            raise _bad(where, key, v, "not a number of layers (at least 1)")
+        elif key in TOP_K and type(v) is int and experts is not None and not 1 <= v <= experts:
+            raise _bad(where, key, v, f"not a number of experts from 1 to {experts}")
+
+
+def check_generation_config(gen: Any, where: str, vocab: int | None) -> None:
+    """``generation_config.json``'s values, checked as ``config.json``'s are."""
+    if not isinstance(gen, dict):
+        raise HFImportError(f"{where}: not a JSON object; fix or remove it")
+    _check_meanings(gen, where, vocab)
+
+
+def _refusal(e: Exception, hf: Mapping[str, Any], where: str, family: str) -> HFImportError:
+    """transformers' validation error as one line naming the field and its value."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    m = re.match(r"Validation error for field '(\w+)'", first)
+    cause = e.__cause__ if e.__cause__ is not None else e
+    why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    if m:
+        key = m.group(1)
+        value = hf.get(key, "missing") if key in hf else "missing"
+        return HFImportError(f"{where}: {key} is {value!r}, which transformers' {family} "
+                             f"config refuses ({why}); fix config.json (or use the model's "
+                             "original one)")
+    return HFImportError(f"{where}: transformers refuses this {family} config: "
+                         f"{why if why != first else first}; fix config.json (or use the "
+                         "model's original one)")
+
+
 def hf_config(hf: dict[str, Any], where: str) -> Any:
     """The ``transformers`` config object of a ``config.json`` dict (checked)."""
     from transformers import PreTrainedConfig
@@ -95,12 +168,11 @@ def hf_config(hf: dict[str, Any], where: str) -> Any:
     # As transformers reads config.json: special floats ({"__float__": "Infinity"}) decoded.
     body = PreTrainedConfig._decode_special_floats(
         {k: v for k, v in hf.items() if k != "transformers_version"})
+    _check_meanings(body, where)
     try:
         return CONFIG_MAPPING[family].from_dict(body)
     except Exception as e:  # noqa: BLE001  (the config class's own validation, any type)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise HFImportError(f"{where}: transformers refuses this {family} config: {first}; "
-                            "fix config.json (or use the model's original one)") from e
+        raise _refusal(e, hf, where, family) from e
 
 
 def meta_model(config: Any, family: str, *, experts_implementation: str | None = None,

@@ -107,6 +107,11 @@ def check_served(model: nn.Module, family: str) -> list[tuple[str, nn.Module]]:
             "interface, so they would run from memory instead of the store; this family "
             "cannot be served")
     if not served:
+        if family in causal_lm_families() and _expert_count(model.config) > 1:
+            raise UnservedFamilyError(
+                f"{family}: this config builds no mixture-of-experts layer (check its layer "
+                "counts and MoE layer settings in config.json); tierstore stores the experts "
+                "of MoE models only")
         if _expert_count(model.config) > 1:
             raise UnservedFamilyError(
                 f"{family}: its experts are computed in code of its own, not through "

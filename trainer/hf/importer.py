@@ -36,7 +36,7 @@ import torch
 import tierstore
 
 from .checkpoint import ST_DTYPES, CheckpointReader, HFImportError, weight_files
-from .config import hf_config, meta_model, read_config_json
+from .config import check_generation_config, hf_config, meta_model, read_config_json
 from .convert import Plan, check_shapes, convert_dense, convert_expert, expert_params, plan
 from .families import UnservedFamilyError, check_served
 from .layout import (
@@ -146,8 +146,9 @@ class Checked:
         check_shapes(self.plan, self.model, self.family, headers)
         gen = os.path.join(model_dir, GENERATION_CONFIG)
         self.generation_config = _read_json_file(gen) if os.path.isfile(gen) else None
-        if self.generation_config is not None and not isinstance(self.generation_config, dict):
-            raise HFImportError(f"{gen}: not a JSON object; fix or remove it")
+        if self.generation_config is not None:
+            vocab = getattr(self.config.get_text_config(), "vocab_size", None)
+            check_generation_config(self.generation_config, gen, vocab)
         check_tokenizer(model_dir)
 
     def experts_layout(self) -> list[ExpertsModule]:
