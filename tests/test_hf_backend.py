@@ -21,9 +21,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import tierstore  # noqa: E402
 import tierstore.hf as th  # noqa: E402
 from hf_tiny import TinyUnavailable, tiny_checkpoint  # noqa: E402
+
+import tierstore  # noqa: E402
 
 MODES = ("on-demand", "expert", "ring", "resident")
 FAMILIES = th.causal_lm_families()
@@ -73,7 +74,13 @@ def test_family_matches_transformers_in_every_mode(family: str, tmp_path: Path) 
     torch.manual_seed(11)
     want_sampled = _generate(ref, ids, mask, do_sample=True, top_k=0).sequences
     for mode in MODES:
-        model = th.load(store, mode=mode, device="cpu")
+        try:
+            model = th.load(store, mode=mode, device="cpu")
+        except tierstore.StoreError as e:
+            # A looped model runs some MoE layers twice a pass: a ring of layers in module
+            # order does not fit it, and says so.
+            assert mode == "ring" and "looped model" in str(e), (mode, e)
+            continue
         try:
             assert type(model) is type(ref)
             with torch.no_grad():

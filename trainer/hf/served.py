@@ -62,6 +62,9 @@ class ServedModel:
         self.n_experts = layers[0].num_experts
         self.device, self.dtype = device, dtype
         self.top_k = config_top_k(model.config) or 1
+        # The MoE layers as one pass runs them (learnt at load): module order, once each,
+        # except in looped models, which run some layers again.
+        self.visit_order = list(self.moe_layers)
         self._numel = sum(math.prod(s) for s in expert_shapes)
         self._next = {a.key: b.key for a, b in zip(layers, layers[1:])}
         named = dict(model.named_modules())

@@ -51,6 +51,10 @@ def make_source(mode: str, store: tierstore.Store, served: ServedModel, *,
     """The source of ``mode`` (not ``auto``; see :func:`choose_mode`). ``budget``: bytes of
     experts it may hold (default: the store's prefetch budget for the device)."""
     dev, dt = served.device, served.dtype
+    if mode == "ring" and served.visit_order != served.moe_layers:
+        raise tierstore.StoreError(
+            "the ring streams the MoE layers in module order, once a pass; this model runs "
+            f"them as {served.visit_order} (a looped model): use --mode expert or on-demand")
     if mode == "ring":
         from tierstore.trainer.infer.ring import RingSource
 

@@ -33,6 +33,7 @@ class NarrowExperts:
     def __init__(self, served: ServedModel, modules: Mapping[int, nn.Module],
                  shapes: Mapping[int, Sequence[Sequence[int]]]) -> None:
         self.weights: dict[int, tuple[Tensor, ...]] = {}
+        self.visits: list[int] = []  # the MoE layers in the order passes run them
         kw = {"dtype": served.dtype, "device": served.device}
         for key, layer in served.layers.items():
             module = modules[key]
@@ -40,6 +41,7 @@ class NarrowExperts:
                                       for s in _narrow(layer, module, shapes[key]))
 
     def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, tuple[Tensor, ...]]:
+        self.visits.append(layer)
         w = self.weights[layer]
         return {e: w for e in ids}
 
@@ -119,7 +121,9 @@ def check_dispatch(model: nn.Module, served: ServedModel, source: NarrowExperts,
     (see the module docstring). Learns the experts per token from the call."""
     before = {k: layer.calls for k, layer in served.layers.items()}
     ids = torch.zeros((1, 1), dtype=torch.long, device=served.device)
+    source.visits.clear()
     _run(model, served, source, ids, None)
+    served.visit_order = list(source.visits)
     missed = [layer.module_name for k, layer in served.layers.items() if layer.calls == before[k]]
     if missed:
         raise NotDispatchedError(
