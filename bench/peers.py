@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -157,14 +158,16 @@ def stored_shape(store_path: str) -> dict[str, Any]:
     """What the study needs to know of a stored model: its family, MoE layers, experts per
     layer, bytes of one layer's experts as stored, vocabulary."""
     from tierstore.hf.layout import stored_model
+    from tierstore.hf.served import config_top_k
 
     with tierstore.open(store_path, host_cache=0) as store:
         sm = stored_model(store)
         m = sm.experts[0]
         one = sum(store.info(f"{m.prefix}.0.{p}").nbytes for _, parts in m.params for p in parts)
         text = sm.hf_config.get("text_config") or sm.hf_config
+        top_k = config_top_k(types.SimpleNamespace(**text)) or 1
         return {"family": sm.family, "moe_layers": len(sm.experts), "experts": m.num_experts,
-                "expert_bytes": one, "layer_bytes": one * m.num_experts,
+                "top_k": top_k, "expert_bytes": one, "layer_bytes": one * m.num_experts,
                 "vocab_size": int(text["vocab_size"]), "hf_config": sm.hf_config}
 
 
@@ -309,6 +312,10 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
         "rounds": rounds, "host_cache": host_cache, "device_budget": device_budget,
         "threads": threads or "each system's default",
         "memory_limit_bytes": limit,
+        # What a token must read from the store at the least (its routed experts in every
+        # MoE layer), against what accelerate's hooks load: every expert of each fused layer.
+        "bytes_per_token": {"routed_minimum": n_moe * cfg["top_k"] * cfg["expert_bytes"],
+                            "accelerate_fused_layers": n_moe * layer_bytes},
         "memory_limit_fraction": limit / model_bytes if limit else None,
         "runs": [], "bandwidth_runs": []}
     echo(f"checkpoint {model_bytes / 1e9:.2f} GB ({n_moe} MoE layers of "
