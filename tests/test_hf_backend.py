@@ -65,7 +65,8 @@ def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, **kw: Any) -> A
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_matches_transformers_in_every_mode(family: str, tmp_path: Path) -> None:
+def test_family_matches_transformers_in_every_mode(family: str, tmp_path: Path,
+                                                   record_property: Any) -> None:
     ref, store = _imported(family, tmp_path)
     ids, mask = _batch(int(ref.config.get_text_config().vocab_size))
     with torch.no_grad():
@@ -73,6 +74,8 @@ def test_family_matches_transformers_in_every_mode(family: str, tmp_path: Path) 
     want = _generate(ref, ids, mask, do_sample=False)
     torch.manual_seed(11)
     want_sampled = _generate(ref, ids, mask, do_sample=True, top_k=0).sequences
+    refused: list[str] = []
+    record_property("refused", refused)  # scripts/family_matrix.py reports them
     for mode in MODES:
         try:
             model = th.load(store, mode=mode, device="cpu")
@@ -80,6 +83,7 @@ def test_family_matches_transformers_in_every_mode(family: str, tmp_path: Path) 
             # A looped model runs some MoE layers twice a pass: a ring of layers in module
             # order does not fit it, and says so.
             assert mode == "ring" and "looped model" in str(e), (mode, e)
+            refused.append(f"{mode}: {e}")
             continue
         try:
             assert type(model) is type(ref)
@@ -276,3 +280,12 @@ def test_a_trainer_run_is_served_as_the_transformers_model_it_computes(
         torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=0)
     finally:
         model.tierstore.close()
+
+
+def test_the_readme_lists_the_families_of_the_installed_transformers() -> None:
+    """README.md's family list is written by scripts/family_matrix.py from this module's
+    matrix; it must name exactly the families the installed transformers has."""
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "scripts" / "family_matrix.py"), "--check"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
