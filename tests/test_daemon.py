@@ -386,7 +386,7 @@ def test_metrics_and_health(served: Daemon) -> None:
     for name in ("tierstore_cache_hit_rate", 'tierstore_tier_bytes{tier="host"}',
                  'tierstore_tier_bytes{tier="nvme"}', 'tierstore_prefetch_queue_depth{state="queued"}',
                  "tierstore_prefetch_stall_seconds_total", "tierstore_clients",
-                 'tierstore_request_duration_seconds_bucket{op="get",le="+Inf"}'):
+                 'tierstore_request_duration_seconds_bucket{le="+Inf",op="get"}'):
         assert name in text, name
     # The limit beside what is open (the client's own connections among them).
     assert f"tierstore_max_connections {MAX_CONNECTIONS}" in text

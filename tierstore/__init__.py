@@ -6,6 +6,11 @@
 ...     w = st.get("layers.0.experts.3.w1")
 """
 
+# First: imported from a source tree, the subpackages that sibling folders hold are mapped
+# before anything imports them (see _source_tree).
+from . import _source_tree  # noqa: F401
+
+# isort: split
 from . import lab, probes
 from .daemon import RemoteStore, connect
 from .daemon.client import status as daemon_status

@@ -81,7 +81,7 @@ from .intake import (
     admit,
     inflight_limit,
 )
-from .metrics import Histogram, MetricsServer, exposition
+from .metrics import DaemonRegistry, MetricsServer
 from .shared_cache import SharedCache
 
 # A connection costs a thread; more are answered with an error and closed
@@ -174,7 +174,7 @@ class Server(OpHandlers):
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
         self._reports: dict[str, dict[str, Any]] = {}
-        self._latency = Histogram()
+        self._registry = DaemonRegistry(lambda: P.jsonable(self.status()))
         self._started = time.time()
         self._listener: socket.socket | None = None
         self.metrics: MetricsServer | None = None
@@ -188,7 +188,7 @@ class Server(OpHandlers):
 
     def _serve_metrics(self, port: int) -> MetricsServer:
         try:
-            return MetricsServer(port, self.metrics_text, lambda: not self._stop.is_set())
+            return MetricsServer(port, self._registry, lambda: not self._stop.is_set())
         except OSError as e:
             raise StoreError(f"cannot serve metrics on 127.0.0.1:{port}: "
                              f"{e.strerror or e}") from None
@@ -472,7 +472,7 @@ class Server(OpHandlers):
             if counted:
                 with self._in_flight_lock:
                     self._in_flight -= 1
-            self._latency.observe(_OP_NAMES[op], time.perf_counter() - t0)
+            self._registry.observe(_OP_NAMES[op], time.perf_counter() - t0)
         if out is None:
             return None
         if isinstance(out, tuple):
@@ -523,9 +523,6 @@ class Server(OpHandlers):
                        "request_bytes_limit": self._budget.limit,
                        **figures["queues"]},
         }
-
-    def metrics_text(self) -> str:
-        return exposition(P.jsonable(self.status()), self._latency)
 
     def describe(self) -> str:
         port = f", metrics on http://127.0.0.1:{self.metrics.port}/metrics" if self.metrics else ""
