@@ -93,23 +93,26 @@ def _list_families(ctx: click.Context, value: bool) -> None:
 def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, force: bool) -> None:
     """Write the model in STORE to OUT_DIR as a Hugging Face checkpoint that
     transformers' AutoModelForCausalLM.from_pretrained loads: config.json, sharded
-    safetensors with model.safetensors.index.json, and the tokenizer files. An imported
-    model goes back in its checkpoint's own layout (tensor names, per-expert or fused
-    experts) with its original config, and after a fine-tune with its trained fp32 masters
-    cast to --dtype; a `tierstore train` run becomes Mixtral (every layer MoE) or Qwen2-MoE
-    (dense layers in between), checked to compute what the run computes.
+    safetensors with model.safetensors.index.json, generation config and tokenizer files.
+    The weights are in the family's own checkpoint layout, the one save_pretrained writes,
+    made with transformers' reverse conversion mapping one expert at a time; an imported
+    model keeps its original config (dtype set to --dtype); a `tierstore train` run becomes
+    Mixtral (every layer MoE) or Qwen2-MoE (dense layers in between) with a byte-level
+    tokenizer. Leftovers of killed exports to OUT_DIR are removed first.
 
     \b
     tierstore export-hf ./mixtral-tuned --store mixtral
     tierstore export-hf ./run-hf --store run --dtype bf16 --shard-size 2GB
     """
-    from tierstore.trainer.infer.hf_export import export_hf as export
+    from tierstore.hf.exporter import export_hf as export
 
     from tierstore import format_size
 
     def go() -> None:
         s = export(store, out_dir, dtype=dtype, shard_size=shard_size, force=force,
                    progress=True)
+        for path in s["removed"]:
+            click.echo(f"removed {path}, left by an export that was killed")
         click.echo(f"exported {s['source']} as {s['family']}: {s['tensors']} tensors in "
                    f"{s['shards']} shard{'s' if s['shards'] != 1 else ''}, {s['dtype']}, "
                    f"{format_size(s['bytes'])} -> {out_dir}")

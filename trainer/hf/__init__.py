@@ -15,7 +15,9 @@ routing, caches and ``generate``::
 
 :func:`import_hf` (``tierstore import-hf``) puts any checkpoint of a family whose experts
 ``transformers`` dispatches through that interface into a store, mapped with
-``transformers``' own conversion mapping.
+``transformers``' own conversion mapping; :func:`export_hf` (``tierstore export-hf``) writes a
+stored model back as the checkpoint ``save_pretrained`` writes for its family, through the
+reverse of that mapping, one expert at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import tierstore
 
 from .backend import IMPLEMENTATION, register
+from .exporter import export_hf
 from .families import causal_lm_families
 from .importer import import_hf
 from .loader import Loaded, build, dtype_of, open_store
@@ -35,7 +38,8 @@ from .strategies import MODES, make_source, resolve_mode
 
 register()
 
-__all__ = ["IMPLEMENTATION", "MODES", "Loaded", "causal_lm_families", "import_hf", "load"]
+__all__ = ["IMPLEMENTATION", "MODES", "Loaded", "causal_lm_families", "export_hf", "import_hf",
+           "load"]
 
 
 def load(store: str | os.PathLike[str] | tierstore.Store, *, mode: str = "auto",

@@ -13,7 +13,7 @@ Store layout (format 2, written by :mod:`tierstore.hf.importer`):
 * ``tokenizer.{file}`` (kind ``meta``): tokenizer files as uint8 tensors.
 
 A ``tierstore train`` run is read as the ``transformers`` architecture its export writes
-(:func:`trainer.infer.hf_export.trainer_hf_config`: Mixtral, or Qwen2-MoE with a shared
+(:func:`tierstore.hf.trainer_runs.hf_config_of`: Mixtral, or Qwen2-MoE with a shared
 expert of zeros), its experts' ``w1``/``w3`` entries the two parts of ``gate_up_proj``.
 """
 

@@ -1,8 +1,10 @@
 """The tokenizer a store holds (``tokenizer.json`` among the import's tokenizer files), and
-prompts through it. A trainer run has none: its vocabulary is the 256 byte values."""
+prompts through it. A trainer run has none: its vocabulary is the 256 byte values, which
+:func:`byte_tokenizer_files` writes as a tokenizer for an export."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,3 +51,26 @@ def encode_prompts(store: tierstore.Store, stored: StoredModel, texts: Sequence[
         return [list(t.encode("utf-8")) for t in texts], None
     raise tierstore.StoreError(f"store {store.path} holds no tokenizer: pass token ids with "
                                "--prompt-ids")
+
+
+def byte_tokenizer_files(max_length: int) -> dict[str, bytes]:
+    """``tokenizer.json`` and ``tokenizer_config.json`` of a trainer run's byte-level
+    vocabulary: token id = byte value of the UTF-8 text, no special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # GPT-2's printable stand-ins for the 256 byte values, which the ByteLevel steps use.
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": tok.to_str().encode(),
+            "tokenizer_config.json": json.dumps(config, indent=2).encode()}
