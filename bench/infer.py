@@ -63,8 +63,16 @@ TIERS = ("nvme", "backing", "host")
 
 
 def check_synthetic(shape: str, layers: int, experts: int, hidden: int, ffn: int) -> None:
-    """A ``ValueError`` naming what is wrong with a synthetic model's shape."""
-    hf_config(shape, layers=layers, experts=experts, hidden=hidden, ffn=ffn, vocab=512)
+    """A ``ValueError`` naming what is wrong with a synthetic model's shape: what the
+    family's config class refuses, and what an import of it would (two experts per token
+    of one, say)."""
+    from tierstore.hf.config import hf_config as checked
+
+    cfg = hf_config(shape, layers=layers, experts=experts, hidden=hidden, ffn=ffn, vocab=512)
+    try:
+        checked(cfg.to_dict(), f"a synthetic {shape} model")
+    except tierstore.StoreError as e:
+        raise ValueError(str(e)) from None
 
 
 def layer_names(served: ServedModel, layer: int) -> list[str]:

@@ -98,7 +98,7 @@ def _check_meanings(hf: Mapping[str, Any], where: str, vocab: int | None = None,
             if key != "quantization_config":
                 _check_meanings(v, f"{where} ({key})", vocab, depth + 1)
             continue
-        if v is None:
+        if v is None or not isinstance(key, str):  # id2label's keys are labels' numbers
             continue
         if key in POSITIVE_FLOATS or key.endswith("_eps"):
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
