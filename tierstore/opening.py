@@ -24,7 +24,7 @@ import torch
 
 from tierstore.nvme import ENGINES, fsync_dir
 
-from .catalog import FORMAT_VERSION, REPAIR_HINT, Catalog
+from .catalog import FORMAT_VERSION, Catalog
 from .errors import CatalogError, NotAStoreError, StoreError, StoreLockedError
 from .local import LocalStore
 from .media import ALIGNMENT, Medium, align_up
@@ -59,12 +59,18 @@ def read_marker(path: str) -> dict[str, Any]:
 
 def write_marker(path: str, meta: dict[str, Any]) -> None:
     """Replace the marker atomically and durably."""
-    tmp = os.path.join(path, MARKER + ".tmp")
+    write_json(path, MARKER, meta)
+
+
+def write_json(path: str, name: str, data: Any) -> None:
+    """Replace ``name`` in the directory ``path`` with ``data`` as JSON, atomically and
+    durably."""
+    tmp = os.path.join(path, name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(meta, f)
+        json.dump(data, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MARKER))
+    os.replace(tmp, os.path.join(path, name))
     fsync_dir(path)
 
 
@@ -74,13 +80,13 @@ def check_identity(path: str, marker: dict[str, Any], catalog: Catalog) -> None:
         fmt = catalog.get_meta(txn, "format")
         backing = catalog.get_meta(txn, "backing")
         sid = catalog.get_meta(txn, "store_id")
-    where = os.path.join(path, CATALOG_DIR)
+    where, hint = catalog.label, catalog.hint
     if fmt is None and backing is None:
         raise CatalogError(f"catalog {where} is empty, so it is not this store's catalog "
-                           f"(lost or replaced); {REPAIR_HINT}")
+                           f"(lost or replaced); {hint}")
     if fmt != marker["format"] or backing != marker["backing"]:
         raise CatalogError(f"catalog {where} belongs to another store (its backing is "
-                           f"{backing}, the marker's {marker['backing']}); {REPAIR_HINT}")
+                           f"{backing}, the marker's {marker['backing']}); {hint}")
     mine = marker.get("store_id")
     if mine is None and sid is None:  # made before stores had ids: give it one now
         sid = uuid.uuid4().hex
@@ -88,7 +94,7 @@ def check_identity(path: str, marker: dict[str, Any], catalog: Catalog) -> None:
         write_marker(path, {**marker, "store_id": sid})
     elif mine != sid:
         raise CatalogError(f"catalog {where} belongs to store {sid}, the marker names store "
-                           f"{mine}; {REPAIR_HINT}")
+                           f"{mine}; {hint}")
 
 
 def lock(path: str) -> int:
@@ -265,24 +271,37 @@ def open_store(
     if backing is not None and backing != meta["backing"]["kind"]:
         raise StoreError(f"store {path} is backed by {meta['backing']['kind']}, not {backing}")
     lock_fd = lock(path)
-    catalog = medium = None
+    catalog = None
     try:
         catalog = Catalog(os.path.join(path, CATALOG_DIR), map_size=parse_size(map_size))
         check_identity(path, meta, catalog)
-        with catalog.read() as txn:
-            fresh = not catalog.segments(txn)
-        medium = _make_medium(path, meta["backing"], engine, io_threads, fresh)
-        return LocalStore(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd,
-                     io_threads=io_threads, host_cache=cache_bytes,
-                     policy=policy, policy_args=policy_args, device_budget=device_budget,
-                     cache_arena=cache_arena)
+        return assemble(path, meta, catalog, lock_fd, engine=engine, io_threads=io_threads,
+                        chunk_bytes=chunk, host_cache=cache_bytes, policy=policy,
+                        policy_args=policy_args, device_budget=device_budget,
+                        cache_arena=cache_arena)
     except BaseException as e:
-        if medium is not None:
-            medium.close()
         if catalog is not None:
             catalog.close()
         os.close(lock_fd)
         if isinstance(e, PermissionError):
             raise StoreError(f"{e.filename or path}: permission denied; open the store as the "
                              "user who owns it, or make its files writable") from None
+        raise
+
+
+def assemble(path: str, meta: dict[str, Any], catalog: Catalog, lock_fd: int, *,
+             engine: str = "auto", io_threads: int = 8, chunk_bytes: int = 8 << 20,
+             may_make_pool: bool = True, **options: Any) -> LocalStore:
+    """The store at ``path`` (its marker ``meta``) over ``catalog``, already open and shown
+    to be this store's, holding the lock ``lock_fd``: the store closes both when it closes;
+    if this fails, the caller does. ``may_make_pool``: a pmem store whose catalog names no
+    segment may make its pool. ``options`` go to :class:`LocalStore`."""
+    with catalog.read() as txn:
+        fresh = not catalog.segments(txn)
+    medium = _make_medium(path, meta["backing"], engine, io_threads, fresh and may_make_pool)
+    try:
+        return LocalStore(path, catalog, medium, chunk_bytes=chunk_bytes, lock_fd=lock_fd,
+                          io_threads=io_threads, **options)
+    except BaseException:
+        medium.close()
         raise
