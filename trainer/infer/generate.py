@@ -29,7 +29,13 @@ from torch import Tensor
 import tierstore
 
 from ..model import ExpertSource, ExpertWeights, MoEModel, expert_names
-from .budget import BudgetError, generation_budget, peak_rss_bytes, pooled_host_cache
+from .budget import (
+    BudgetError,
+    check_budget_fits,
+    generation_budget,
+    peak_rss_bytes,
+    pooled_host_cache,
+)
 from .device_queue import DeviceClock, host_cache_bytes, queue_budget
 from .loading import stop_tokens
 from .sources import OnDemandSource, ResidentSource
@@ -410,6 +416,7 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
                                        f"got {ring_slots!r}") from None
     dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cpu = torch.device(dev).type == "cpu"
+    check_budget_fits(device_budget, torch.device(dev))
     before = torch.get_num_threads()
 
     def open_store(host: int | None) -> tierstore.Store:
