@@ -480,6 +480,9 @@ def hf_error(model: Path, tmp_path: Path) -> str:
     ({"eos_token_id": [2, "x"]}, "eos_token_id is [2, 'x']"),
     ({"sliding_window": -4}, "sliding_window is -4"),
     ({"architectures": 5}, "architectures is 5"),
+    ({"dtype": "int32"}, "dtype is 'int32', not a dtype a model is imported in"),
+    ({"torch_dtype": "float99"}, "torch_dtype is 'float99'"),
+    ({"dtype": 16}, "dtype is 16"),
     # within the sane ranges, but not what the weights hold
     ({"num_hidden_layers": 4000}, "num_hidden_layers is 4000 but the checkpoint holds"),
     ({"num_local_experts": 60000}, "num_local_experts is 60000 but"),
@@ -494,6 +497,84 @@ def test_import_hf_bad_config_values(hf_dirs: dict[str, Path], tmp_path: Path,
     edit_config(model, **change)
     line = hf_error(model, tmp_path)
     assert "config.json" in line and expect in line, line
+
+
+EXPERT = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+NORM = "model.norm.weight"
+
+
+def retype(model: Path, name: str, dtype: torch.dtype) -> None:
+    """Save the checkpoint again with tensor ``name`` cast to ``dtype``."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name,dtype,config,expect", [
+    # an integer tensor is no weight: transformers would cast it into the float model
+    (EXPERT, torch.int32, {}, f"tensor {EXPERT!r} is int32, the model is float32: an integer"),
+    (EXPERT, torch.int8, {}, "is int8, the model is float32"),
+    (NORM, torch.bool, {}, f"tensor {NORM!r} is bool, the model is float32"),
+    (EXPERT, torch.float8_e4m3fn, {}, "is float8_e4m3fn, the model is float32: an fp8 tensor"),
+    # a cast transformers would make that rounds
+    (NORM, torch.float64, {}, "is float64, the model is float32: casting it to float32 "
+                              "would lose precision"),
+    (EXPERT, None, {"dtype": "bfloat16"}, "is float32, the model is bfloat16: casting it"),
+    (EXPERT, None, {"dtype": ..., "torch_dtype": "float16"}, "the model is float16"),
+])
+def test_import_hf_refuses_dtypes_the_model_cannot_take(
+        hf_dirs: dict[str, Path], tmp_path: Path, name: str, dtype: torch.dtype | None,
+        config: dict[str, Any], expect: str) -> None:
+    """Checked against the model's dtype (config.json's, as transformers builds the model
+    in it) from the headers, before a store exists; one line naming the file and tensor."""
+    model = hf_copy(hf_dirs, tmp_path)
+    if dtype is not None:
+        retype(model, name, dtype)
+    edit_config(model, **config)
+    line = hf_error(model, tmp_path)
+    assert "model.safetensors" in line and expect in line, line
+
+
+def test_import_hf_casts_what_widens_exactly(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A bf16 tensor in an fp32 model is stored as fp32, as transformers loads it; with no
+    dtype in config.json the model takes the checkpoint's own."""
+    from safetensors.torch import load_file
+
+    model = hf_copy(hf_dirs, tmp_path)
+    retype(model, EXPERT, torch.bfloat16)
+    want = load_file(str(model / "model.safetensors"))[EXPERT].float()
+    new_store(tmp_path / "st").close()
+    cli_ok("import-hf", str(model), "--store", str(tmp_path / "st"))
+    with tierstore.open(tmp_path / "st") as st:
+        got = st.get("layers.0.experts.1.w1")
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    model = hf_copy(hf_dirs, tmp_path / "half")
+    tensors = load_file(str(model / "model.safetensors"))
+    save_file({k: t.half() for k, t in tensors.items()}, str(model / "model.safetensors"),
+              metadata={"format": "pt"})
+    edit_config(model, dtype=...)
+    new_store(tmp_path / "st16").close()
+    cli_ok("import-hf", str(model), "--store", str(tmp_path / "st16"))
+    with tierstore.open(tmp_path / "st16") as st:
+        assert st.info("layers.0.experts.1.w1").dtype == torch.float16
+
+
+@pytest.mark.parametrize("fname,data,expect", [
+    ("tokenizer.json", b"\xff\xfe\x00 not text", "tokenizer.json does not load as a tokenizer"),
+    ("tokenizer.json", b'{"version": "1.0"}', "tokenizer.json does not load as a tokenizer"),
+    ("tokenizer.json", b"", "tokenizer.json does not load as a tokenizer"),
+    ("tokenizer_config.json", b"{", "tokenizer_config.json: not JSON"),
+    ("special_tokens_map.json", b"\xff", "special_tokens_map.json: not JSON"),
+])
+def test_import_hf_refuses_a_tokenizer_that_does_not_load(
+        hf_dirs: dict[str, Path], tmp_path: Path, fname: str, data: bytes, expect: str) -> None:
+    """The tokenizer is loaded (and encodes a line) at import, before a store exists."""
+    model = hf_copy(hf_dirs, tmp_path)
+    (model / fname).write_bytes(data)
+    line = hf_error(model, tmp_path)
+    assert str(model / fname) in line and expect in line, line
 
 
 def test_import_hf_unreadable_files(hf_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -114,10 +114,25 @@ def load_tokenizer(store: tierstore.Store) -> tokenizers.Tokenizer | None:
     name = TOKENIZER_PREFIX + "tokenizer.json"
     if (name, TOKENIZER_KIND) not in store:
         return None
+    return parse_tokenizer(store.get(name, TOKENIZER_KIND).numpy().tobytes(),
+                           f"store {store.path}: its tokenizer.json",
+                           "import the model again from a directory whose tokenizer loads")
+
+
+def parse_tokenizer(raw: bytes, where: str, fix: str) -> tokenizers.Tokenizer:
+    """``tokenizer.json``'s bytes as a ``tokenizers.Tokenizer`` that has encoded and decoded
+    a line of text; anything else is a :class:`tierstore.StoreError` naming ``where`` and
+    saying what to do (``fix``)."""
     import tokenizers
 
-    return tokenizers.Tokenizer.from_str(store.get(name, TOKENIZER_KIND).numpy().tobytes()
-                                         .decode())
+    try:
+        tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        tok.decode(tok.encode("The quick brown fox, 0123456789.").ids)
+    except Exception as e:  # noqa: BLE001  (tokenizers raises plain Exceptions)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise tierstore.StoreError(f"{where} does not load as a tokenizer ({why}); "
+                                   f"{fix}") from e
+    return tok
 
 
 def tokenizer_files(store: tierstore.Store) -> dict[str, bytes]:
