@@ -16,6 +16,7 @@ caller's choice; :func:`make_source` builds one by name.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -185,16 +186,43 @@ def pad_left(prompts: Sequence[Sequence[int]], pad_id: int,
     return ids.to(device), mask.to(device)
 
 
+class NonFiniteLogitsError(tierstore.StoreError):
+    """The model computed NaN or infinite logits: no token can be chosen from them."""
+
+
+def check_logits(logits: Tensor, step: int) -> None:
+    """Refuse logits ``[B, V]`` that are not all finite, naming the first such row: they
+    come from weights holding NaN or infinite values (or a computation they overflow), and
+    a token chosen from them would be noise, or a sampler's failure, never an answer."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return
+    row = int((~finite).nonzero()[0, 0])
+    what = "NaN" if bool(logits[row].isnan().any()) else "infinite"
+    at = "the prompt" if step == 0 else f"generated token {step}"
+    raise NonFiniteLogitsError(
+        f"the model computed {what} logits for prompt {row} after {at}: its weights hold "
+        "NaN or infinite values (a diverged training run, or a damaged import); generate "
+        "from a sound checkpoint")
+
+
 def next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_p: float,
                 generator: torch.Generator | None) -> Tensor:
-    """One token per row of ``logits`` ``[B, V]``."""
+    """One token per row of ``logits`` ``[B, V]`` (finite: see :func:`check_logits`)."""
     if greedy:
         return logits.argmax(dim=-1)
-    if temperature <= 0:
-        raise tierstore.StoreError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise tierstore.StoreError(f"temperature must be a finite number above 0, "
+                                   f"got {temperature}")
     if not 0 < top_p <= 1:
         raise tierstore.StoreError(f"top_p must be in (0, 1], got {top_p}")
-    scores = logits.float() / temperature
+    # Shifted so that the largest score is 0 before the division, and divided by no less
+    # than fp32's smallest normal number (a smaller temperature is 0 in fp32, and 0/0 is
+    # NaN): a temperature so small that the scores overflow leaves the most likely tokens
+    # at 0 and the rest at -inf, which is what sampling at it is, greedy.
+    scores = logits.float()
+    tiny = torch.finfo(scores.dtype).tiny
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / max(temperature, tiny)
     if top_p < 1.0:
         # transformers' top-p: drop the least likely tokens whose total probability is at
         # most 1 - top_p, always keeping the most likely one.
@@ -302,6 +330,7 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
             if decode_threads is not None:
                 torch.set_num_threads(decode_threads)
             while True:
+                check_logits(logits, n)
                 tok = next_tokens(logits, greedy=greedy, temperature=temperature, top_p=top_p,
                                   generator=generator)
                 tok = torch.where(done, torch.full_like(tok, pad), tok)
