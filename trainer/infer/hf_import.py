@@ -12,13 +12,16 @@ checkpoint's layout (its tensor names, per-expert or fused experts:
 
 An import first records where it comes from (``import.json``: the HF config and the weight
 files' names and sizes). ``resume=True`` (``--resume``) continues an interrupted import of
-the same checkpoint: an expert whose three tensors are stored with the shapes and dtype the
-checkpoint has is kept (they were committed together), as is a dense tensor stored as the
-checkpoint has it; everything else is imported (the small tokenizer files always are).
+the same checkpoint: an expert whose three tensors are stored with the checkpoint's shapes in the
+model's dtype is kept (they were committed together), as is a dense tensor stored so;
+everything else is imported (the small tokenizer files always are).
 
 Every number the import uses is checked before a model object is built or a store opened:
 the config's values in sane ranges, then against the safetensors headers (the layers,
-experts and shapes the checkpoint actually holds). Experts and dense tensors are read in
+experts and shapes the checkpoint actually holds), and every tensor's dtype against the
+model's (:func:`~trainer.infer.hf_checkpoint.check_dtype`: what transformers would cast
+with a loss, or is no weight at all, is refused; the rest is stored in the model's dtype).
+The tokenizer is loaded once to prove it works. Experts and dense tensors are read in
 shard order with at most two shard files open, so an import's memory is bounded by one
 expert and the shards it is reading, not by the checkpoint's size.
 """
@@ -82,8 +85,8 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
     an interrupted import of the same checkpoint (see the module docstring).
 
     Everything is checked (config values, the config against the weights' headers, every
-    tensor's shape) before the store is opened; a checkpoint that fails a check leaves no
-    store behind."""
+    tensor's shape and dtype, the tokenizer) before the store is opened; a checkpoint that
+    fails a check leaves no store behind."""
     model_dir = os.fspath(model_dir)
     hf = read_hf_config(model_dir)
     hf_path = os.path.join(model_dir, "config.json")

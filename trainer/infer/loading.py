@@ -8,7 +8,7 @@ experts under the same names and its dense state in its latest checkpoint):
   "tokenizer": [file names]}`` (``hf_layout``: the checkpoint's tensor names and expert
   layout, :mod:`trainer.infer.hf_layout`; absent in stores imported before it was recorded);
 * ``layers.{i}.experts.{e}.w1|w2|w3`` (kind ``param``): gate ``[ffn, hidden]``, down
-  ``[hidden, ffn]``, up ``[ffn, hidden]``, in the checkpoint's dtype;
+  ``[hidden, ffn]``, up ``[ffn, hidden]``, in the model's dtype (config.json's);
 * ``dense.{name}`` (kind ``param``): the model's own state-dict names;
 * ``tokenizer.{file}`` (kind ``meta``): tokenizer files as uint8 tensors.
 
