@@ -172,6 +172,25 @@ def test_import_hf_refuses_a_tokenizer_that_does_not_load(
     assert str(model / fname) in line and expect in line, line
 
 
+@pytest.mark.parametrize("fname,make,expect", [
+    ("model.safetensors", "fifo", "a FIFO (named pipe), not a safetensors file"),
+    ("config.json", "fifo", "a FIFO (named pipe), not a config file"),
+    ("config.json", "dangling", "a symbolic link to nothing, not a config file"),
+])
+def test_import_hf_names_what_a_special_file_is(hf_dirs: dict[str, Path], tmp_path: Path,
+                                                fname: str, make: str, expect: str) -> None:
+    """A FIFO where a weight file or the config should be is refused by what it is
+    (opening it would wait for a writer for ever)."""
+    model = hf_copy(hf_dirs, tmp_path)
+    (model / fname).unlink()
+    if make == "fifo":
+        os.mkfifo(model / fname)
+    else:
+        (model / fname).symlink_to(tmp_path / "nowhere")
+    line = hf_error(model, tmp_path)
+    assert str(model / fname) in line and expect in line, line
+
+
 def test_import_hf_unreadable_files(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
     model = hf_copy(hf_dirs, tmp_path)
     (model / "config.json").write_text("[1, 2]")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections import OrderedDict
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 from tierstore.interchange import safetensors_dtypes
 
 from ..model import DTYPES, ModelConfig, MoEDecoder
+from ..train.data import file_kind
 from .hf_config import HFImportError, config_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,6 +63,13 @@ def _read_headers(path: str, names: list[str] | None = None) -> dict[str, Tensor
     there); reads no tensor data."""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise HFImportError(f"{path}: unreadable ({e.strerror})") from e
+    if not stat.S_ISREG(mode):  # opening a FIFO would wait for a writer for ever
+        raise HFImportError(f"{path}: {file_kind(mode)}, not a safetensors file; put the "
+                            "checkpoint's file there")
     try:
         with safe_open(path, framework="pt") as st:
             keys = list(st.keys())

@@ -21,6 +21,7 @@ from typing import Any
 import tierstore
 
 from ..model import DTYPES, ModelConfig
+from ..train.data import file_kind
 
 SUPPORTED_FAMILIES: dict[str, str] = {
     # family (= HF model_type) -> HF architecture
@@ -48,8 +49,13 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
     if not os.path.isdir(model_dir):
         raise HFImportError(f"{model_dir}: no such model directory")
     path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise HFImportError(f"{model_dir}: not a Hugging Face model directory (no config.json)")
+    if not os.path.isfile(path):  # opening a FIFO would wait for a writer for ever
+        mode = os.stat(path).st_mode if os.path.exists(path) else None
+        what = file_kind(mode) if mode is not None else "a symbolic link to nothing"
+        raise HFImportError(f"{path}: {what}, not a config file; put the model's config.json "
+                            "there")
     try:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
