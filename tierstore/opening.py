@@ -28,7 +28,7 @@ from .catalog import FORMAT_VERSION, Catalog
 from .errors import CatalogError, NotAStoreError, StoreError, StoreLockedError
 from .local import LocalStore
 from .media import ALIGNMENT, Medium, align_up
-from .sizes import format_size, parse_size
+from .sizes import format_size, memory_limit, parse_size
 
 MARKER = "TIERSTORE"
 CATALOG_DIR = "catalog"
@@ -119,6 +119,25 @@ def lock(path: str) -> int:
     return fd
 
 
+def check_free_space(path: str, nbytes: int, what: str, option: str) -> None:
+    """Refuse a file of ``nbytes`` (preallocated whole: a slab, a pool) that the file system
+    which is to hold ``path`` has no room for, before a store that names it is made: it
+    would fail only at the first write, or later, or the size would not even be a number
+    the file system takes."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return  # nothing to tell: the first write says what is wrong
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise StoreError(f"a {format_size(nbytes)} {what} does not fit the "
+                         f"{format_size(free)} free on the file system of {probe}; choose "
+                         f"a smaller {option}")
+
+
 def init_dir(
     path: str, backing: str, slab_size: int | str, pmem_path: Any, pmem_size: Any, map_size: Any
 ) -> None:
@@ -128,6 +147,7 @@ def init_dir(
         conf: dict[str, Any] = {"kind": "nvme", "slab_bytes": align_up(parse_size(slab_size))}
         if conf["slab_bytes"] < ALIGNMENT:
             raise StoreError("slab_size must be at least 4 KiB")
+        check_free_space(path, conf["slab_bytes"], "slab file", "--slab-size / slab_size=")
     elif backing == "pmem":
         if pmem_path is None or pmem_size is None:
             raise StoreError("a pmem store needs pmem_path= (the pool file) and pmem_size=")
@@ -139,6 +159,7 @@ def init_dir(
         # directory that names a pool that cannot exist.
         if pool_bytes < 2 * ALIGNMENT:
             raise StoreError("pmem_size must be at least 8 KiB (a 4 KiB header and data)")
+        check_free_space(conf["pool"], pool_bytes, "pool file", "--pmem-size / pmem_size=")
         if os.path.exists(conf["pool"]):
             raise StoreError(f"{conf['pool']} exists; a new pmem store needs a new pool file")
         parent = os.path.dirname(conf["pool"])
@@ -168,23 +189,13 @@ def init_dir(
                         "created": time.time()})
 
 
-def memory_limit() -> int:
-    """Bytes this process may have resident: the machine's memory, or its cgroup's limit
-    where that is lower."""
-    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(f) as fh:
-                raw = fh.read().strip()
-        except OSError:
-            continue
-        if raw.isdigit():
-            limit = min(limit, int(raw))
-    return limit
-
-
 def check_host_cache(nbytes: int) -> None:
-    """Refuse a host cache the machine cannot hold: it would be swapped or OOM-killed."""
+    """Refuse a host cache of less than its one page (its unit), and one the machine
+    cannot hold: it would be swapped or OOM-killed."""
+    if 0 < nbytes < ALIGNMENT:
+        raise StoreError(f"a host cache of {format_size(nbytes)} is less than one "
+                         f"{format_size(ALIGNMENT)} page; give 0 for no host cache or at "
+                         f"least {ALIGNMENT // 1024}KiB (--host-cache / host_cache=)")
     limit = memory_limit()
     if nbytes > limit:
         raise StoreError(f"a host cache of {format_size(nbytes)} does not fit this machine's "
