@@ -33,7 +33,7 @@ from .keys import KINDS
 from .local import LocalStore
 from .opening import open_store as open
 from .repair import RepairReport, repair_store
-from .sizes import format_size, parse_size
+from .sizes import format_size, memory_limit, parse_size
 from .tensors import read_buffer
 
 __version__ = "0.1.0"
@@ -67,6 +67,7 @@ __all__ = [
     "daemon_status",
     "format_size",
     "lab",
+    "memory_limit",
     "open",
     "parse_size",
     "probes",

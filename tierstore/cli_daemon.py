@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from .cli_options import POSITIVE_SIZE, SIZE, TIMEOUT
+from .cli_options import CACHE_SIZE, POSITIVE_SIZE, SIZE, TIMEOUT
 from .cli_options import run_command as _run
 from .sizes import format_size
 
@@ -28,7 +28,7 @@ def _known_policy(ctx: click.Context, _param: Any, value: str) -> str:
               help="The store to serve (made with `tierstore init`, or pass --create).")
 @click.option("--socket", "socket_path", required=True, type=click.Path(dir_okay=False),
               help="Unix socket to listen on (created 0600, or 0660 with --group).")
-@click.option("--host-cache", type=SIZE, default="1GiB", show_default=True,
+@click.option("--host-cache", type=CACHE_SIZE, default="1GiB", show_default=True,
               help="Host cache, in shared memory that clients map read-only.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus /metrics and /healthz on 127.0.0.1:PORT (0: any free port).")

@@ -10,7 +10,15 @@ from typing import Any
 
 import click
 
-from tierstore.cli_options import DEVICE, OUTPUT_FILE, POSITIVE_SIZE, SIZE, SLAB_SIZE
+from tierstore.cli_options import (
+    CACHE_SIZE,
+    DEVICE,
+    OUTPUT_FILE,
+    POSITIVE_SIZE,
+    SIZE,
+    SLAB_SIZE,
+    FiniteFloat,
+)
 from tierstore.cli_options import run_command as _run
 
 DEFAULT_DEMO_STORE = "demo-store"
@@ -205,7 +213,7 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
                    "Peak RSS stays within the dense states + --host-cache + this + a fixed "
                    "overhead (docs/trainer.md). Default: unbounded on the CPU, the store's "
                    "share of a GPU.")
-@click.option("--host-cache", type=SIZE, default="1GiB", show_default=True,
+@click.option("--host-cache", type=CACHE_SIZE, default="1GiB", show_default=True,
               help="Host-memory cache in front of the backing tier (0: none).")
 @click.option("--backing", type=click.Choice(["nvme", "pmem"]),
               help="Backing tier of a new store (default nvme); checked against an existing one.")
@@ -236,7 +244,8 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Read at most this much of the corpus (0: all of it) [8MiB].")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per micro-batch [8].")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence [128].")
-@click.option("--lr", type=float, help="Peak learning rate [3e-3; fine-tunes want far less].")
+@click.option("--lr", type=FiniteFloat(min=0),
+              help="Peak learning rate [3e-3; fine-tunes want far less].")
 @click.option("--grad-accum", type=click.IntRange(min=1), help="Micro-batches per step [1].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]),
               help="Compute dtype (master weights and optimizer states stay fp32) [float32].")
@@ -353,9 +362,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
               help="Tokens to generate per prompt at most (fewer once a prompt reaches an "
                    "end-of-sequence token).")
 @click.option("--greedy", is_flag=True, help="Take the most likely token (default: sample).")
-@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0,
+@click.option("--temperature", type=FiniteFloat(min=0, min_open=True), default=1.0,
               show_default=True, help="Sampling temperature.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0,
               show_default=True, help="Sample from the smallest set of tokens whose probability "
                                       "reaches this.")
 @click.option("--seed", type=int, help="Sampling seed (the same seed gives the same tokens).")
@@ -377,7 +386,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                    "experts read when needed, nothing kept.")
 @click.option("--device", type=DEVICE, default="auto", show_default=True,
               help="cpu, cuda, cuda:N (auto: cuda if available).")
-@click.option("--host-cache", type=SIZE,
+@click.option("--host-cache", type=CACHE_SIZE,
               help="Host-memory cache in front of the backing tier (default: the store's, 1GiB).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="CPU compute threads (default: torch's; on a CPU device, ring and expert "

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections import OrderedDict
 from typing import Any
 
 import torch
+from tierstore.trainer.train.data import file_kind
 
 import tierstore
 from tierstore.interchange import safetensors_dtypes
@@ -39,6 +41,13 @@ def _read_headers(path: str, names: list[str] | None = None) -> dict[str, Tensor
     there); reads no tensor data."""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise HFImportError(f"{path}: unreadable ({e.strerror})") from e
+    if not stat.S_ISREG(mode):  # opening a FIFO would wait for a writer for ever
+        raise HFImportError(f"{path}: {file_kind(mode)}, not a safetensors file; put the "
+                            "checkpoint's file there")
     try:
         with safe_open(path, framework="pt") as st:
             keys = list(st.keys())
@@ -106,8 +115,12 @@ class CheckpointReader:
     """Tensors out of the checkpoint's files, at most ``max_open`` files open at a time
     (the least recently used one is closed first, unmapping it)."""
 
-    def __init__(self, heads: dict[str, TensorHeader], max_open: int = 2) -> None:
+    def __init__(self, heads: dict[str, TensorHeader], max_open: int = 2,
+                 dtypes: dict[str, torch.dtype] | None = None) -> None:
         self.heads, self.max_open = heads, max_open
+        # The dtype each tensor is cast to as it is read (the model's for it: the import has
+        # found every such cast lossless); absent: as the file has it.
+        self.dtypes = dtypes or {}
         self._open: OrderedDict[str, Any] = OrderedDict()
 
     def _handle(self, name: str) -> Any:
@@ -134,10 +147,12 @@ class CheckpointReader:
 
         f = self._handle(name)
         try:
-            return f.get_tensor(name) if at is None else f.get_slice(name)[at]
+            t = f.get_tensor(name) if at is None else f.get_slice(name)[at]
         except (SafetensorError, OSError, ValueError, TypeError, RuntimeError) as e:
             raise HFImportError(f"{self.heads[name].path}: tensor {name!r} is unreadable: {e}; "
                                 "re-download or re-save the file") from e
+        target = self.dtypes.get(name)
+        return t if target is None or t.dtype == target else t.to(target)
 
     def get(self, name: str) -> torch.Tensor:
         return self._read(name)

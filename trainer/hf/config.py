@@ -43,8 +43,15 @@ def read_config_json(model_dir: str) -> dict[str, Any]:
     if not os.path.isdir(model_dir):
         raise HFImportError(f"{model_dir}: no such model directory")
     path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise HFImportError(f"{model_dir}: not a Hugging Face model directory (no config.json)")
+    if not os.path.isfile(path):  # opening a FIFO would wait for a writer for ever
+        from tierstore.trainer.train.data import file_kind
+
+        mode = os.stat(path).st_mode if os.path.exists(path) else None
+        what = file_kind(mode) if mode is not None else "a symbolic link to nothing"
+        raise HFImportError(f"{path}: {what}, not a config file; put the model's config.json "
+                            "there")
     try:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -128,6 +135,16 @@ def check_generation_config(gen: Any, where: str, vocab: int | None) -> None:
     _check_meanings(gen, where, vocab)
 
 
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def config_dtype(hf: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype ``config.json`` names (``dtype``, or ``torch_dtype`` as older configs spell
+    it): what ``transformers`` builds the model in and casts every weight to."""
+    v = hf.get("dtype") or hf.get("torch_dtype")
+    return FLOAT_DTYPES.get(str(v)) if v is not None else None
+
+
 def _refusal(e: Exception, hf: Mapping[str, Any], where: str, family: str) -> HFImportError:
     """transformers' validation error as one line naming the field and its value."""
     text = str(e).strip()
@@ -164,6 +181,11 @@ def hf_config(hf: dict[str, Any], where: str) -> Any:
             else "an unreadable quantization_config"
         raise HFImportError(f"{where}: a {family} checkpoint quantized with {method}: "
                             f"{QUANTIZED_FORMATS_NOTE}")
+    for key in ("dtype", "torch_dtype"):
+        v = hf.get(key)
+        if v is not None and v not in FLOAT_DTYPES:
+            raise _bad(where, key, v, "not a dtype a model is imported in "
+                                      f"({', '.join(FLOAT_DTYPES)})")
     _check_numbers(hf, where)
     # As transformers reads config.json: special floats ({"__float__": "Infinity"}) decoded.
     body = PreTrainedConfig._decode_special_floats(

@@ -36,7 +36,13 @@ import torch
 import tierstore
 
 from .checkpoint import ST_DTYPES, CheckpointReader, HFImportError, weight_files
-from .config import check_generation_config, hf_config, meta_model, read_config_json
+from .config import (
+    check_generation_config,
+    config_dtype,
+    hf_config,
+    meta_model,
+    read_config_json,
+)
 from .convert import Plan, check_shapes, convert_dense, convert_expert, expert_params, plan
 from .families import UnservedFamilyError, check_served
 from .layout import (
@@ -49,12 +55,14 @@ from .layout import (
     StoredModel,
     json_entry,
 )
+from .tokenizer import parse_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja")
 GENERATION_CONFIG = "generation_config.json"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 def _read_json_file(path: str) -> Any:
@@ -69,18 +77,55 @@ def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_dtypes(family: str, heads: dict[str, Any], p: Plan, model: torch.nn.Module
-                 ) -> torch.dtype:
-    """Every tensor has the kind of dtype its parameter has in the model: a float of a
-    dtype ``transformers`` computes in where the model holds a float (an integer tensor
-    there would be cast to nonsense, or zeroed, without a word), the model's own dtype
-    where it holds anything else (a routing table of integers); and the experts share
-    one dtype, which is returned. A mismatch names the tensor."""
-    want = {**{k: v.dtype for k, v in model.state_dict().items()}}
-    expert_dtypes: set[torch.dtype] = set()
-    for groups, experts in ((p.dense, False), (p.experts, True)):
+# Casts that keep every value: to the same dtype, or from a 16-bit float to fp32.
+LOSSLESS = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32)}
+
+
+def model_dtype(hf: dict[str, Any], heads: dict[str, Any]) -> torch.dtype:
+    """The dtype ``transformers`` builds the model in, as ``from_pretrained``'s default
+    ``dtype="auto"`` picks it: the one ``config.json`` names, else the checkpoint's own (the
+    dtype most of its floats have), else fp32. The import stores every weight in it."""
+    named = config_dtype(hf)
+    if named is not None:
+        return named
+    counts: dict[torch.dtype, int] = {}
+    for h in heads.values():
+        dt = ST_DTYPES.get(h.dtype)
+        if dt in FLOAT_DTYPES:
+            counts[dt] = counts.get(dt, 0) + 1
+    return max(counts, key=lambda d: counts[d]) if counts else torch.float32
+
+
+def check_dtype(name: str, dtype: torch.dtype, expected: torch.dtype, where: str) -> None:
+    """Refuse checkpoint tensor ``name`` of ``dtype`` for a parameter of ``expected`` dtype
+    unless casting it keeps every value: ``transformers`` would cast it all the same,
+    silently rounding (fp32 into a bf16 model) or turning integers into weights (an int32
+    tensor where a float weight belongs is no weight, whatever its values)."""
+    if dtype == expected or (dtype, expected) in LOSSLESS:
+        return
+    if expected.is_floating_point and (not dtype.is_floating_point or dtype.itemsize == 1):
+        what = "an integer or boolean" if not dtype.is_floating_point else "an fp8"
+        why = (f"{what} tensor is no weight of an unquantized model; re-download the "
+               "checkpoint or save it again from the model")
+    elif expected.is_floating_point:
+        why = (f"casting it to {_dt(expected)} would lose precision; convert the checkpoint "
+               f"to {_dt(expected)}, or fix config.json's dtype if it is wrong")
+    else:
+        why = "use the checkpoint's original weights"
+    raise HFImportError(f"{where}: tensor {name!r} is {_dt(dtype)}, the model is "
+                        f"{_dt(expected)}: {why}")
+
+
+def check_dtypes(heads: dict[str, Any], p: Plan, model: torch.nn.Module
+                 ) -> dict[str, torch.dtype]:
+    """Every tensor the import takes casts losslessly to the dtype its parameter has in the
+    model (:func:`check_dtype`, from the headers: nothing is read yet); returns each
+    tensor's target dtype."""
+    want = {k: v.dtype for k, v in model.state_dict().items()}
+    targets: dict[str, torch.dtype] = {}
+    for groups in (p.dense, p.experts):
         for target, group in groups.items():
-            target_dt = torch.float32 if experts else want.get(target, torch.float32)
+            expected = want.get(target, torch.float32)
             for s in group.sources:
                 h = heads[s.key]
                 dt = ST_DTYPES.get(h.dtype)
@@ -88,38 +133,30 @@ def check_dtypes(family: str, heads: dict[str, Any], p: Plan, model: torch.nn.Mo
                     raise HFImportError(f"{h.path}: tensor {s.key!r} has dtype {h.dtype}, which "
                                         "the import cannot read; convert the checkpoint to "
                                         "bfloat16, float16 or float32")
-                if target_dt.is_floating_point and dt not in FLOAT_DTYPES:
-                    raise HFImportError(
-                        f"{h.path}: tensor {s.key!r} is {_dt(dt)}, where {family}'s {target} is "
-                        "a float; transformers would cast it to nonsense. Use the "
-                        "checkpoint's original weights")
-                if not target_dt.is_floating_point and dt != target_dt:
-                    raise HFImportError(f"{h.path}: tensor {s.key!r} is {_dt(dt)}, where "
-                                        f"{family}'s {target} is {_dt(target_dt)}; use the "
-                                        "checkpoint's original weights")
-                if experts:
-                    expert_dtypes.add(dt)
-    if len(expert_dtypes) > 1:
-        names = ", ".join(sorted(_dt(d) for d in expert_dtypes))
-        raise HFImportError(f"{family}: the checkpoint's experts mix dtypes ({names}); save "
-                            "them in one")
-    return next(iter(expert_dtypes)) if expert_dtypes else torch.float32
+                check_dtype(s.key, dt, expected, h.path)
+                targets[s.key] = expected
+    return targets
 
 
 def check_tokenizer(model_dir: str) -> None:
-    """Load ``tokenizer.json`` once, so a damaged one is refused at import, not at the
-    first prompt."""
+    """Load ``tokenizer.json`` once (and encode and decode a line with it) and parse the
+    tokenizer's other JSON files, so a damaged one is refused at import, not at the first
+    prompt."""
     path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        return
-    import tokenizers
-
-    try:
-        tokenizers.Tokenizer.from_file(path)
-    except Exception as e:  # noqa: BLE001  (the tokenizers library raises its own types)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise HFImportError(f"{path}: not a tokenizer the tokenizers library loads ({first}); "
-                            "use the model's original tokenizer.json or remove it") from e
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            raw = f.read()
+        parse_tokenizer(raw, path, "use the model's original tokenizer.json or remove it")
+    for name in TOKENIZER_JSON:
+        other = os.path.join(model_dir, name)
+        if not os.path.isfile(other):
+            continue
+        try:
+            with open(other, "rb") as f:
+                json.loads(f.read().decode("utf-8"))
+        except (OSError, ValueError) as e:
+            raise HFImportError(f"{other}: not JSON ({type(e).__name__}); use the model's "
+                                "original file or remove it") from e
 
 
 class Checked:
@@ -132,7 +169,7 @@ class Checked:
         self.config = hf_config(self.hf, where)
         self.family = str(self.config.model_type)
         self.heads = weight_files(model_dir)
-        self.model = meta_model(self.config, self.family)
+        self.model = meta_model(self.config, self.family, dtype=model_dtype(self.hf, self.heads))
         try:
             modules = check_served(self.model, self.family)
         except UnservedFamilyError as e:
@@ -141,7 +178,9 @@ class Checked:
         params = expert_params(self.model, modules)
         shapes = {k: list(h.shape) for k, h in self.heads.items()}
         self.plan: Plan = plan(self.model, self.family, self.heads, shapes, params)
-        self.dtype = check_dtypes(self.family, self.heads, self.plan, self.model)
+        self.targets = check_dtypes(self.heads, self.plan, self.model)
+        first = next(iter(self.plan.expert_params))
+        self.dtype = self.model.get_parameter(first).dtype  # the experts' stored dtype
         headers = {k: (list(h.shape), ST_DTYPES[h.dtype]) for k, h in self.heads.items()}
         check_shapes(self.plan, self.model, self.family, headers)
         gen = os.path.join(model_dir, GENERATION_CONFIG)
@@ -180,7 +219,7 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
     an interrupted import of the same checkpoint (see the module docstring)."""
     model_dir = os.fspath(model_dir)
     ck = Checked(model_dir)
-    reader = CheckpointReader(ck.heads)
+    reader = CheckpointReader(ck.heads, dtypes=ck.targets)
     files = sorted({h.path for h in ck.heads.values()})
     total = sum(os.path.getsize(p) for p in files)
     bar: Any = None
@@ -299,11 +338,10 @@ def _put_dense(store: tierstore.Store, ck: Checked, reader: CheckpointReader,
     order = sorted(ck.plan.dense.values(), key=lambda g: (reader.rank(g.sources[0].key), g.target))
     for group in order:
         keys = group.source_keys()
-        size = sum(math.prod(reader.shape(k)) * (reader.dtype(k) or ck.dtype).itemsize
-                   for k in keys)
+        size = sum(math.prod(reader.shape(k)) * ck.targets[k].itemsize for k in keys)
         if group.transform is None and group.target in want and _kept(
                 store, resume, DENSE_PREFIX + group.target, list(want[group.target].shape),
-                reader.dtype(keys[0]) or ck.dtype):
+                ck.targets[keys[0]]):
             dense[group.target] = DENSE_PREFIX + group.target
             advance(size)
             continue

@@ -16,21 +16,32 @@ if TYPE_CHECKING:
     import tokenizers
 
 
+def parse_tokenizer(raw: bytes, where: str, fix: str) -> tokenizers.Tokenizer:
+    """``tokenizer.json``'s bytes as a ``tokenizers.Tokenizer`` that has encoded and decoded
+    a line of text; anything else is a :class:`tierstore.StoreError` naming ``where`` and
+    saying what to do (``fix``)."""
+    import tokenizers
+
+    try:
+        tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        tok.decode(tok.encode("The quick brown fox, 0123456789.").ids)
+    except Exception as e:  # noqa: BLE001  (tokenizers raises plain Exceptions)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise tierstore.StoreError(f"{where} does not load as a tokenizer ({why}); "
+                                   f"{fix}") from e
+    return tok
+
+
 def load_tokenizer(store: tierstore.Store) -> tokenizers.Tokenizer | None:
     """The store's ``tokenizer.json`` as a ``tokenizers.Tokenizer``; ``None`` when the model
     has none. A damaged one is a one-line :class:`tierstore.StoreError`."""
     name = TOKENIZER_PREFIX + "tokenizer.json"
     if (name, TOKENIZER_KIND) not in store:
         return None
-    import tokenizers
-
-    raw = store.get(name, TOKENIZER_KIND).numpy().tobytes()
-    try:
-        return tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
-    except Exception as e:  # noqa: BLE001  (UnicodeDecodeError, or the library's own types)
-        raise tierstore.StoreError(
-            f"store {store.path}: its tokenizer.json does not load ({type(e).__name__}); "
-            "import the model again with its original tokenizer, or pass --prompt-ids") from e
+    return parse_tokenizer(store.get(name, TOKENIZER_KIND).numpy().tobytes(),
+                           f"store {store.path}: its tokenizer.json",
+                           "import the model again from a directory whose tokenizer loads, "
+                           "or pass --prompt-ids")
 
 
 def tokenizer_files(store: tierstore.Store) -> dict[str, bytes]:

@@ -17,6 +17,7 @@ seed.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -30,7 +31,14 @@ from torch import Tensor
 import tierstore
 
 from ..model import ExpertSource, ExpertWeights
-from .budget import BudgetError, PassShape, generation_budget, peak_rss_bytes, pooled_host_cache
+from .budget import (
+    BudgetError,
+    PassShape,
+    check_budget_fits,
+    generation_budget,
+    peak_rss_bytes,
+    pooled_host_cache,
+)
 from .device_queue import DeviceClock, host_cache_bytes, queue_budget
 
 # While a source streams experts, its read threads and the compute thread share the
@@ -148,6 +156,49 @@ class Instrumented(ExpertSource):
         return self.inner.stats()
 
 
+class NonFiniteLogitsError(tierstore.StoreError):
+    """The model computed NaN or infinite logits: no token can be chosen from them."""
+
+
+# Below this a temperature divides the logits into overflow (infinities, then NaN
+# probabilities in fp32): what sampling at it is, is greedy.
+GREEDY_BELOW_TEMPERATURE = 1e-20
+
+
+def check_logits(logits: Tensor, step: int) -> None:
+    """Refuse logits ``[B, V]`` holding NaN or +inf, or a row of nothing but -inf, naming
+    the first such row: they come from weights holding NaN or infinite values (or a
+    computation they overflow), and a token chosen from them would be noise, or a sampler's
+    failure, never an answer. (-inf alone is a mask: a processor's suppressed tokens.)"""
+    bad = (logits.isnan() | (logits == math.inf)).any(dim=-1) | (logits == -math.inf).all(dim=-1)
+    if not bool(bad.any()):
+        return
+    row = int(bad.nonzero()[0, 0])
+    what = "NaN" if bool(logits[row].isnan().any()) else "infinite"
+    at = "the prompt" if step == 0 else f"generated token {step}"
+    raise NonFiniteLogitsError(
+        f"the model computed {what} logits for prompt {row} after {at}: its weights hold "
+        "NaN or infinite values (a diverged training run, or a damaged import); generate "
+        "from a sound checkpoint")
+
+
+def _finite_logits() -> Any:
+    """A ``transformers`` logits processor that checks each step's logits as they come out
+    of the model (:func:`check_logits`), before anything chooses from them."""
+    import transformers
+
+    class FiniteLogits(transformers.LogitsProcessor):
+        def __init__(self) -> None:
+            self.step = 0
+
+        def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+            check_logits(scores, self.step)
+            self.step += 1
+            return scores
+
+    return FiniteLogits()
+
+
 def pad_left(prompts: Sequence[Sequence[int]], pad_id: int,
              device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
     """``(ids [B, T], attention_mask [B, T])`` with the prompts right-aligned."""
@@ -208,10 +259,12 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
             raise tierstore.StoreError(f"token ids {bad[:5]} outside the vocabulary "
                                        f"(0..{vocab - 1})")
     if not greedy:
-        if not temperature > 0:
-            raise tierstore.StoreError(f"temperature must be > 0, got {temperature}")
+        if not 0 < temperature < math.inf:
+            raise tierstore.StoreError(f"temperature must be a finite number above 0, got "
+                                       f"{temperature}")
         if not 0 < top_p <= 1:
             raise tierstore.StoreError(f"top_p must be in (0, 1], got {top_p}")
+        greedy = temperature < GREEDY_BELOW_TEMPERATURE
     eos, pad = stop_and_pad(model)
     dev = served.device
     ids, mask = pad_left(prompts, pad, dev)
@@ -223,8 +276,12 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     if warm and max_new_tokens:
         warm_up(model, served, loaded.narrow, ids, mask)
     prepare_s = time.perf_counter() - t_prepare
+    from transformers import LogitsProcessorList
+
+    # The check comes first among the processors, as the model's logits come out.
     kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": not greedy,
-                          "pad_token_id": pad, "attention_mask": mask}
+                          "pad_token_id": pad, "attention_mask": mask,
+                          "logits_processor": LogitsProcessorList([_finite_logits()])}
     if eos:
         kw["eos_token_id"] = list(eos)
     if not greedy:
@@ -340,6 +397,7 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
     dev = torch.device(device if device != "auto" else
                        ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu = dev.type == "cpu"
+    check_budget_fits(device_budget, dev)
     before = torch.get_num_threads()
     where = connect if connect is not None else store
     assert where is not None
