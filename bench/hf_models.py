@@ -41,7 +41,10 @@ def hf_config(shape: str, *, layers: int, experts: int, hidden: int, ffn: int,
             num_experts_per_tok=min(6, experts), n_group=groups,
             topk_group=max(1, groups // 2), n_shared_experts=1, first_k_dense_replace=1,
             kv_lora_rank=max(16, hidden // 4), q_lora_rank=max(32, hidden // 2),
-            qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64)
+            qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+            # What transformers' class always computes, said in config.json as DeepSeek-V3's
+            # own says it: other readers of the file (llama.cpp's converter) go by these.
+            scoring_func="sigmoid", topk_method="noaux_tc")
     if shape == "gpt_oss":
         return transformers.GptOssConfig(
             **common, intermediate_size=ffn, num_attention_heads=heads,

@@ -1,14 +1,22 @@
-"""tierstore's inference against a peer system: Hugging Face accelerate's disk offload.
+"""tierstore's inference against a peer system: Hugging Face accelerate's disk offload, or
+llama.cpp.
 
-One Hugging Face checkpoint, run by accelerate (``from_pretrained`` with a ``device_map``
-that puts every MoE layer's experts on ``"disk"`` and the rest on the CPU, then greedy
-``generate``) and, imported into a store, by every tierstore mode (``tierstore generate
---mode resident|ring|expert|on-demand``). Every run is a fresh process, started after the
-page cache was dropped (where permitted), and optionally in a memory cgroup whose limit
-counts the page cache (:mod:`tierstore.bench.memlimit`). Each reports its tokens, its
+One Hugging Face checkpoint, run by the peer and, imported into a store, by every tierstore
+mode (``tierstore generate --mode resident|ring|expert|on-demand``). accelerate:
+``from_pretrained`` with a ``device_map`` that puts every MoE layer's experts on ``"disk"``
+and the rest on the CPU, then greedy ``generate``. llama.cpp: the checkpoint converted to
+GGUF F32 once, before the runs, and memory-mapped (:mod:`tierstore.bench.llamacpp`); its
+runs and every other run then compute on one thread unless ``threads`` says otherwise.
+
+Every run is a fresh process, started after the page cache was dropped (where permitted),
+and optionally in a memory cgroup whose limit counts the page cache
+(:mod:`tierstore.bench.memlimit`). Each reports its tokens, its
 prefill (the prompt up to the first token's logits) and decode (every later token) times
 and its peak RSS. Rounds alternate the order of the runs; each system reports its median
-and its ratio to accelerate per round.
+and its ratio to the peer per round, and its cold start: the runner's wall clock of the
+process, start to exit, less its prefill and decode (imports, opening, loading, warm-up,
+tear-down). Tokens are held against the resident mode's (transformers' own model code, every
+expert in memory), or the peer's where resident did not complete.
 
 The ring's prefill is also held against its physical limit: a cold first pass reads every
 MoE layer's experts from the backing tier, so it can take no less than the longer of the
@@ -23,6 +31,8 @@ The modules' command line, one run per call, prints one line of JSON::
     python -m tierstore.bench.peers accelerate --model-dir D --offload-dir O \\
         --prompt-ids 1,2,3 --max-new-tokens 16
     python -m tierstore.bench.peers bandwidth --store S
+
+(llama.cpp's runs have a file of their own, ``llamacpp_run.py``, that does not import tierstore.)
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ import tierstore
 
 from .memlimit import LimitedRun, drop_page_cache, run_limited
 
-PEERS = ("accelerate",)
+PEERS = ("accelerate", "llamacpp")
 TIERSTORE_MODES = ("resident", "ring", "expert", "on-demand")
 MiB = 1 << 20
 
@@ -236,12 +246,23 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
     if rounds < 1 or prompt_len < 1 or new_tokens < 2:
         raise tierstore.StoreError("rounds and the prompt length must be at least 1, the new "
                                    "tokens at least 2 (a prefill and a decode step)")
-    try:
-        import accelerate  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise tierstore.StoreError(f"--peer accelerate needs accelerate and transformers "
-                                   f"(pip install 'tierstore[peers]'): {e}") from None
+    if peer == "llamacpp":
+        from .llamacpp import check_vocab, missing
+
+        why = missing()
+        if why:
+            raise tierstore.StoreError(why)
+        if model_dir is None:
+            check_vocab(vocab)
+        # One thread each unless told otherwise: the figures llama.cpp is known by.
+        threads = threads or 1
+    else:
+        try:
+            import accelerate  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as e:
+            raise tierstore.StoreError(f"--peer accelerate needs accelerate and transformers "
+                                       f"(pip install 'tierstore[peers]'): {e}") from None
     from tierstore.hf import import_hf
 
     from .hf_models import write_hf_checkpoint
@@ -257,8 +278,13 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
         store = os.path.join(tmp, "store")
         echo("importing it into a store (tierstore import-hf)")
         import_hf(model_dir, store, progress=True)
-        return _study(peer, model_dir, store, tmp, stored_shape(store), prompt_len=prompt_len,
-                      new_tokens=new_tokens, rounds=rounds, memory_limit=memory_limit,
+        gguf = None
+        if peer == "llamacpp":  # once per study, before the clock
+            from .llamacpp import converted
+
+            gguf = converted(model_dir, tmp, echo=echo)
+        return _study(peer, model_dir, store, tmp, stored_shape(store), gguf,
+                      prompt_len=prompt_len, new_tokens=new_tokens, rounds=rounds, memory_limit=memory_limit,
                       cold=cold, host_cache=host_cache, device_budget=device_budget,
                       modes=modes, timeout_s=timeout_s, seed=seed, threads=threads,
                       json_out=json_out, echo=echo)
@@ -266,7 +292,24 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_len: int,
+def _peer_command(peer: str, model_dir: str, tmp: str, gguf: dict[str, Any] | None,
+                  prompt: list[int], new_tokens: int, cold: bool, threads: int | None
+                  ) -> list[str]:
+    """The command of one run of the peer (it prints one line of JSON)."""
+    if peer == "llamacpp":
+        from .llamacpp import eos_ids, run_command
+
+        assert gguf is not None
+        return run_command(gguf["path"], prompt, new_tokens, threads or 1, eos_ids(model_dir))
+    return [sys.executable, "-m", "tierstore.bench.peers", "accelerate", "--model-dir",
+            model_dir, "--offload-dir", os.path.join(tmp, "offload"), "--prompt-ids",
+            ",".join(map(str, prompt)), "--max-new-tokens", str(new_tokens)] + (
+        ["--drop-cache-after-load"] if cold else []) + (
+        ["--threads", str(threads)] if threads else [])
+
+
+def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
+           gguf: dict[str, Any] | None, *, prompt_len: int,
            new_tokens: int, rounds: int, memory_limit: str | float | int | None, cold: bool,
            host_cache: int | None, device_budget: int | None, modes: Sequence[str],
            timeout_s: float, seed: int, threads: int | None, json_out: str | None,
@@ -283,12 +326,9 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
         device_budget = limit // 4
     prompt = _prompt(cfg["vocab_size"], prompt_len, seed + 1)
     py = sys.executable
-    offload = os.path.join(tmp, "offload")
-    runs_spec: list[tuple[str, list[str], bool]] = [(peer, [
-        py, "-m", "tierstore.bench.peers", "accelerate", "--model-dir", model_dir,
-        "--offload-dir", offload, "--prompt-ids", ",".join(map(str, prompt)),
-        "--max-new-tokens", str(new_tokens)] + (["--drop-cache-after-load"] if cold else [])
-        + (["--threads", str(threads)] if threads else []), True)]
+    runs_spec: list[tuple[str, list[str], bool]] = [
+        (peer, _peer_command(peer, model_dir, tmp, gguf, prompt, new_tokens, cold, threads),
+         True)]
     # The resident mode holds every expert by definition: it runs without the limit, with
     # a device budget for all of them (and room for the KV cache and activations), as the
     # compute reference.
@@ -318,6 +358,8 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
                             "accelerate_fused_layers": n_moe * layer_bytes},
         "memory_limit_fraction": limit / model_bytes if limit else None,
         "runs": [], "bandwidth_runs": []}
+    if gguf is not None:
+        results["gguf"] = gguf
     echo(f"checkpoint {model_bytes / 1e9:.2f} GB ({n_moe} MoE layers of "
          f"{layer_bytes / 1e6:.0f} MB of experts); prompt {prompt_len} tokens, "
          f"{new_tokens} greedy tokens; {rounds} rounds; host cache "
@@ -354,6 +396,7 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
                 f"prefill {row['prefill_tokens_per_s']:8.1f} tok/s  decode "
                 f"{row['decode_tokens_per_s']:6.2f} tok/s" if row["ok"] else
                 f"{row['outcome']}".ljust(43))
+                + (f"  cold start {row['cold_start_s']:5.2f} s" if row["ok"] else "")
                 + f"  peak RSS {row['peak_rss_bytes'] / 1e9:.2f} GB"
                 + (f", cgroup {row['cgroup_peak_bytes'] / 1e9:.2f} GB"
                    if row.get("cgroup_peak_bytes") else "")
@@ -370,6 +413,11 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
             f.write("\n")
         echo(f"wrote {json_out}")
     return results
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The index of the first token where two runs' tokens differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _fresh(res: LimitedRun) -> dict[str, Any]:
@@ -391,9 +439,13 @@ def _run_row(name: str, rnd: int, res: LimitedRun, prompt_len: int, cmd: list[st
     row.update(tokens=tokens, prefill_s=got["prefill_s"], decode_s=got["decode_s"],
                prefill_tokens_per_s=prompt_len / got["prefill_s"],
                decode_tokens_per_s=(len(tokens) - 1) / got["decode_s"]
-               if got["decode_s"] > 0 else 0.0)
-    for k in ("load_s", "prepare_s", "bytes_read", "hit_rate", "spec_accuracy", "stall_frac",
-              "accelerate", "transformers", "cache_after_load", "offloaded_modules", "threads"):
+               if got["decode_s"] > 0 else 0.0,
+               # the cold start: the process's wall clock (start to exit) outside the two
+               # timed phases
+               cold_start_s=res.wall_s - got["prefill_s"] - got["decode_s"])
+    for k in ("load_s", "prepare_s", "import_s", "bytes_read", "bytes_read_generating",
+              "hit_rate", "spec_accuracy", "stall_frac", "accelerate", "transformers",
+              "llama_cpp", "cache_after_load", "offloaded_modules", "threads"):
         if got.get(k) is not None:
             row[k] = got[k]
     return row
@@ -403,10 +455,13 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
                layer_bytes: int, echo: Callable[[str], Any]) -> None:
     runs = results["runs"]
     done = [r for r in runs if r["ok"]]
-    ref = next((r["tokens"] for r in done if r["system"] == peer), None)
-    if ref is None and done:
-        ref = done[0]["tokens"]
-    mismatches = [f"{r['system']} round {r['round'] + 1}" for r in done if r["tokens"] != ref]
+    base = (next((r for r in done if r["system"] == "resident"), None)
+            or next((r for r in done if r["system"] == peer), None)
+            or (done[0] if done else None))
+    ref = base["tokens"] if base else None
+    mismatches = [f"{r['system']} round {r['round'] + 1} from token "
+                  f"{_first_difference(r['tokens'], ref)}" for r in done if r["tokens"] != ref]
+    results["reference_system"] = base["system"] if base else None
     results["reference_tokens"] = ref
     results["tokens_equal"] = bool(done) and not mismatches
     results["token_mismatches"] = mismatches
@@ -422,10 +477,12 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
                                                    default=0),
                              "cgroup_peak_bytes": max((r["cgroup_peak_bytes"] or 0
                                                        for r in mine), default=0) or None}
-        # Setup outside the timed phases: loading (accelerate) and the memory a source
-        # takes before its first pass (tierstore, see ExpertSource.prepare).
-        for k in ("load_s", "prepare_s"):
-            s[k] = _median_or_none([r[k] for r in ok if k in r])
+        # Setup outside the timed phases: loading (accelerate, llama.cpp), the memory a
+        # source takes before its first pass (tierstore, see ExpertSource.prepare), all of
+        # it (the cold start). Bytes read: tierstore's from the store (its experts),
+        # llama.cpp's from storage by the whole process (/proc/self/io: the file's pages).
+        for k in ("load_s", "prepare_s", "cold_start_s", "bytes_read"):
+            s[k] = _median_or_none([r[k] for r in ok if r.get(k) is not None])
         for phase in ("prefill", "decode"):
             key = f"{phase}_tokens_per_s"
             rates = [r[key] for r in ok]
@@ -439,6 +496,10 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
             s[f"{phase}_vs_{peer}_of_medians"] = (s[key] / statistics.median(base)
                                                   if rates and base else None)
         systems[name] = s
+    for s in systems.values():
+        peer_out = systems[peer]["cold_start_s"] if peer in systems else None
+        s[f"cold_start_vs_{peer}"] = (s["cold_start_s"] / peer_out if peer_out and
+                                   s["cold_start_s"] is not None else None)
     results["systems"] = systems
     per_round: dict[int, float] = {}
     for b in results["bandwidth_runs"]:
@@ -498,8 +559,10 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
                if len(s[f"decode_vs_{peer}_runs"]) > 1 else "") + ")"
             if s[f"prefill_vs_{peer}"] is not None and s[f"decode_vs_{peer}"] is not None
             else "")
-        setup = "".join(f"; {k[:-2]} {s[k]:.2f} s" for k in ("load_s", "prepare_s")
-                        if s.get(k) is not None)
+        setup = "".join(f"; {k[:-2].replace('_', ' ')} {s[k]:.2f} s"
+                        for k in ("load_s", "prepare_s", "cold_start_s") if s.get(k) is not None)
+        if name != peer and s.get(f"cold_start_vs_{peer}") is not None:
+            setup += f" ({s[f'cold_start_vs_{peer}']:.2f} x {peer}'s)"
         echo(f"{name:10s} prefill {s['prefill_tokens_per_s']:8.1f} tok/s, decode "
              f"{s['decode_tokens_per_s']:6.2f} tok/s{vs}; {s['completed']}/{s['runs']} "
              f"completed; peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB{setup}")
