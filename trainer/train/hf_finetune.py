@@ -133,7 +133,7 @@ class HFNet(TrainNet):
     def __init__(self, store: tierstore.Store, stored: StoredModel, tc: TrainConfig,
                  device: torch.device) -> None:
         model, loaded = build(store, False, device=device, dtype=torch.float32)
-        self.module, self.loaded, self.stored = model, loaded, stored
+        self.module, self.loaded = model, loaded
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if isinstance(limit, int) and tc.seq_len > limit:
             raise ValueError(f"seq_len {tc.seq_len} exceeds the model's {limit} positions")
