@@ -284,9 +284,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
     """Train an MoE model whose experts live in a store: dense parameters on the device,
     expert weights and AdamW moments in STORE, fetched per step for the experts the routers
     picked and written back through the host cache. With --resident, the same model held in
-    memory. A STORE filled by `tierstore import-hf` (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE)
-    is fine-tuned in full: its experts become fp32 masters in the store, the losses are the
-    family's as transformers computes them, and `tierstore export-hf` writes the result.
+    memory. A STORE filled by `tierstore import-hf` (any family `tierstore import-hf
+    --list` names) is fine-tuned in full as its own transformers model: its experts become
+    fp32 masters in the store and the loss is transformers' own.
 
     \b
     tierstore train --store run --model tiny --steps 200 --metrics m.jsonl

@@ -111,6 +111,22 @@ class Loaded:
         for layer in self.served.layers.values():
             layer.source = source
 
+    def attach_trainable(self, states: Any) -> None:
+        """Train the experts: feed every experts module from a trainer's expert states
+        (:class:`tierstore.trainer.ExpertStates`), whose experts are fp32 leaves that
+        require grad, shared by a step's micro-batches and by recomputations, and put the
+        model in training mode. The experts function is the same: autograd gives each
+        routed expert's weight gradient, and the router's through ``top_k_weights``. The
+        inference source, if any, is closed; forward calls are no longer passes of one."""
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+        self.mode = "train"
+        self.passes.source = None
+        for layer in self.served.layers.values():
+            layer.source = states
+        self.served.model.train()
+
     def stats(self) -> dict[str, Any]:
         return dict(self.source.stats()) if self.source is not None else {}
 
