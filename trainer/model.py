@@ -12,23 +12,20 @@ Expert weights never have to be module parameters. An MoE layer routes its token
 :class:`ExpertSource` for exactly the experts it routed to, and :func:`moe_combine` runs the
 tokens through whatever weights come back (``expert_id -> (w1, w2, w3)``). Training, the
 source is the resident banks (:class:`ExpertBank`, parameters named like the store's entries,
-``layers.{i}.experts.{e}.w1|w2|w3``) or a store-backed trainer's provider; inference, a
-resident copy, on-demand reads, a ring of layers or an expert cache (:mod:`trainer.infer`).
-Every path runs the same code, so they agree bit for bit.
+``layers.{i}.experts.{e}.w1|w2|w3``), a store-backed trainer's provider, or an expert-parallel
+source. Every path runs the same code, so they agree bit for bit.
 
 :meth:`MoEModel.forward` trains: causal attention over whole sequences, the Switch
 load-balancing loss and the ST-MoE router z-loss, fp32 master weights computing in ``dtype``
-through autocast. :meth:`MoEModel.decode` runs inference: a KV cache, left padding by
-attention mask, positions as ``transformers``' generate counts them. :class:`MoEDecoder` is
-the model whose call is ``decode``. One precision rule serves both: rotary tables and router
-logits are computed in the weights' dtype, so fp32 masters under autocast keep both in fp32
-and bf16 weights (inference, as ``transformers`` runs them) compute them in bf16.
+through autocast (rotary tables and router logits in the weights' dtype, so fp32). Serving a
+trained model is ``transformers``': a run loads as the Mixtral or Qwen2-MoE that computes
+what this model does (:mod:`tierstore.hf.trainer_runs`).
 
 Weight layouts follow ``nn.Linear`` (and Mixtral): ``w1``/``w3`` are ``[ffn, hidden]``
 (gate and up projections), ``w2`` is ``[hidden, ffn]`` (down projection).
 """
 
-# Over 600 lines: the presets' one model, its training pass and its decoding, read best whole.
+# Over 600 lines: the presets' one model and its training pass, read best whole.
 from __future__ import annotations
 
 import abc
@@ -133,16 +130,6 @@ class ModelConfig:
         return {"w1": (self.moe_ffn, self.hidden_size), "w2": (self.hidden_size, self.moe_ffn),
                 "w3": (self.moe_ffn, self.hidden_size)}
 
-    def expert_bytes(self, dtype: torch.dtype | str | None = None) -> int:
-        """Bytes of one expert's three tensors in ``dtype`` (default: :attr:`dtype`)."""
-        dt = dtype_of(dtype) or dtype_of(self.dtype)
-        assert dt is not None
-        return 3 * self.hidden_size * self.moe_ffn * torch.empty((), dtype=dt).element_size()
-
-    def layer_expert_bytes(self, dtype: torch.dtype | str | None = None) -> int:
-        """Bytes of every expert of one MoE layer."""
-        return self.n_experts * self.expert_bytes(dtype)
-
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
@@ -229,30 +216,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
-class KVCache:
-    """Keys and values of every layer, preallocated ``[batch, n_kv_heads, max_len,
-    head_dim]``, plus which cached slots are real tokens (``mask``, from the attention
-    masks the forward passes were given). ``length`` is the number of slots filled."""
-
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int,
-                 device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        dt = dtype or torch.float32
-        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dt) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dt) for _ in range(cfg.n_layers)]
-        self.mask = torch.zeros(batch, max_len, device=device, dtype=torch.bool)
-        self.batch, self.max_len = batch, max_len
-        self.length = 0
-
-    def reset(self) -> None:
-        self.length = 0
-        self.mask.zero_()
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-
 class Attention(nn.Module):
     """Grouped-query rotary attention."""
 
@@ -265,11 +228,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, h, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor | None = None,
-                cache: KVCache | None = None, layer: int = 0, start: int = 0) -> Tensor:
-        """``allowed`` ``[B, 1, T, L]`` says which keys each query sees; ``None``: causal
-        over ``x`` alone. With a ``cache``, the new keys and values go to slots ``start``
-        onwards of ``layer``'s and the queries see every slot up to theirs."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Causal attention over ``x``."""
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -278,31 +238,11 @@ class Attention(nn.Module):
         v = v.view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is not None:
-            ck, cv = cache.k[layer], cache.v[layer]
-            ck[:, :, start:start + t] = k.to(ck.dtype)
-            cv[:, :, start:start + t] = v.to(cv.dtype)
-            k, v = ck[:, :, :start + t].to(q.dtype), cv[:, :, :start + t].to(q.dtype)
         rep = cfg.n_heads // cfg.n_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if allowed is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, cfg.n_heads * cfg.head_dim))
-
-
-def _allowed(mask: Tensor, start: int, t: int) -> Tensor:
-    """Boolean ``[B, 1, T, L]``: causal, real keys only (``mask`` ``[B, L]``). A query may
-    always see itself, so a padding row never becomes all -inf (NaN)."""
-    total = mask.shape[1]
-    q = torch.arange(start, start + t, device=mask.device)[:, None]
-    kpos = torch.arange(total, device=mask.device)[None, :]
-    ok = kpos <= q
-    allowed = ok[None] & mask[:, None, :]
-    allowed = allowed | (kpos == q)[None]
-    return allowed[:, None]
 
 
 # --------------------------------------------------------------------------- experts
@@ -565,9 +505,8 @@ class Block(nn.Module):
         return y.view_as(h), r
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, experts: ExpertSource,
-                allowed: Tensor | None = None, cache: KVCache | None = None, start: int = 0,
                 losses: bool = True) -> tuple[Tensor, Routing | None]:
-        x = x + self.attn(self.attn_norm(x), cos, sin, allowed, cache, self.layer, start)
+        x = x + self.attn(self.attn_norm(x), cos, sin)
         h = self.ffn_norm(x)
         if self.mlp is not None:
             return x + self.mlp(h), None
@@ -617,37 +556,18 @@ class MoEModel(nn.Module):
         """The state dict without resident experts (what a store keeps under ``dense.``)."""
         return {k: v for k, v in self.state_dict().items() if ".experts." not in k}
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """A KV cache on the model's device and in its dtype."""
-        return KVCache(self.cfg, batch, max_len, self.device, self.dtype)
-
-    def next_moe_layer(self, layer: int) -> int | None:
-        """The first MoE layer after ``layer``, or ``None``."""
-        return next((i for i in self.moe_layers if i > layer), None)
-
-    @torch.no_grad()
-    def router_topk(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(ids [N, k] int64, weights [N, k] fp32)`` of MoE layer ``layer`` for normalised
-        hidden states ``x`` ``[N, hidden]`` (see :func:`route`)."""
-        router = self.layers[layer].router
-        if router is None:
-            raise ValueError(f"layer {layer} is not an MoE layer")
-        r = route(x, router.weight, self.cfg.top_k, losses=False)
-        return r.topk_idx, r.topk_weight
-
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         return cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype)
 
     def _run(self, idx: Tensor, experts: ExpertSource, cos: Tensor, sin: Tensor,
-             allowed: Tensor | None, cache: KVCache | None, start: int,
              losses: bool) -> tuple[Tensor, dict[int, Routing]]:
         """Every layer over ``idx`` within a pass of ``experts`` (see :meth:`_pass`): the
         last hidden states, and the routing of each MoE layer."""
         routing: dict[int, Routing] = {}
         x = self.tok_emb(idx)
         for block in self.layers:
-            x, r = block(x, cos, sin, experts, allowed, cache, start, losses)
+            x, r = block(x, cos, sin, experts, losses)
             if r is not None:
                 routing[block.layer] = r
         return x, routing
@@ -689,8 +609,7 @@ class MoEModel(nn.Module):
                if cfg.dtype == "bfloat16" else nullcontext())
         with ctx:
             with self._pass(source, idx.numel()):
-                # No mask: full causal attention is SDPA's causal kernel.
-                x, routed = self._run(idx, source, cos, sin, None, None, 0, losses=True)
+                x, routed = self._run(idx, source, cos, sin, losses=True)
             logits = self._head(x)
         zero = logits.new_zeros(())
         aux_terms = [r.aux_loss for r in routed.values() if r.aux_loss is not None]
@@ -706,68 +625,3 @@ class MoEModel(nn.Module):
             loss = ce + cfg.router_aux_coef * aux_loss + cfg.router_z_coef * z_loss
             info["ce"] = ce.detach()
         return logits, loss, info
-
-    @torch.no_grad()
-    def decode(self, ids: Tensor, experts: ExpertSource, cache: KVCache | None = None,
-               attention_mask: Tensor | None = None, *, last_only: bool = False) -> Tensor:
-        """Inference: ``ids`` ``[B, T]`` -> logits ``[B, T, V]`` fp32 (``[B, 1, V]``, the
-        last position's, with ``last_only``: all a generation's prefill needs, and the
-        output projection over every prompt token would be most of a short prefill's
-        compute after its last expert has landed).
-
-        ``attention_mask`` ``[B, cache.length + T]`` marks real tokens with 1 and left
-        padding with 0 (``[B, T]`` is taken as the new tokens' part, the cached ones keeping
-        theirs); positions and the attention pattern follow from it. Without it, every
-        token is real, or, with a cache, the new tokens are real and the cached ones keep
-        the mask they were given. With a cache, the new keys and values are appended and
-        ``cache.length`` advances by T.
-        """
-        b, t = ids.shape
-        start = cache.length if cache is not None else 0
-        dev = ids.device
-        if cache is not None:
-            if cache.batch != b:
-                raise ValueError(f"cache holds batch {cache.batch}, ids have {b}")
-            if start + t > cache.max_len:
-                raise ValueError(f"cache of {cache.max_len} tokens cannot take {start + t}")
-        # (b, t) with a cache: the new tokens' part only, the cached ones keeping theirs.
-        shapes = {(b, start + t)} | ({(b, t)} if cache is not None and start else set())
-        if attention_mask is not None and tuple(attention_mask.shape) not in shapes:
-            raise ValueError(f"attention_mask must be [{b}, {start + t}], got "
-                             f"{list(attention_mask.shape)}")
-        # The pass begins before the masks and positions are made, so a source's first
-        # reads start that much sooner (in a fresh process those first tensor operations
-        # take tens of milliseconds).
-        with self._pass(experts, ids.numel()):
-            if attention_mask is not None:
-                am = attention_mask.to(device=dev).bool()
-                if am.shape == (b, t) and cache is not None and start:
-                    am = torch.cat([cache.mask[:, :start], am], dim=1)
-            elif cache is not None:
-                am = torch.cat([cache.mask[:, :start],
-                                torch.ones(b, t, dtype=torch.bool, device=dev)], dim=1)
-            else:
-                am = torch.ones(b, t, dtype=torch.bool, device=dev)
-            if cache is not None:
-                cache.mask[:, :start + t] = am
-            # transformers' generate: a token's position is the number of real tokens
-            # before it.
-            pos = (am.long().cumsum(-1) - 1).masked_fill(~am, 0)[:, -t:]
-            cos, sin = self._rope(pos)
-            x, _ = self._run(ids, experts, cos, sin, _allowed(am, start, t), cache, start,
-                             losses=False)
-        if cache is not None:
-            cache.length = start + t
-        return self._head(x[:, -1:] if last_only else x)
-
-
-class MoEDecoder(MoEModel):
-    """The model as inference holds it: no experts of its own, weights left for loading,
-    and calling it runs :meth:`MoEModel.decode` with an :class:`ExpertSource`."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg, seed=None, resident_experts=False)
-
-    def forward(self, ids: Tensor, experts: ExpertSource,  # type: ignore[override]
-                cache: KVCache | None = None, attention_mask: Tensor | None = None) -> Tensor:
-        return self.decode(ids, experts, cache, attention_mask)
