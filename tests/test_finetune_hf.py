@@ -310,7 +310,9 @@ def test_bf16_checkpoint_trains_fp32_masters(corpus: Corpus, tokenizer_file: Pat
 
 def test_the_fine_tuned_store_serves_the_trained_model(corpus: Corpus, tokenizer_file: Path,
                                                        tmp_path: Path) -> None:
-    """``tierstore.hf.load`` of the fine-tuned store computes the in-memory model's logits."""
+    """``tierstore.hf.load`` of the fine-tuned store computes the in-memory model's logits,
+    and so does ``from_pretrained`` of its export (the family's own layout, through
+    transformers' reverse mapping)."""
     hf = make_model("gpt_oss", tmp_path / "hf", tokenizer_file)
     tierstore.hf.import_hf(tmp_path / "hf", tmp_path / "st", progress=False)
     train_store(None, 2, seed=SEED, train=TC, corpus=corpus, store_path=tmp_path / "st",
@@ -324,6 +326,13 @@ def test_the_fine_tuned_store_serves_the_trained_model(corpus: Corpus, tokenizer
             torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
     finally:
         model.tierstore.close()
+    from tierstore.hf import export_hf
+
+    export_hf(tmp_path / "st", tmp_path / "out", progress=False)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                             dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
 
 
 # --------------------------------------------------------------------------- the CLI
