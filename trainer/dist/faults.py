@@ -48,12 +48,19 @@ SIGNAL_GRACE_S = 5.0  # a signalled rank waits this long for the verdict that ex
 VERDICT_WAIT_S = 15.0  # a rank whose collective failed waits this long for the verdict
 CLOSE_WAIT_S = 60.0
 LINGER_S = 3.0
+HELLO_WITHIN_S = 10.0
 RESUME = "rerun with --resume to continue from the last complete checkpoint"
 _DIED = "ended without a word (killed, or out of memory: its node's torchrun output says which)"
 
 
 def _line(text: str) -> str:
     return " ".join(str(text).split())
+
+
+def _say(line: str) -> None:
+    """This rank's last word, on its stderr (which may be gone: the rank ends anyway)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"tierstore: {line}", file=sys.stderr, flush=True)
 
 
 def _hub_address() -> tuple[int, str]:
@@ -281,6 +288,10 @@ class FaultWatch:
             if now - peer.heard > SILENT_AFTER_S:
                 self._gone(peer, f"has not been heard from for {SILENT_AFTER_S:.0f} s (its "
                                  "host is down or cut off)")
+        for key in list(self.sel.get_map().values()):  # connected, but never said HELLO
+            if isinstance(key.data, _Peer) and key.data.rank is None and \
+                    now - key.data.heard > HELLO_WITHIN_S:
+                self._drop(key.data)
         with self.lock:
             signalled = self.signalled
             if signalled is not None and now - signalled[1] > SIGNAL_GRACE_S:
@@ -352,7 +363,7 @@ class FaultWatch:
         is ending the rank itself."""
         if not self._claim():
             return
-        print(f"tierstore: {line}", file=sys.stderr, flush=True)
+        _say(line)
         if self.world.rank == 0:
             self._linger()
         elif self.hub is not None:
@@ -403,8 +414,7 @@ class FaultWatch:
             # Another rank's end, met here first: its verdict says whose.
             if self._claim():
                 assert self.verdict is not None
-                print(f"tierstore: {self._stopped_line(self.verdict)}", file=sys.stderr,
-                      flush=True)
+                _say(self._stopped_line(self.verdict))
                 self._let_go()
                 os._exit(1)
             threading.Event().wait()  # the watcher thread is ending the process
