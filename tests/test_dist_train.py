@@ -307,13 +307,15 @@ def resumes_equal_after(tmp: Path, reference: dict[str, Any], kills: list[list[A
     fsck_all(tmp, 2)
 
 
+@pytest.mark.timeout(600 + 600 * int(os.environ.get("TIERSTORE_RESHARD_KILLS", "0")))
 def test_an_interrupted_reshard_resumes_from_any_instant(tmp_path: Path,
                                                          reference: dict[str, Any]) -> None:
     """A W = 1 -> 2 re-shard killed at several points of the move is taken up again by the
     next resume, and the result equals the uninterrupted run (that a store holding another
     run's experts is still refused as the joining node: the next test).
     TIERSTORE_RESHARD_KILLS=N adds N kills, each from a fresh W = 1 run: a real SIGKILL of a
-    random rank at a random moment of the resume, or a random point of the move."""
+    random rank at a random moment of the resume once its ranks have formed the process
+    group, or a random point of the move."""
     assert launch(tmp_path, "a", 1, 1, steps=2) == [0]
     resumes_equal_after(tmp_path, reference, RESHARD_KILLS)
 
@@ -329,7 +331,14 @@ def test_an_interrupted_reshard_resumes_from_any_instant(tmp_path: Path,
             resumes_equal_after(d, reference, [kill])
         else:
             agents = start(d, "k", 2, 1, steps=4, resume=True)
-            time.sleep(rng.uniform(0.0, 25.0))
+            # Once every rank has joined the process group and the run's failure channel
+            # (node 1 starts its daemon after that): a rank that dies before the group has
+            # formed leaves the others in torch.distributed's rendezvous until its timeout.
+            joined = d / "node1.run" / "daemon.sock"
+            deadline = time.monotonic() + 300
+            while not joined.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(rng.uniform(0.0, 15.0))
             pids = rank_pids(agents)
             if pids:
                 with contextlib.suppress(ProcessLookupError):

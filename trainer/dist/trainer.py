@@ -62,6 +62,7 @@ from .owned import OwnedExperts
 from .sidecar import default_run_dir, start_node_daemon
 from .world import (
     AgreedError,
+    DistributedError,
     World,
     check_divides,
     close_world,
@@ -116,7 +117,13 @@ def train_distributed(
     """
     if steps < 0 or checkpoint_every < 0:
         raise ValueError("steps and checkpoint_every must be >= 0")
-    world = init_world(device)
+    try:
+        world = init_world(device)
+    except RuntimeError as e:  # gloo's or the rendezvous's, as one line
+        raise DistributedError(
+            "the ranks did not form a process group ("
+            + " ".join(str(e).split("\n")[0].split())[:200] + "): a rank failed or did not "
+            "start (its node's torchrun output says which); rerun with --resume") from None
     run = Path(run_dir) if run_dir is not None else default_run_dir(store_path)
     # From here on a rank that fails tells the others, and they end with one line naming
     # it instead of gloo's traceback, or instead of waiting on it (:mod:`.faults`).
