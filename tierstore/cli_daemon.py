@@ -104,7 +104,9 @@ def status(socket_path: str, as_json: bool) -> None:
             click.echo(json.dumps(s))
             return
         click.echo(f"daemon    pid {s['pid']}, up {s['uptime_s']:.0f} s, {s['socket']}")
-        click.echo(f"store     {s['store']} ({s['backend']})")
+        click.echo(f"store     {s['store']} ({s['backend']}), id {s.get('store_id')}")
+        if s.get("run"):
+            click.echo(f"run       in use by a training run (process {s['run']['pid']})")
         click.echo(f"clients   {s['clients']} ({s['connections']} connections, "
                    f"{s['leases']} leases); {s['open_connections']} connections open, limit "
                    f"{s['max_connections']}")

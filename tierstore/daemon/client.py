@@ -592,11 +592,9 @@ def connect(socket_path: str | os.PathLike[str], *,
             store: str | os.PathLike[str] | None = None,
             run: str | None = None) -> RemoteStore:
     """Connect to ``tierstore serve`` on ``socket_path``: a store with ``tierstore.open``'s
-    API whose host cache is the daemon's, shared with every other client.
-
-    The daemon must run as this user or root (or a user ``TIERSTORE_DAEMON_USER`` names);
-    with ``store``, it must serve that store (the same resolved path and store id). With
-    ``run`` (an id shared by the processes of one training run), the connection claims the
-    store for that run: a client of another run is refused while this run's are connected.
-    ``RemoteStore.daemon`` says who answered."""
+    API whose host cache is the daemon's, shared with every other client. The daemon must
+    run as this user or root (or a user ``TIERSTORE_DAEMON_USER`` names) and, with
+    ``store``, serve that store (``identity.py``). ``run``, an id the processes of one
+    training run share, claims the store for it: a client of another run is refused while
+    this run's are connected. ``RemoteStore.daemon`` says who answered."""
     return RemoteStore(socket_path, device_budget=device_budget, store=store, run=run)
