@@ -187,8 +187,8 @@ def test_store_options_reach_the_node_daemon(tmp_path: Path) -> None:
             problem = DaemonSettings(**asked).mismatch(info, store)
             assert problem is not None and says in problem, problem
         assert DaemonSettings(24 << 20, "pmem", str(pool), 48 << 20).mismatch(info, store) is None
-        done = alone("--store", str(store), "--resume", "--pmem-size", "48MiB",
-                     "--host-cache", "24MiB", steps=2)
+        done = alone("--store", str(store), "--resume", "--backing", "pmem", "--pmem-size",
+                     "48MiB", "--host-cache", "24MiB", steps=2)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "steps 2-2" in done.stdout
         # A daemon the user started outlives the runs that used it.
@@ -203,11 +203,15 @@ def test_store_options_reach_the_node_daemon(tmp_path: Path) -> None:
 
 
 def test_options_the_distributed_trainer_cannot_honour_are_refused(tmp_path: Path) -> None:
-    for extra in (["--device-budget", "1GiB"], ["--fetch", "queue"]):
+    for extra, says in (
+            (["--device-budget", "1GiB"], "--device-budget and --fetch queue do not apply"),
+            (["--fetch", "queue"], "--device-budget and --fetch queue do not apply"),
+            (["--pmem-size", "1GiB"], "--pmem-path and --pmem-size go with --backing pmem"),
+            (["--backing", "nvme", "--pmem-path", str(tmp_path / "pool")], "--backing pmem"),
+            (["--backing", "pmem", "--slab-size", "8MiB"], "--slab-size goes with NVMe")):
         res = CliRunner().invoke(main, ["train", "--distributed", "--store",
                                         str(tmp_path / "s"), "--steps", "1", *extra])
-        assert res.exit_code == 2
-        assert "--device-budget and --fetch queue do not apply to --distributed" in res.output
+        assert res.exit_code == 2 and says in res.output, res.output
     assert not (tmp_path / "s").exists()
 
 

@@ -260,6 +260,12 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
     tierstore train --store mixtral --steps 100 --corpus notes/ --lr 1e-5 --host-cache 4GiB
     torchrun --nproc-per-node 2 -m tierstore train --distributed --store node --steps 100
     """
+    # As `tierstore init` has it: an option of the other backing is a mistake, never ignored.
+    if (pmem_path is not None or pmem_size is not None) and backing != "pmem":
+        raise click.UsageError("--pmem-path and --pmem-size go with --backing pmem")
+    if backing == "pmem" and _given(click.get_current_context().get_parameter_source,
+                                    "slab_size", slab_size) is not None:
+        raise click.UsageError("--slab-size goes with NVMe stores, not --backing pmem")
     if distributed:
         if resident or trace is not None:
             raise click.UsageError("--distributed trains over the node stores: drop "
