@@ -166,8 +166,9 @@ def start_node_daemon(world: World, store: str | os.PathLike[str], run_dir: Path
     if world.is_node_leader:
         try:
             daemon.prepare(run_dir, settings)
-        except (DistributedError, tierstore.StoreError) as e:
-            problem = str(e)
+        except (DistributedError, tierstore.StoreError, OSError) as e:
+            problem = str(e) if not isinstance(e, OSError) else (
+                f"{e.filename}: {e.strerror or e}" if e.filename else str(e))
             daemon.abandon()
     if world.local_size > 1:  # the leader's word, to the node's ranks
         box = [problem]
