@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from test_dist_train import CHILD, launch, stop_daemons
+from test_dist_train import CHILD, stop_daemons
 from tierstore.trainer.dist.sidecar import DaemonSettings
 
 import tierstore
@@ -42,18 +42,12 @@ TINY = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--corpus-max
         "64KiB", "--eval-every", "0"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def alone(*args: str, steps: int = 1) -> subprocess.CompletedProcess[str]:
     """``tierstore train --distributed`` as a world of one rank, torchrun's environment set
     by hand (no agent: the process's own output and exit status)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}  # a world of one: any free port
     return subprocess.run([sys.executable, "-m", "tierstore", "train", "--distributed",
                            "--steps", str(steps), *TINY, *args], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -64,11 +58,29 @@ def ranks(tmp: Path, name: str, per_node: int, *args: str) -> list[list[str]]:
     rank's stderr in a file of its own; returns every rank's stderr lines."""
     logs = tmp / f"{name}.logs"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                    str(per_node), "--master-port", str(_port()), "--log-dir", str(logs),
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", str(per_node), "--log-dir", str(logs),
                     "--redirects", "2", "-m", "tierstore", "train", "--distributed",
                     "--steps", "1", *TINY, *args], env=env, capture_output=True, timeout=300)
     return [p.read_text().splitlines() for p in sorted(logs.glob("*/attempt_0/*/stderr.log"))]
+
+
+def child(tmp: Path, name: str, **spec: Any) -> subprocess.Popen[bytes]:
+    """tests/dist_child.py under ``torchrun --standalone`` (one node, one rank, a free port
+    of its own), training the tiny preset on ``tmp/node0``; its output in ``tmp/NAME.log``."""
+    spec = {"model": "tiny", "seed": 0, "corpus_bytes": 64 * 1024, "paradigm": "token",
+            "train": {"seq_len": 32, "batch_size": 2, "eval_every": 0},
+            "store": str(tmp / "node{node}"), "host_cache": 16 << 20, **spec}
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    with open(tmp / f"{name}.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node", "1", str(CHILD), str(tmp / f"{name}.json")],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+
+def tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-3000:] if path.exists() else f"no {path}"
 
 
 def one_line(done: subprocess.CompletedProcess[str], says: str) -> None:
@@ -216,32 +228,29 @@ def test_options_the_distributed_trainer_cannot_honour_are_refused(tmp_path: Pat
 
 
 def test_the_run_that_finishes_stops_the_daemon_a_crashed_run_left(tmp_path: Path) -> None:
-    codes = launch(tmp_path, "a", 1, 1, steps=2, checkpoint_every=1, kill=["snapshot", 2, 0])
-    assert codes != [0]
-    sock = tmp_path / "node0.run" / "daemon.sock"
+    crashed = child(tmp_path, "a", steps=2, checkpoint_every=1, kill=["snapshot", 2, 0])
+    assert crashed.wait(timeout=300) != 0
+    run = tmp_path / "node0.run"
+    why = f"{tail(tmp_path / 'a.log')}\n{tail(run / 'daemon.log')}"
+    assert (run / "manifests" / "ckpt-000001.json").exists(), why  # killed at step 2
+    sock = run / "daemon.sock"
     left = tierstore.probe_daemon(sock)
-    assert left is not None and left["for_run"] and left["run"] is None
-    assert launch(tmp_path, "b", 1, 1, steps=2, resume=True) == [0]
+    assert left is not None and left["for_run"] and left["run"] is None, why
+    resumed = child(tmp_path, "b", steps=2, resume=True)
+    assert resumed.wait(timeout=300) == 0, tail(tmp_path / "b.log")
     assert tierstore.probe_daemon(sock) is None and not sock.exists()
     with tierstore.open(tmp_path / "node0", host_cache=0) as st:  # no daemon holds it
         assert st.fsck().ok
 
 
 def test_a_second_run_on_a_store_in_use_is_refused_at_once(tmp_path: Path) -> None:
-    spec = {"model": "tiny", "steps": 2, "seed": 0, "corpus_bytes": 64 * 1024,
-            "train": {"seq_len": 32, "batch_size": 2, "eval_every": 0},
-            "store": str(tmp_path / "node{node}"), "paradigm": "token", "resume": False,
-            "checkpoint_every": 1, "pause": ["snapshot", 1, 0, str(tmp_path)]}
-    (tmp_path / "first.json").write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
-                              "--nproc-per-node", "1", "--master-port", str(_port()), str(CHILD),
-                              str(tmp_path / "first.json")], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = child(tmp_path, "first", steps=2, checkpoint_every=1,
+                  pause=["snapshot", 1, 0, str(tmp_path)])
     try:
         deadline = time.monotonic() + 300
         while not (tmp_path / "paused").exists():
-            assert first.poll() is None and time.monotonic() < deadline
+            assert first.poll() is None, tail(tmp_path / "first.log")
+            assert time.monotonic() < deadline
             time.sleep(0.05)
         said = f"store {tmp_path / 'node0'} is in use by another training run (process"
         logs = ranks(tmp_path, "second", 2, "--store", str(tmp_path / "node0"), "--resume")
@@ -249,7 +258,7 @@ def test_a_second_run_on_a_store_in_use_is_refused_at_once(tmp_path: Path) -> No
                                       for lines in logs), logs
         one_line(alone("--store", str(tmp_path / "node0")), said)
         (tmp_path / "go").touch()
-        assert first.wait(timeout=300) == 0
+        assert first.wait(timeout=300) == 0, tail(tmp_path / "first.log")
     finally:
         if first.poll() is None:
             first.kill()
