@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from test_dist_train import CHILD, stop_daemons
+from test_dist_train import CHILD
 from tierstore.trainer.dist.sidecar import DaemonSettings
 
 import tierstore
@@ -40,6 +40,15 @@ from tierstore.cli import main
 pytestmark = pytest.mark.timeout(600)
 TINY = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--corpus-max-bytes",
         "64KiB", "--eval-every", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left(tmp_path: Path) -> Any:
+    """A daemon a failed test leaves (a failed run keeps its own up) is stopped."""
+    yield
+    for sock in tmp_path.glob("**/daemon.sock"):
+        with contextlib.suppress(tierstore.StoreError, OSError):
+            tierstore.stop_daemon(sock)
 
 
 def alone(*args: str, steps: int = 1) -> subprocess.CompletedProcess[str]:
@@ -263,5 +272,4 @@ def test_a_second_run_on_a_store_in_use_is_refused_at_once(tmp_path: Path) -> No
         if first.poll() is None:
             first.kill()
             first.wait()
-        stop_daemons(tmp_path)
     assert not (tmp_path / "node0.run" / "daemon.sock").exists()
