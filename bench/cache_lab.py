@@ -8,6 +8,7 @@ the same run on the same trace.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,8 @@ def parse_capacities(text: str, distinct_bytes: int) -> list[float]:
             value = float(item)
         except ValueError:
             value = tierstore.parse_size(item) / distinct_bytes
+        if not math.isfinite(value):
+            raise tierstore.StoreError(f"capacity {item} is not a finite number")
         if not 0 < value <= 1 and "." in item:
             raise tierstore.StoreError(f"capacity fraction {item} is not in (0, 1]")
         out.append(value if value <= 1 else value / distinct_bytes)

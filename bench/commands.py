@@ -11,7 +11,15 @@ from typing import Any
 
 import click
 
-from tierstore.cli_options import OUTPUT_FILE, POSITIVE_SIZE, SIZE, CommaList, DeviceType
+from tierstore.cli_options import (
+    CACHE_SIZE,
+    OUTPUT_FILE,
+    SIZE,
+    SLAB_SIZE,
+    CommaList,
+    DeviceType,
+    FiniteFloat,
+)
 from tierstore.cli_options import run_command as _run
 
 # Benchmarks take a device or none (their default), not "auto".
@@ -118,7 +126,7 @@ def bench() -> None:
 @click.option("--quick", is_flag=True,
               help="4 and 64 MiB entries, 8 threads, O_DIRECT only, 256 MiB per figure: about "
                    "a minute.")
-@click.option("--blocks", type=CommaList(POSITIVE_SIZE),
+@click.option("--blocks", type=CommaList(SLAB_SIZE),
               default="256KiB,1MiB,4MiB,16MiB,64MiB", show_default=True,
               help="Comma-separated entry sizes.")
 @click.option("--threads", type=COUNTS, default="1,8", show_default=True,
@@ -176,7 +184,7 @@ def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list
 @click.option("--policies", type=CommaList(click.STRING, name="policy"), callback=_policies,
               default="all", show_default=True,
               help="Comma-separated policies (lfu-decay, semoe, lru, lfu, arc, belady) or all.")
-@click.option("--write-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+@click.option("--write-fraction", type=FiniteFloat(0, 1), default=0.0, show_default=True,
               help="Share of accesses that update the entry (1.0 for training traces).")
 @click.option("--policy-arg", "policy_args", multiple=True, metavar="POLICY:K=V,...",
               help="Policy parameters, e.g. lfu-decay:beta=0.5,period=512,theta=4.")
@@ -222,7 +230,7 @@ def bench_cache(trace_file: str | None, synthetic: str | None, capacities: list[
 @click.option("--steps", default=5, show_default=True, help="Measured steps per mode.")
 @click.option("--device-budget", type=SIZE, default=None,
               help="Prefetch budget (default: three layers).")
-@click.option("--host-cache", type=SIZE, default=None,
+@click.option("--host-cache", type=CACHE_SIZE, default=None,
               help="Host cache (default: half a layer, so reads hit the backing tier).")
 @click.option("--device", type=DEVICE, default=None, help="Compute device (default: cpu).")
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
@@ -269,8 +277,8 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
               help="Where the experts come from: the store's backing tier with no host cache, "
                    "so every transfer reads it ('nvme' also checks that it is NVMe), or host "
                    "memory (a host cache holding every expert).")
-@click.option("--host-cache", type=SIZE, help="Host cache size (overrides --tier).")
-@click.option("--expert-budget", type=click.FloatRange(0, 1, min_open=True), default=0.6,
+@click.option("--host-cache", type=CACHE_SIZE, help="Host cache size (overrides --tier).")
+@click.option("--expert-budget", type=FiniteFloat(0, 1, min_open=True), default=0.6,
               show_default=True,
               help="Expert mode's device budget as a fraction of all experts' bytes.")
 @click.option("--repeats", "--rounds", "repeats", type=click.IntRange(min=1), default=5,
@@ -367,7 +375,7 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
               help="Steps run before measuring (cold cache, first-call costs).")
 @click.option("--rounds", default=2, show_default=True, type=click.IntRange(min=1),
               help="Resident/store pairs, alternating which goes first.")
-@click.option("--host-cache", type=SIZE, default="2GiB", show_default=True,
+@click.option("--host-cache", type=CACHE_SIZE, default="2GiB", show_default=True,
               help="The store's host cache (the target applies when it holds a step's "
                    "working set).")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per step [8].")
@@ -457,7 +465,7 @@ def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: lis
               help="Comma-separated paradigms: token, data, and token-2stage (token-centric "
                    "with the two-stage all-to-all, --hierarchical-a2a; run on worlds of several "
                    "nodes of several ranks only).")
-@click.option("--host-cache", type=SIZE, default="128MiB", show_default=True,
+@click.option("--host-cache", type=CACHE_SIZE, default="128MiB", show_default=True,
               help="Each node daemon's host cache.")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
               help="Compute threads per rank (OMP_NUM_THREADS).")
@@ -471,7 +479,7 @@ def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: lis
               help="Scratch directory for the node stores (default: a temporary directory "
                    "here, removed afterwards).")
 @click.option("--timeout", default=600.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=FiniteFloat(min=0, min_open=True),
               help="Seconds one configuration may run before it is stopped.")
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
 def bench_dist(presets: list[str], batch_sizes: list[int], seq_len: int, steps: int,

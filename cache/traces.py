@@ -21,6 +21,7 @@ File format (UTF-8 CSV, one access per line, in access order):
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Iterable, Iterator
@@ -273,8 +274,10 @@ class TraceSpec:
             raise ValueError(f"topk {self.topk} > experts {self.experts}")
         if not (0 <= self.drift <= 1 and 0 <= self.burst <= 1):
             raise ValueError("drift and burst are probabilities")
-        if self.a < 0 or self.burst_len < 1 or self.nbytes < 0 or self.layer_skew < 0:
-            raise ValueError("a, layer_skew, nbytes must be >= 0 and burst_len >= 1")
+        if (not 0 <= self.a < math.inf or not 0 <= self.layer_skew < math.inf
+                or self.burst_len < 1 or self.nbytes < 0):  # (comparisons false for nan)
+            raise ValueError("a, layer_skew must be finite and >= 0, nbytes >= 0 and "
+                             "burst_len >= 1")
 
     def __str__(self) -> str:
         defaults = TraceSpec()

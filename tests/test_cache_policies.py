@@ -230,7 +230,8 @@ def test_lfu_decay_renormalizes_exactly():
 
 
 def test_lfu_decay_rejects_bad_parameters():
-    for bad in (dict(beta=1.0), dict(beta=0.0), dict(period=0), dict(theta=-1), dict(turn=0.5)):
+    for bad in (dict(beta=1.0), dict(beta=0.0), dict(period=0), dict(theta=-1), dict(turn=0.5),
+                dict(beta=float("nan")), dict(theta=float("nan")), dict(theta=float("inf"))):
         with pytest.raises(ValueError):
             LfuDecayPolicy(**bad)
 

@@ -72,7 +72,8 @@ def test_parse_spec():
     assert parse_spec("zipf") == TraceSpec()
     odd = TraceSpec(a=0.7, experts=9, tokens=1, seed=5)
     assert parse_spec(str(odd)) == odd
-    for bad in ("lognormal:a=1", "zipf:colour=3", "zipf:a", "zipf:topk=9,experts=4"):
+    for bad in ("lognormal:a=1", "zipf:colour=3", "zipf:a", "zipf:topk=9,experts=4",
+                "zipf:a=nan", "zipf:a=inf", "zipf:layer_skew=nan", "zipf:drift=nan"):
         with pytest.raises(ValueError):
             parse_spec(bad)
 

@@ -239,6 +239,28 @@ BAD_VALUES: list[tuple[tuple[str, ...], str]] = [
     (("bench", "dist", "--paradigms", "token,,data"), "--paradigms"),
     (("bench", "dist", "--timeout", "0"), "--timeout"),
     (("bench", "dist", "--json", "{missing}/x.json"), "--json"),
+    # numbers that are not finite (click's FloatRange lets nan through, and inf without an
+    # upper bound), and sizes below the unit of what they size
+    *[(("generate", "--store", "{dir}", "--prompt-ids", "1", "--max-new-tokens", "1",
+        option, value), option)
+      for option, values in (("--temperature", ("nan", "inf", "-inf", "0", "-1")),
+                             ("--top-p", ("nan", "inf", "-inf", "0", "1.5")),
+                             ("--host-cache", ("1", "1KiB", "4095")))
+      for value in values],
+    *[(("train", "--store", "{new}", "--steps", "1", option, value), option)
+      for option, values in (("--lr", ("nan", "inf", "-inf", "-1")),
+                             ("--host-cache", ("1", "1KiB", "4095")))
+      for value in values],
+    ((*SERVE, "--host-cache", "1KiB"), "--host-cache"),
+    (("bench", "prefetch", "--host-cache", "1KiB"), "--host-cache"),
+    (("bench", "tiers", "--blocks", "1"), "--blocks"),
+    (("bench", "tiers", "--blocks", "4KiB,4095"), "--blocks"),
+    (("bench", "cache", *SYNTH, "--capacity", "nan"), "--capacity"),
+    (("bench", "cache", *SYNTH, "--capacity", "inf"), "--capacity"),
+    (("bench", "cache", *SYNTH, "--write-fraction", "nan"), "--write-fraction"),
+    (("bench", "infer", "--expert-budget", "nan"), "--expert-budget"),
+    (("bench", "dist", "--timeout", "nan"), "--timeout"),
+    (("bench", "dist", "--timeout", "inf"), "--timeout"),
 ]
 
 
@@ -261,6 +283,64 @@ def refused(tmp_path, monkeypatch, args: tuple[str, ...], option: str) -> None:
 def test_bad_values_are_one_line_usage_errors(tmp_path, monkeypatch, args: tuple[str, ...],
                                               option: str) -> None:
     refused(tmp_path, monkeypatch, args, option)
+
+
+# Values click accepts that the command then refuses before it makes or allocates anything:
+# exit status 2 and one `tierstore...:` line saying what to change. {in} holds a FIFO, a
+# socket and a text file; {new} must stay absent.
+TRAIN = ("train", "--store", "{new}", "--model", "tiny", "--steps", "1", "--device", "cpu")
+GENERATE = ("generate", "--store", "{in}", "--prompt-ids", "1", "--max-new-tokens", "1",
+            "--device", "cpu")
+RUNTIME_ERRORS: list[tuple[tuple[str, ...], str]] = [
+    (("init", "{new}", "--slab-size", "1000TiB"), "slab file does not fit"),
+    (("init", "{new}", "--slab-size", "99999999999999999999999"), "slab file does not fit"),
+    (("init", "{new}", "--backing", "pmem", "--pmem-path", "{in}/pool", "--pmem-size",
+      "1000TiB"), "pool file does not fit"),
+    ((*TRAIN, "--slab-size", "1000TiB"), "slab file does not fit"),
+    ((*TRAIN, "--batch-size", "1000000"), "lower --batch-size to at most"),
+    ((*TRAIN, "--batch-size", "1", "--host-cache", "1000TiB"), "lower --host-cache"),
+    (("train", "--resident", "--model", "tiny", "--steps", "1", "--device", "cpu",
+      "--batch-size", "1000000"), "lower --batch-size to at most"),
+    ((*TRAIN, "--device-budget", "1000TiB"), "more than this machine's"),
+    ((*GENERATE, "--device-budget", "1000TiB"), "more than this machine's"),
+    ((*TRAIN, "--corpus", "{in}/fifo"), "'{in}/fifo' is a FIFO (named pipe), not a text"),
+    ((*TRAIN, "--corpus", "{in}/sock"), "'{in}/sock' is a socket"),
+    ((*TRAIN, "--corpus", "/dev/zero"), "'/dev/zero' is a character device"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), RUNTIME_ERRORS,
+                         ids=[" ".join(a) for a, _ in RUNTIME_ERRORS])
+def test_values_refused_before_any_work_are_one_line(tmp_path, monkeypatch,
+                                                     args: tuple[str, ...], says: str) -> None:
+    import os
+    import socket
+
+    fixtures = tmp_path / "in"
+    fixtures.mkdir()
+    os.mkfifo(fixtures / "fifo")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(fixtures / "sock"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    where = {"new": str(work / "new"), "in": str(fixtures)}
+    result = CliRunner().invoke(main, [a.format(**where) for a in args],
+                                catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tierstore"), result.output
+    assert says.format(**where) in lines[0], lines[0]
+    assert "Traceback" not in result.output
+    assert not any(work.iterdir()), list(work.iterdir())  # no store, no slab, no pool
+
+
+def test_the_library_refuses_a_host_cache_below_a_page(tmp_path) -> None:
+    for size in (1, 4095, "1KiB"):
+        with pytest.raises(tierstore.StoreError, match="less than one 4.0 KiB page"):
+            tierstore.open(tmp_path / "s", create=True, host_cache=size)
+    assert not (tmp_path / "s").exists()
+    tierstore.open(tmp_path / "s", create=True, host_cache=4096, slab_size="8MiB").close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="cuda is a valid device here")

@@ -318,15 +318,15 @@ time.sleep(120)
                          stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "holding"
-        status = tierstore.daemon.client.status(served.sock)
+        status = tierstore.daemon_status(served.sock)
         assert status["leases"] >= 1
         holder = [c for c in status["client_list"] if c["pid"] == p.pid]
         assert holder and holder[0]["leases"] == 1
     finally:
         p.kill()
         p.wait()
-    wait_for(lambda: tierstore.daemon.client.status(served.sock)["leases"] == 0)
-    assert tierstore.daemon.client.status(served.sock)["clients"] == 0
+    wait_for(lambda: tierstore.daemon_status(served.sock)["leases"] == 0)
+    assert tierstore.daemon_status(served.sock)["clients"] == 0
 
 
 def test_second_daemon_on_the_same_store_is_refused(served: Daemon, tmp_path: Path) -> None:
@@ -386,7 +386,7 @@ def test_metrics_and_health(served: Daemon) -> None:
     for name in ("tierstore_cache_hit_rate", 'tierstore_tier_bytes{tier="host"}',
                  'tierstore_tier_bytes{tier="nvme"}', 'tierstore_prefetch_queue_depth{state="queued"}',
                  "tierstore_prefetch_stall_seconds_total", "tierstore_clients",
-                 'tierstore_request_duration_seconds_bucket{op="get",le="+Inf"}'):
+                 'tierstore_request_duration_seconds_bucket{le="+Inf",op="get"}'):
         assert name in text, name
     # The limit beside what is open (the client's own connections among them).
     assert f"tierstore_max_connections {MAX_CONNECTIONS}" in text

@@ -390,11 +390,14 @@ def test_the_command_line_under_torchrun(tmp_path: Path) -> None:
            "--store", str(tmp_path / "node"), "--model", "tiny", "--steps", "2",
            "--batch-size", "2", "--seq-len", "32", "--corpus-max-bytes", "256KiB",
            "--eval-every", "0", "--paradigm", "data", "--credits", "1",
-           "--metrics", str(tmp_path / "m.jsonl")]
+           "--slab-size", "8MiB", "--metrics", str(tmp_path / "m.jsonl")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "distributed: steps 1-2" in done.stdout
     assert "bytes moved between ranks per step" in done.stdout
+    # the store options reach the node daemon that makes the store
+    marker = json.loads((tmp_path / "node" / "TIERSTORE").read_text())
+    assert marker["backing"] == {"kind": "nvme", "slab_bytes": 8 << 20}
     first = [json.loads(line) for line in (tmp_path / "m.jsonl.rank0").read_text().splitlines()]
     # one pulled expert per rank cannot hold a layer's needs: those blocks sent tokens
     assert all("token" in m["paradigm"].values() or "mixed" in m["paradigm"].values()

@@ -7,6 +7,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,6 +112,76 @@ def test_errors_are_one_line(mixtral: Path, tmp_path: Path) -> None:
     code, out = run("generate", "--store", str(empty), "--prompt-ids", "1", "--max-new-tokens",
                     "2")
     assert code == 2 and "holds no model" in out
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Mixtral imported into a store of 8 MiB slabs: cheap to copy and damage."""
+    from test_hf_models import make_hf_model
+    from tierstore.trainer.infer.hf_import import import_hf
+
+    root = tmp_path_factory.mktemp("small")
+    make_hf_model("mixtral", root / "hf")
+    tierstore.open(root / "store", create=True, slab_size="8MiB").close()
+    import_hf(root / "hf", root / "store", progress=False)
+    return root / "store"
+
+
+def _nan(st: tierstore.Store, name: str) -> None:
+    t = st.get(name)
+    t.view(-1)[:: 7] = float("nan")
+    st.put(name, t)
+
+
+def _garbage_tokenizer(st: tierstore.Store) -> None:
+    # What an import before the tokenizer was checked could store.
+    raw = bytearray(b"\xff\xfe not a tokenizer")
+    st.put("tokenizer.tokenizer.json", torch.frombuffer(raw, dtype=torch.uint8), kind="meta")
+
+
+DAMAGED = [
+    ("nan-dense-greedy", lambda st: _nan(st, "dense.norm.weight"), ("--greedy",),
+     "computed NaN logits for prompt 0 after the prompt: its weights hold NaN"),
+    ("nan-expert-sampled", lambda st: [_nan(st, f"layers.{i}.experts.{e}.w2")
+                                       for i in range(3) for e in range(6)],
+     ("--seed", "1"), "computed NaN logits for prompt 0"),
+    ("nan-expert-text", lambda st: [_nan(st, f"layers.{i}.experts.{e}.w2")
+                                    for i in range(3) for e in range(6)],
+     ("--temperature", "0.7", "--top-p", "0.9"), "NaN logits"),
+    ("garbage-tokenizer", _garbage_tokenizer, ("--prompt", "the store"),
+     "its tokenizer.json does not load as a tokenizer"),
+]
+
+
+@pytest.mark.parametrize(("damage", "args", "says"), [d[1:] for d in DAMAGED],
+                         ids=[d[0] for d in DAMAGED])
+def test_a_damaged_model_is_one_line(small: Path, tmp_path: Path, damage: Any,
+                                     args: tuple[str, ...], says: str) -> None:
+    """Weights holding NaN (sampling or greedy: either would choose from noise) and a
+    stored tokenizer that does not load fail with one line that names the cause."""
+    store = tmp_path / "store"
+    shutil.copytree(small, store)
+    with tierstore.open(store, host_cache=0) as st:
+        damage(st)
+    if "--prompt" not in args:
+        args = (*args, "--prompt-ids", "1,2,3", "--prompt-ids", "4")
+    res = CliRunner().invoke(main, ["generate", "--store", str(store), "--max-new-tokens",
+                                    "3", "--device", "cpu", *args], catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], res.output
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token(small: Path) -> None:
+    """A temperature fp32 cannot even hold (0 in fp32, so logits / it were NaN) samples
+    what greedy takes."""
+    common = ["generate", "--store", str(small), "--prompt-ids", "1,2,3", "--max-new-tokens",
+              "4", "--json"]
+    code, out = run(*common, "--greedy")
+    assert code == 0, out
+    for t in ("1e-300", "1e-40"):
+        got = run(*common, "--temperature", t, "--seed", "5")
+        assert got[0] == 0 and json_line(got[1])["tokens"] == json_line(out)["tokens"], got
 
 
 def test_trainer_checkpoint_generates(tmp_path: Path) -> None:

@@ -296,6 +296,56 @@ def test_out_dir_and_errors(tmp_path: Path) -> None:
     assert "--shard-size" in export_cli("--help")
 
 
+# An export that stops for good once it has begun writing: it says so, then waits to be
+# killed (its hidden directory made and locked, its process alive).
+STUCK_EXPORT = r"""
+import os, sys, time
+from tierstore.trainer.infer.hf_export import export_hf
+
+def stop(n):
+    os.write(1, b"writing\n")
+    time.sleep(3600)
+
+export_hf(sys.argv[1], sys.argv[2], progress=stop)
+"""
+
+
+def test_an_export_removes_what_killed_exports_left(tmp_path: Path) -> None:
+    """A SIGKILLed export leaves its hidden directory; the next export into the same
+    directory removes it, while a live export's directory is left alone."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    make_hf_model("mixtral", tmp_path / "hf")
+    tierstore.open(tmp_path / "a", create=True, slab_size="8MiB").close()
+    import_hf(tmp_path / "hf", tmp_path / "a", progress=False)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # a stuck export keeps its store open
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".notes").mkdir()  # not an export's
+    child = subprocess.Popen([sys.executable, "-c", STUCK_EXPORT, str(tmp_path / "a"),
+                              str(out / "m1")], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"writing\n"
+
+        def hidden() -> list[str]:
+            return sorted(f for f in os.listdir(out) if f.endswith(".export-hf"))
+
+        live = hidden()
+        assert len(live) == 1 and live[0].startswith(f".m1.{child.pid}.")
+        export_hf(tmp_path / "b", out / "m2", progress=False)
+        assert hidden() == live  # a live export's
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert hidden() == live  # left behind by the kill
+    export_cli(str(out / "m3"), "--store", str(tmp_path / "b"))
+    assert hidden() == []
+    assert sorted(os.listdir(out)) == [".notes", "m2", "m3"]
+
+
 def test_finetuned_bf16_checkpoint_exports_its_fp32_masters(tmp_path: Path) -> None:
     """A bf16 checkpoint fine-tuned with `tierstore train` keeps fp32 masters in the store;
     the export writes them cast to bf16 by default, exactly with --dtype fp32, and what it

@@ -19,6 +19,17 @@ without the repository.
   ``nvme.py`` and ``pmem.py`` (junk, or raising ImportError) still imports tierstore, puts and
   gets an entry, and runs ``tierstore demo --help``: nothing imports the bare names. It runs
   under the current interpreter and under the fresh environment's.
+- Every documented way in works from the clone's root and from any other directory, with a
+  regular install (the wheel) and with an editable one (``pip install -e`` of a copy of the
+  sources, into a fresh environment made as above): ``python -m tierstore --help``, a store
+  command, ``python -m tierstore train --help``, the ``tierstore`` script and torchrun's
+  ``-m tierstore``. From the clone's root ``python -m`` puts the working directory first on
+  ``sys.path``, so the source folder ``tierstore/`` is imported rather than the installed
+  copy; its subpackages held by sibling folders (pyproject's package-dir) must resolve there
+  all the same, every module from one tree and none under two names.
+- The source tree's mapping is pyproject's package-dir and nothing else: a subpackage mapped
+  there (one folder inside another's) imports under its own name and not under the name its
+  location would give it; the reader used where tomllib is missing agrees with tomllib.
 """
 
 from __future__ import annotations
@@ -35,19 +46,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tomllib
 
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parent.parent
-# Repository folder -> the package it installs as.
-PACKAGE_DIRS = {
-    "tierstore": "tierstore",
-    "cache": "tierstore.cache",
-    "nvme": "tierstore.nvme",
-    "pmem": "tierstore.pmem",
-    "trainer": "tierstore.trainer",
-    "bench": "tierstore.bench",
-}
+# Package -> the repository folder it installs from (pyproject's package-dir).
+PACKAGE_DIRS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+    "tool"]["setuptools"]["package-dir"]
+# The repository's top-level folders that hold them.
+SOURCE_FOLDERS = sorted({folder.split("/", 1)[0] for folder in PACKAGE_DIRS.values()})
 BARE = ("cache", "nvme", "pmem", "trainer", "bench")
 SOURCE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
 
@@ -64,23 +72,62 @@ def clean_env() -> dict[str, str]:
 def run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=clean_env(), capture_output=True,
                           text=True, timeout=timeout)
+    return succeeded(done)
+
+
+def succeeded(done: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     assert done.returncode == 0, (
-        f"{' '.join(map(str, cmd))} exited {done.returncode}\n"
+        f"{' '.join(map(str, done.args))} exited {done.returncode}\n"
         f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}")
     return done
 
 
+def run_together(cmds: list[list[str]], cwd: Path,
+                 timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
+    """``run`` for commands that do not depend on each other, started at once (each spends
+    its time importing torch)."""
+    procs = [subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=clean_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for cmd in cmds]
+    try:
+        done = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        return [succeeded(d) for d in done]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def repo_packages() -> dict[str, Path]:
-    """Every package in the repository's package folders: dotted name -> folder."""
+    """Every package in the repository's package folders: dotted name -> folder. A folder is
+    named after the innermost package-dir entry that holds it."""
+    mapped = {(ROOT / folder).resolve(): package for package, folder in PACKAGE_DIRS.items()}
     found = {}
-    for folder, package in PACKAGE_DIRS.items():
-        base = ROOT / folder
-        for init in sorted(base.rglob("__init__.py")):
-            rel = init.parent.relative_to(base)
-            if "__pycache__" in rel.parts:
+    for folder in SOURCE_FOLDERS:
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            if "__pycache__" in init.parts:
                 continue
-            found[".".join([package, *rel.parts])] = init.parent
+            here, rel = init.parent.resolve(), []
+            while here not in mapped:
+                rel.insert(0, here.name)
+                here = here.parent
+            found[".".join([mapped[here], *rel])] = init.parent
     return found
+
+
+def copy_sources(dest: Path) -> Path:
+    """The files a build reads, copied to ``dest`` (a clone without git's files)."""
+    dest.mkdir(parents=True)
+    for f in ROOT.iterdir():
+        if f.is_file() and (f.name == "pyproject.toml" or f.name.startswith(("README",
+                                                                                "LICENSE"))):
+            shutil.copy2(f, dest / f.name)
+    for folder in SOURCE_FOLDERS:
+        shutil.copytree(ROOT / folder, dest / folder, ignore=SOURCE_IGNORE)
+    return dest
 
 
 def wheel_path(package: str) -> str:
@@ -91,14 +138,7 @@ def wheel_path(package: str) -> str:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     work = tmp_path_factory.mktemp("wheel")
-    src = work / "src"
-    src.mkdir()
-    for f in ROOT.iterdir():
-        if f.is_file() and (f.name == "pyproject.toml" or f.name.startswith(("README",
-                                                                                "LICENSE"))):
-            shutil.copy2(f, src / f.name)
-    for folder in PACKAGE_DIRS:
-        shutil.copytree(ROOT / folder, src / folder, ignore=SOURCE_IGNORE)
+    src = copy_sources(work / "src")
     out = work / "dist"
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
          "--no-index", "-w", out, src], cwd=work)
@@ -153,10 +193,9 @@ def test_wheel_entry_points_name_modules_it_holds(wheel: Path) -> None:
 
 
 # -- installing -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The python of a fresh environment with the wheel installed (see the module docstring)."""
-    work = tmp_path_factory.mktemp("venv")
+def fresh_environment(work: Path) -> Path:
+    """A new environment that sees the current one's packages but not its tierstore (see the
+    module docstring); its python."""
     env_dir = work / "env"
     run([sys.executable, "-m", "venv", "--without-pip", env_dir], cwd=work)
     python = env_dir / "bin" / "python"
@@ -164,6 +203,14 @@ def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                        cwd=work).stdout.strip())
     deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
     (purelib / "current-environment.pth").write_text("".join(f"{p}\n" for p in deps))
+    return python
+
+
+@pytest.fixture(scope="module")
+def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The python of a fresh environment with the wheel installed (see the module docstring)."""
+    work = tmp_path_factory.mktemp("venv")
+    python = fresh_environment(work)
     run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps",
          "--no-index", wheel], cwd=work)
     try:
@@ -275,3 +322,110 @@ def test_lookalike_modules_in_the_working_directory_are_never_imported(
     finally:
         for store in here.glob("store*"):
             shutil.rmtree(store, ignore_errors=True)
+
+
+# -- every documented way in, from the clone's root and from elsewhere ----------------------
+@pytest.fixture(scope="module")
+def editable_clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """A copy of the sources installed editable into a fresh environment: (python, clone)."""
+    work = tmp_path_factory.mktemp("editable")
+    clone = copy_sources(work / "clone")
+    python = fresh_environment(work)
+    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
+         "--no-build-isolation", "-e", clone], cwd=work)
+    try:
+        yield python, clone
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+MODULE_FILES = textwrap.dedent("""
+    import json, sys
+    import tierstore, tierstore.cache, tierstore.nvme, tierstore.pmem
+    import tierstore.trainer.commands, tierstore.bench.commands
+    print(json.dumps([[n, m.__file__] for n, m in list(sys.modules.items())
+                      if isinstance(getattr(m, "__file__", None), str)]))
+""")
+
+
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+@pytest.mark.parametrize("kind", ["regular", "editable"])
+def test_documented_commands_work_from_the_clone_root_and_elsewhere(
+        kind: str, where: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    if kind == "regular":
+        # The repository itself is the clone whose tierstore/ shadows the installed copy.
+        python, clone = request.getfixturevalue("venv_python"), ROOT
+        installed = python.parent.parent
+    else:
+        python, clone = request.getfixturevalue("editable_clone")
+        installed = clone
+    cwd = clone if where == "root" else tmp_path
+    expected = clone if where == "root" else installed
+
+    store = tmp_path / "store"
+    cmds = [[python, "-m", "tierstore", "--help"],
+            [python, "-m", "tierstore", "init", store, "--slab-size", "8MiB"],
+            [python, "-m", "tierstore", "train", "--help"],
+            [python, "-c", MODULE_FILES]]
+    if where == "root":
+        cmds.append([python.parent / "tierstore", "--help"])
+    if where == "root" and kind == "regular":  # the README's torchrun line
+        cmds.append([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                     "1", "-m", "tierstore", "train", "--help"])
+    top, init, train, modules, *rest = run_together(cmds, cwd)
+    for done in (top, *rest[:1]):
+        for command in ("serve", "fsck", "train", "generate", "bench"):
+            assert command in done.stdout, f"{done.args} does not list {command}"
+    assert init.stdout.startswith(f"created {store}"), init.stdout
+    for done in (train, *rest[1:]):
+        assert "Usage: python -m tierstore train" in done.stdout, done.stdout
+
+    # Every tierstore module from one tree, each under one name only.
+    done = modules
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    ours = [(name, Path(file).resolve()) for name, file in loaded
+            if name == "tierstore" or name.startswith("tierstore.")]
+    assert len(ours) > 20
+    for name, file in ours:
+        assert file.is_relative_to(expected.resolve()), f"{name} was imported from {file}"
+    sources = [tree / folder for tree in {ROOT, clone.resolve()} for folder in SOURCE_FOLDERS]
+    files = [Path(file).resolve() for _, file in loaded]
+    ours_files = {file for _, file in ours}
+    twice = {str(f) for f in files if files.count(f) > 1
+             and (f in ours_files or any(f.is_relative_to(s) for s in sources))}
+    assert not twice, f"modules imported under two names: {twice}"
+
+
+def test_a_subpackage_mapped_in_pyproject_needs_nothing_else(tmp_path: Path) -> None:
+    """One line in package-dir maps a folder inside another mapped folder (as trainer/hf will
+    be), from a source tree; the name its location would give it is refused."""
+    clone = copy_sources(tmp_path / "clone")
+    (clone / "trainer" / "extra").mkdir()
+    (clone / "trainer" / "extra" / "__init__.py").write_text("NAME = 'extra'\n")
+    pyproject = clone / "pyproject.toml"
+    line = '"tierstore.trainer" = "trainer"\n'
+    assert line in pyproject.read_text()
+    pyproject.write_text(pyproject.read_text().replace(
+        line, line + '"tierstore.extra" = "trainer/extra"\n'))
+    script = textwrap.dedent("""
+        import tierstore.cache, tierstore.extra
+        print(tierstore.extra.NAME, tierstore.extra.__file__, tierstore.cache.__file__)
+        try:
+            import tierstore.trainer.extra
+        except ModuleNotFoundError as e:
+            print("refused:", e)
+    """)
+    done = run([sys.executable, "-c", script], cwd=clone)
+    name, extra, cache, *_ = done.stdout.split()
+    assert name == "extra"
+    assert Path(extra) == clone / "trainer" / "extra" / "__init__.py"
+    assert Path(cache) == clone / "cache" / "__init__.py"  # not the editable install's tree
+    assert "refused: No module named 'tierstore.trainer.extra' (tierstore.extra" in done.stdout
+
+
+def test_the_reader_without_tomllib_agrees_with_tomllib(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierstore import _source_tree
+
+    monkeypatch.setattr(_source_tree, "tomllib", None)
+    assert _source_tree.package_dirs(ROOT / "pyproject.toml") == PACKAGE_DIRS
+    assert "tierstore.cache" in PACKAGE_DIRS

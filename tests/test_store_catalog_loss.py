@@ -51,9 +51,8 @@ def t(x: float, n: int = 50_000) -> torch.Tensor:
     return torch.full((n,), x)
 
 
-@pytest.fixture
-def filled(tmp_path: Path) -> Path:
-    path = tmp_path / "st"
+def fill(path: Path) -> Path:
+    """``a`` and ``b`` in snapshot s1, then a later ``a`` and a ``c`` in a slab of its own."""
     with tierstore.open(path, create=True, slab_size="1MiB", host_cache=0) as st:
         st.put("a", t(1.0))
         st.put("b", t(2.0), kind="exp_avg")
@@ -61,6 +60,11 @@ def filled(tmp_path: Path) -> Path:
         st.put("a", t(3.0))
         st.put("c", t(4.0, 400_000))  # needs a slab of its own: made after the snapshot
     return path
+
+
+@pytest.fixture
+def filled(tmp_path: Path) -> Path:
+    return fill(tmp_path / "st")
 
 
 def lose_removed(p: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -103,6 +104,52 @@ def test_empty_or_missing_corpus_is_a_clear_error(tmp_path: Path) -> None:
         load_corpus(tmp_path / "nope")
     with pytest.raises(CorpusError, match="too small"):
         load_corpus(write(tmp_path / "one.txt", b"a"), max_bytes=None)
+
+
+def _special_files(where: Path) -> dict[str, Path]:
+    """A FIFO and a socket at ``where``, and a symbolic link to nothing."""
+    import os
+    import socket
+
+    where.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(where / "fifo")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(where / "sock"))
+    (where / "dangling").symlink_to(where / "nowhere")
+    return {"fifo": where / "fifo", "sock": where / "sock", "dangling": where / "dangling"}
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("fifo", "is a FIFO (named pipe), not a text file or a directory"),
+    ("sock", "is a socket, not a text file"),
+    ("/dev/zero", "is a character device, not a text file"),
+    ("/dev/null", "is a character device, not a text file"),
+    ("dangling", "is a symbolic link to nothing"),
+    ("missing", "does not exist"),
+])
+def test_a_corpus_path_that_is_no_text_says_what_it_is(tmp_path: Path, name: str,
+                                                       says: str) -> None:
+    """Named, a FIFO is refused (reading one would wait for a writer), a device too
+    (/dev/zero never ends), each by what it is, not as missing."""
+    special = _special_files(tmp_path)
+    path = special.get(name, Path(name) if name.startswith("/") else tmp_path / name)
+    with pytest.raises(CorpusError, match=re.escape(f"{str(path)!r} {says}")):
+        load_corpus(path)
+
+
+def test_a_corpus_directory_skips_what_is_no_regular_file(tmp_path: Path) -> None:
+    """Inside a directory, FIFOs, sockets and links to devices are passed over like binary
+    files, without opening (and waiting on) any of them."""
+    _special_files(tmp_path)
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    write(tmp_path / "a.txt", b"alpha " * 200)
+    c = load_corpus(tmp_path, max_bytes=None, val_fraction=0.5)
+    assert c.train_files + c.val_files == ["a.txt", "a.txt"] and c.n_bytes == 1200
+
+
+def test_a_huge_max_bytes_reads_what_there_is(tmp_path: Path) -> None:
+    f = write(tmp_path / "a.txt", b"alpha " * 200)
+    assert load_corpus(f, max_bytes=10**23).n_bytes == 1200  # not a 10**23-byte buffer
 
 
 def test_sampler_batches() -> None:

@@ -6,9 +6,18 @@
 ...     w = st.get("layers.0.experts.3.w1")
 """
 
+# First: imported from a source tree, the subpackages that sibling folders hold are mapped
+# before anything imports them (see _source_tree).
+from . import _source_tree  # noqa: F401
+
+# isort: split
 from . import lab, probes
 from .daemon import RemoteStore, connect
-from .daemon.client import status as daemon_status
+from .daemon.control import probe as probe_daemon
+from .daemon.control import status as daemon_status
+from .daemon.control import stop as stop_daemon
+from .daemon.identity import DaemonIdentityError
+from .daemon.identity import make_private_dir as private_dir
 from .errors import (
     CatalogError,
     CorruptEntryError,
@@ -28,7 +37,7 @@ from .keys import KINDS
 from .local import LocalStore
 from .opening import open_store as open
 from .repair import RepairReport, repair_store
-from .sizes import format_size, parse_size
+from .sizes import format_size, memory_limit, parse_size
 from .tensors import read_buffer
 
 __version__ = "0.1.0"
@@ -39,6 +48,7 @@ __all__ = [
     "Capabilities",
     "CatalogError",
     "CorruptEntryError",
+    "DaemonIdentityError",
     "EntryInfo",
     "EntryNotFoundError",
     "FsckReport",
@@ -62,9 +72,13 @@ __all__ = [
     "daemon_status",
     "format_size",
     "lab",
+    "memory_limit",
     "open",
     "parse_size",
+    "private_dir",
+    "probe_daemon",
     "probes",
     "read_buffer",
     "repair_store",
+    "stop_daemon",
 ]

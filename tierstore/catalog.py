@@ -13,11 +13,14 @@ One LMDB write transaction is the commit point of every change to the store. Sub
 The map is grown on ``MDB_MAP_FULL``; growing needs every transaction of this process
 closed, so all transactions pass a shared gate that the resize takes exclusively.
 
-Caveats. LMDB maps the file and trusts it: a file shorter than its header says would kill the
-process with SIGBUS on the first touch of a missing page, and an empty or foreign file would
-be taken for a new catalog. So an existing catalog is never created on open, and its two
-meta pages are read and checked against the file's length before it is mapped
-(:func:`check_file`). Damage LMDB itself reports surfaces as :class:`CatalogError`.
+Caveats. LMDB maps the file and trusts it: a file that lacks a page its tree references would
+kill the process with SIGBUS on the first touch of that page, and an empty or foreign file
+would be taken for a new catalog. So an existing catalog is never created on open, and its
+meta pages, and where the file is shorter than they say the pages its tree references, are
+read and checked before it is mapped (:func:`check_file`). Damage LMDB itself reports
+surfaces as :class:`CatalogError`. Copies of the catalog (:meth:`Catalog.copy_to`) go to
+the directory that holds it through a descriptor, so a store moved while open keeps them
+beside it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import lmdb
 
 from tierstore.nvme import fsync_dir
 
+from . import lmdb_file
 from .errors import CatalogError, StoreError, StoreFullError
 
 FORMAT_VERSION = 1
@@ -53,58 +57,47 @@ _HEAD = re.compile(rb'\{"dtype":"\w+","shape":\[[\d,]*\],"nbytes":(\d+),"crc":\[
                    rb'"chunk":\d+,"version":(\d+),"seg":(-?\d+),"off":(\d+),"length":(\d+),')
 T = TypeVar("T")
 DATA_FILE = "data.mdb"
-_MAGIC = 0xBEEFC0DE
 # Errors in which LMDB says the file is not what it should be (not misuse, not a full map).
 _DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
            lmdb.VersionMismatchError, lmdb.PanicError, lmdb.BadRslotError, lmdb.DiskError)
 REPAIR_HINT = "run `tierstore fsck --repair STORE` to bring the store back to its latest snapshot"
 
 
-def _meta_page(raw: bytes) -> tuple[int, int, int] | None:
-    """(page size, last page, txnid) of one LMDB meta page, or None if it is not one.
+def check_file(path: str, *, deep: bool = False, label: str | None = None,
+               hint: str = REPAIR_HINT) -> None:
+    """Refuse a catalog that is missing, not LMDB, or lacks a page its tree references.
 
-    The offsets are those of ``MDB_meta`` after the 16-byte page header on a 64-bit build:
-    magic at 16, the page size in the free DB's ``md_pad`` at 40, ``mm_last_pg`` and
-    ``mm_txnid`` at 136 and 144.
-    """
-    if len(raw) < 152:
-        return None
-    magic, _version = struct.unpack_from("<II", raw, 16)
-    psize = struct.unpack_from("<I", raw, 40)[0]
-    last, txnid = struct.unpack_from("<QQ", raw, 136)
-    if magic != _MAGIC or psize < 512 or psize & (psize - 1):
-        return None
-    return psize, last, txnid
-
-
-def check_file(path: str) -> None:
-    """Refuse a catalog that is missing, not LMDB, or shorter than its header says.
-
-    Run before mapping: LMDB would fault (SIGBUS) on the pages a truncated file lacks.
+    Run before mapping: LMDB would fault (SIGBUS) on a page the file lacks. A file as long
+    as its meta page's last page number says holds every page a sound tree references, so
+    only a shorter one has its tree walked (:func:`tierstore.lmdb_file.unreachable`): pages
+    allocated and freed within one transaction are never written, so a sound file may end
+    early. ``deep`` walks the tree of any file, which also finds pages of garbage. Errors
+    call the file ``label`` (its path by default) and end with ``hint``.
     """
     data = os.path.join(path, DATA_FILE)
+    label = label or data
     try:
-        with open(data, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            first = f.read(4096)
-            head = _meta_page(first)
-            second = None
-            if head is not None:
-                f.seek(head[0])
-                second = _meta_page(f.read(4096))
+        fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise CatalogError(f"catalog {data} is missing; {REPAIR_HINT}") from None
+        raise CatalogError(f"catalog {label} is missing; {hint}") from None
     except OSError as e:
-        raise CatalogError(f"catalog {data} cannot be read ({e.strerror})") from None
-    metas = [m for m in (head, second) if m is not None]
-    if not metas:
-        what = "empty" if size == 0 else "not an LMDB catalog (damaged or overwritten)"
-        raise CatalogError(f"catalog {data} is {what}; {REPAIR_HINT}")
-    psize, last, _ = max(metas, key=lambda m: m[2])
-    need = (last + 1) * psize
-    if size < need:
-        raise CatalogError(f"catalog {data} is truncated: {size} bytes where its header "
-                           f"needs {need}; {REPAIR_HINT}")
+        raise CatalogError(f"catalog {label} cannot be read ({e.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        metas = lmdb_file.read_metas(fd)
+        if not metas:
+            what = "empty" if size == 0 else "not an LMDB catalog (damaged or overwritten)"
+            raise CatalogError(f"catalog {label} is {what}; {hint}")
+        meta = lmdb_file.current(metas)
+        problem = None
+        if deep or size < (meta.last_pg + 1) * meta.psize:
+            problem = lmdb_file.unreachable(fd, size, meta)
+    except OSError as e:
+        raise CatalogError(f"catalog {label} cannot be read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    if problem:
+        raise CatalogError(f"catalog {label} {problem}; {hint}")
 
 
 @dataclass
@@ -199,6 +192,15 @@ def ext_key(seg: int, off: int) -> bytes:
     return _EXT.pack(seg, off)
 
 
+class CopyFailed(StoreError):
+    """A commit that asked for a copy of the catalog committed, but the copy failed;
+    ``result`` is what the commit's function returned."""
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 class Gate:
     """Many transactions at once, or one map resize alone."""
 
@@ -246,14 +248,34 @@ def _is_full(e: lmdb.Error) -> bool:
 class Catalog:
     DBS = ("entries", "free", "refs", "segments", "snapshots", "snapentries", "meta")
 
-    def __init__(self, path: str, *, map_size: int = 1 << 30, create: bool = False) -> None:
+    def __init__(self, path: str, *, map_size: int = 1 << 30, create: bool = False,
+                 deep: bool = False, label: str | None = None, hint: str = REPAIR_HINT) -> None:
         """Open the catalog at ``path``; ``create`` makes a new one, and only then may the
-        directory be missing or empty."""
+        directory be missing or empty. ``deep``: check every page the file's tree
+        references first (:func:`check_file`). Errors that say the catalog is damaged call
+        it ``label`` (its data file's path by default) and end with ``hint``."""
+        self.path = path
+        self.label = label or os.path.join(path, DATA_FILE)
+        self.hint = hint
         if create:
             os.makedirs(path, exist_ok=True)
         else:
-            check_file(path)
-        self.path = path
+            check_file(path, deep=deep, label=self.label, hint=hint)
+        # The directory that holds the catalog, where copies named by a relative path go:
+        # through this descriptor, wherever the directory is moved while it is open.
+        self._home = os.open(os.path.dirname(os.path.abspath(path)),
+                             os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._open_env(path, map_size, create)
+        except BaseException:
+            os.close(self._home)
+            raise
+        self._gate = Gate()
+        self._commit = threading.Lock()  # one writer; LMDB would block too, but holding the GIL
+        self._copying = threading.Lock()  # one copy at a time (see copy_to)
+        self._copied: dict[str, int] = {}  # dest -> the transaction its copy was made from
+
+    def _open_env(self, path: str, map_size: int, create: bool) -> None:
         try:
             self.env = lmdb.open(
                 path, map_size=map_size, max_dbs=len(self.DBS), max_readers=1024,
@@ -268,23 +290,22 @@ class Catalog:
         except lmdb.Error as e:
             self.env.close()
             raise self._damaged(e) from e
-        self._gate = Gate()
-        self._commit = threading.Lock()  # one writer; LMDB would block too, but holding the GIL
-        self._copying = threading.Lock()  # one copy at a time (see copy_to)
-        self._copied: dict[str, int] = {}  # dest -> the transaction its copy was made from
 
     def close(self) -> None:
         with self._gate.exclusive():
             self.env.close()
+            if self._home >= 0:
+                os.close(self._home)
+                self._home = -1
 
     # -- transactions ---------------------------------------------------------------
     def _damaged(self, e: lmdb.Error) -> StoreError:
-        where = os.path.join(self.path, DATA_FILE)
+        where = self.label
         if isinstance(e, lmdb.ReadonlyError) or "Permission denied" in str(e):
             return StoreError(f"catalog {where}: permission denied; open the store as the "
                               "user who owns it, or make its files writable")
         if isinstance(e, _DAMAGE) or isinstance(e, lmdb.Error) and "No such file" in str(e):
-            return CatalogError(f"catalog {where} is damaged ({e}); {REPAIR_HINT}")
+            return CatalogError(f"catalog {where} is damaged ({e}); {self.hint}")
         return StoreError(f"catalog {where}: {e}")
 
     @contextlib.contextmanager
@@ -301,7 +322,8 @@ class Catalog:
 
         ``fn`` must only touch the catalog, since it is run again after the map grows.
         ``copy_to`` names a file that receives a copy of the catalog as this commit left
-        it (see :meth:`copy_to`) before this call returns.
+        it (see :meth:`copy_to`) before this call returns; if that copy fails, the commit
+        stands and :class:`CopyFailed` carries ``fn``'s result.
         """
         with contextlib.ExitStack() as held:
             with self._commit:
@@ -323,14 +345,20 @@ class Catalog:
                 # of other threads go on while the catalog is copied and synced.
                 held.enter_context(self._gate.shared())
                 seen = held.enter_context(self.env.begin())
-            self.copy_to(copy_to, seen)
+            try:
+                self.copy_to(copy_to, seen)
+            except StoreError as e:
+                raise CopyFailed(str(e), out) from e
             return out
 
     def copy_to(self, dest: str, txn: lmdb.Transaction | None = None) -> None:
         """Write a compact copy of the catalog as ``txn`` sees it (a fresh read
         transaction if None) to ``dest`` and make it durable; ``dest`` is replaced
-        atomically, so a crash leaves the old copy whole. Copies are made one at a time,
-        and one of an older commit than the copy already at ``dest`` is skipped."""
+        atomically, so a crash leaves the old copy whole. A relative ``dest`` is in the
+        directory that holds the catalog, wherever that directory has been moved since
+        the catalog was opened. Copies are made one at a time, and one of an older commit
+        than the copy already at ``dest`` is skipped. Fails with :class:`StoreError`
+        (:class:`StoreFullError` when the disk is full)."""
         with self._copying:
             with contextlib.ExitStack() as held:
                 if txn is None:
@@ -340,18 +368,46 @@ class Catalog:
                 if self._copied.get(dest, -1) >= seen:
                     return  # a later commit's copy is there already
                 tmp = dest + ".tmp"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
                 try:
-                    self.env.copyfd(fd, compact=True, txn=txn)
-                    os.fsync(fd)
-                except lmdb.Error as e:
-                    raise StoreFullError(f"cannot copy the catalog to {dest}: {e}") if _is_full(e) \
-                        else self._damaged(e) from e
-                finally:
-                    os.close(fd)
-            os.replace(tmp, dest)
-            fsync_dir(os.path.dirname(os.path.abspath(dest)))
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                                 0o644, dir_fd=self._home)
+                    try:
+                        self.env.copyfd(fd, compact=True, txn=txn)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.replace(tmp, dest, src_dir_fd=self._home, dst_dir_fd=self._home)
+                    if os.path.isabs(dest):
+                        fsync_dir(os.path.dirname(dest))
+                    else:
+                        os.fsync(self._home)
+                except (OSError, lmdb.Error) as e:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=self._home)
+                    where = os.path.join(self.home(), dest)
+                    if isinstance(e, lmdb.Error) and not _is_full(e):
+                        raise self._damaged(e) from e
+                    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                    full = _is_full(e) if isinstance(e, lmdb.Error) else \
+                        e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                    raise (StoreFullError if full else StoreError)(
+                        f"cannot save a copy of the catalog at {where}: {text}") from e
             self._copied[dest] = seen
+
+    def has_copy(self, dest: str) -> bool:
+        """Whether ``dest`` (as :meth:`copy_to` takes it) exists."""
+        try:
+            os.stat(dest, dir_fd=self._home)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def home(self) -> str:
+        """Where the directory that holds the catalog is now (moved or not)."""
+        try:
+            return os.readlink(f"/proc/self/fd/{self._home}")
+        except OSError:
+            return os.path.dirname(os.path.abspath(self.path))
 
     def _grow(self) -> None:
         with self._gate.exclusive():

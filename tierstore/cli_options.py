@@ -6,6 +6,7 @@ line. A module of its own, so that command modules need not import ``tierstore.c
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 import click
 
 from .errors import StoreError
+from .media import ALIGNMENT as PAGE  # the host cache's page and the backing tier's unit
 from .sizes import TIMEOUT_RANGE_S, format_size, parse_size
 
 
@@ -35,11 +37,47 @@ class SizeType(click.ParamType):
         return n
 
 
+class CacheSizeType(SizeType):
+    """A host cache's size: 0 (no cache) or at least one 4 KiB page, the cache's unit."""
+
+    name = "size"
+
+    def __init__(self) -> None:
+        super().__init__(minimum=0)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        n = super().convert(value, param, ctx)
+        if 0 < n < PAGE:
+            self.fail(f"{value!r} is less than one {format_size(PAGE)} page; give 0 for no "
+                      f"host cache or at least {PAGE // 1024}KiB", param, ctx)
+        return n
+
+
 SIZE = SizeType()
 #: A size where zero means nothing useful (a pool, a request limit, an entry).
 POSITIVE_SIZE = SizeType(minimum=1)
-#: A slab file's size: at least a page, the backing tier's unit.
-SLAB_SIZE = SizeType(minimum=4096)
+#: At least a page, the backing tier's unit: a slab file's size, a benchmark's entry.
+SLAB_SIZE = SizeType(minimum=PAGE)
+#: A host cache: none (0) or at least a page.
+CACHE_SIZE = CacheSizeType()
+
+
+class FiniteFloat(click.FloatRange):
+    """A number within optional bounds, as click's ``FloatRange``, that is also finite:
+    ``nan`` compares false with every bound, so ``FloatRange`` lets it through (and
+    ``inf`` wherever there is no upper bound)."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        rv = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(rv, param, ctx)
+
+
+#: Any finite number.
+FINITE = FiniteFloat()
 
 
 class SecondsType(click.ParamType):
@@ -143,6 +181,24 @@ class OutputFile(click.Path):
 
 
 OUTPUT_FILE = OutputFile()
+
+
+def new_store_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--backing``, ``--pmem-path``, ``--pmem-size`` and ``--slab-size``: what a command
+    that may make a store makes it with (``tierstore.open``'s options of those names)."""
+    options = [
+        click.option("--backing", type=click.Choice(["nvme", "pmem"]),
+                     help="Backing tier of a new store (default nvme); checked against an "
+                          "existing one."),
+        click.option("--pmem-path", type=OUTPUT_FILE, help="Pool file for --backing pmem."),
+        click.option("--pmem-size", type=POSITIVE_SIZE,
+                     help="Pool size for --backing pmem, e.g. 16GiB."),
+        click.option("--slab-size", type=SLAB_SIZE, default="1GiB", show_default=True,
+                     help="NVMe slab file size of a new store."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 def run_command(fn: Callable[[], int | None]) -> None:

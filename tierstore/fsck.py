@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from tierstore.nvme import holds_data
 
@@ -21,7 +21,8 @@ LOST_FOUND = "lost+found"  # where a repair puts slab files the restored catalog
 def check_store(path: str, cat: Catalog, medium: Medium,
                 verify: Callable[[str, str, Record], None],
                 progress: Callable[[int], None] | None = None,
-                alloc: ExtentAllocator | None = None) -> FsckReport:
+                alloc: ExtentAllocator | None = None,
+                set_aside: Collection[str] = ()) -> FsckReport:
     """Check the store at ``path`` (its catalog and backing medium, both open):
     ``verify(name, kind, record)`` reads a stored version back and raises
     :class:`CorruptEntryError` where its checksums disagree.
@@ -29,7 +30,10 @@ def check_store(path: str, cat: Catalog, medium: Medium,
     On a store in use, pass its ``alloc``: every extent of the catalog's snapshot is then
     leased in the same step as the snapshot is read (under the allocator's lock, as a read
     leases its records), so a write committed meanwhile cannot reuse the space of a version
-    still to be verified, which would read as a false checksum failure."""
+    still to be verified, which would read as a false checksum failure.
+
+    ``set_aside``: files no segment names that a repair is about to move into
+    ``lost+found`` (so not a problem of the store it is making)."""
     leased: list[tuple[int, int]] = []
     try:
         with alloc.lock if alloc is not None else contextlib.nullcontext():
@@ -49,7 +53,9 @@ def check_store(path: str, cat: Catalog, medium: Medium,
                     if rec.seg >= 0:
                         alloc.lease_locked(rec.seg, rec.off)
                         leased.append((rec.seg, rec.off))
-        return _check(path, medium, verify, progress, live, snaps, refs, free, segments)
+        report = _check(path, medium, verify, progress, live, snaps, refs, free, segments)
+        _check_files(report, path, medium, segments, set_aside)
+        return report
     finally:
         for seg, off in leased:
             alloc.unlease(seg, off)  # type: ignore[union-attr]
@@ -121,11 +127,20 @@ def _check(path: str, medium: Medium, verify: Callable[[str, str, Record], None]
         verified += rec.nbytes
         if progress:
             progress(verified)
+    return report
+
+
+def _check_files(report: FsckReport, path: str, medium: Medium, segments: dict[int, int],
+                 set_aside: Collection[str]) -> None:
+    """Slab files missing, and files no segment names."""
     for seg, where in missing_segments(medium).items():
         report.problems.append(f"{where}: slab file of segment {seg} is missing; the entries "
                                "stored there cannot be read")
     for where in orphan_files(medium, segments):
-        if holds_data(where):
+        if where in set_aside:
+            report.notes.append(f"{where}: written after the snapshot; set aside into "
+                                f"{LOST_FOUND}")
+        elif holds_data(where):
             report.problems.append(f"{where}: holds data but no catalog segment names it; the "
                                    "store never reuses it: move it away once you know whose it is")
         else:
@@ -135,4 +150,3 @@ def _check(path: str, medium: Medium, verify: Callable[[str, str, Record], None]
     if os.path.isdir(found) and os.listdir(found):
         report.notes.append(f"{found}: files set aside by a repair; delete them when they "
                             "are no longer wanted")
-    return report

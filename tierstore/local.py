@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -310,11 +310,13 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
                 **status_figures(stats, self._medium.kind, stats["prefetch"].values())}
 
     # -- verification ---------------------------------------------------------------
-    def fsck(self, progress: Callable[[int], None] | None = None) -> FsckReport:
+    def fsck(self, progress: Callable[[int], None] | None = None, *,
+             set_aside: Collection[str] = ()) -> FsckReport:
         """Flush, then verify the backing tier: every checksum (live and snapshot versions),
         the reference counts and the free map. If the flush fails for lack of space, the
         committed state is still verified and the report notes what is unflushed.
-        ``progress`` is called with the bytes verified so far."""
+        ``progress`` is called with the bytes verified so far. ``set_aside``: files a
+        repair is about to move away (:func:`tierstore.fsck.check_store`)."""
         self._check_open()
         unflushed = None
         try:
@@ -323,7 +325,8 @@ class LocalStore(BorrowStage, SnapshotOps, Store):
             unflushed = e
         with self._ops.shared():  # close() waits for the check; writes go on beside it
             report = check_store(self.path, self._catalog, self._medium,
-                                 self._verify_record, progress, alloc=self._alloc)
+                                 self._verify_record, progress, alloc=self._alloc,
+                                 set_aside=set_aside)
         if unflushed is not None:
             dirty = self._cache.stats().dirty_entries if self._cache is not None else 0
             report.notes.append(f"{dirty} entries are only in the host cache: {unflushed}")

@@ -24,11 +24,11 @@ import torch
 
 from tierstore.nvme import ENGINES, fsync_dir
 
-from .catalog import FORMAT_VERSION, REPAIR_HINT, Catalog
+from .catalog import FORMAT_VERSION, Catalog
 from .errors import CatalogError, NotAStoreError, StoreError, StoreLockedError
 from .local import LocalStore
 from .media import ALIGNMENT, Medium, align_up
-from .sizes import format_size, parse_size
+from .sizes import format_size, memory_limit, parse_size
 
 MARKER = "TIERSTORE"
 CATALOG_DIR = "catalog"
@@ -59,12 +59,18 @@ def read_marker(path: str) -> dict[str, Any]:
 
 def write_marker(path: str, meta: dict[str, Any]) -> None:
     """Replace the marker atomically and durably."""
-    tmp = os.path.join(path, MARKER + ".tmp")
+    write_json(path, MARKER, meta)
+
+
+def write_json(path: str, name: str, data: Any) -> None:
+    """Replace ``name`` in the directory ``path`` with ``data`` as JSON, atomically and
+    durably."""
+    tmp = os.path.join(path, name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(meta, f)
+        json.dump(data, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MARKER))
+    os.replace(tmp, os.path.join(path, name))
     fsync_dir(path)
 
 
@@ -74,13 +80,13 @@ def check_identity(path: str, marker: dict[str, Any], catalog: Catalog) -> None:
         fmt = catalog.get_meta(txn, "format")
         backing = catalog.get_meta(txn, "backing")
         sid = catalog.get_meta(txn, "store_id")
-    where = os.path.join(path, CATALOG_DIR)
+    where, hint = catalog.label, catalog.hint
     if fmt is None and backing is None:
         raise CatalogError(f"catalog {where} is empty, so it is not this store's catalog "
-                           f"(lost or replaced); {REPAIR_HINT}")
+                           f"(lost or replaced); {hint}")
     if fmt != marker["format"] or backing != marker["backing"]:
         raise CatalogError(f"catalog {where} belongs to another store (its backing is "
-                           f"{backing}, the marker's {marker['backing']}); {REPAIR_HINT}")
+                           f"{backing}, the marker's {marker['backing']}); {hint}")
     mine = marker.get("store_id")
     if mine is None and sid is None:  # made before stores had ids: give it one now
         sid = uuid.uuid4().hex
@@ -88,7 +94,7 @@ def check_identity(path: str, marker: dict[str, Any], catalog: Catalog) -> None:
         write_marker(path, {**marker, "store_id": sid})
     elif mine != sid:
         raise CatalogError(f"catalog {where} belongs to store {sid}, the marker names store "
-                           f"{mine}; {REPAIR_HINT}")
+                           f"{mine}; {hint}")
 
 
 def lock(path: str) -> int:
@@ -113,6 +119,25 @@ def lock(path: str) -> int:
     return fd
 
 
+def check_free_space(path: str, nbytes: int, what: str, option: str) -> None:
+    """Refuse a file of ``nbytes`` (preallocated whole: a slab, a pool) that the file system
+    which is to hold ``path`` has no room for, before a store that names it is made: it
+    would fail only at the first write, or later, or the size would not even be a number
+    the file system takes."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return  # nothing to tell: the first write says what is wrong
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise StoreError(f"a {format_size(nbytes)} {what} does not fit the "
+                         f"{format_size(free)} free on the file system of {probe}; choose "
+                         f"a smaller {option}")
+
+
 def init_dir(
     path: str, backing: str, slab_size: int | str, pmem_path: Any, pmem_size: Any, map_size: Any
 ) -> None:
@@ -122,6 +147,7 @@ def init_dir(
         conf: dict[str, Any] = {"kind": "nvme", "slab_bytes": align_up(parse_size(slab_size))}
         if conf["slab_bytes"] < ALIGNMENT:
             raise StoreError("slab_size must be at least 4 KiB")
+        check_free_space(path, conf["slab_bytes"], "slab file", "--slab-size / slab_size=")
     elif backing == "pmem":
         if pmem_path is None or pmem_size is None:
             raise StoreError("a pmem store needs pmem_path= (the pool file) and pmem_size=")
@@ -133,6 +159,7 @@ def init_dir(
         # directory that names a pool that cannot exist.
         if pool_bytes < 2 * ALIGNMENT:
             raise StoreError("pmem_size must be at least 8 KiB (a 4 KiB header and data)")
+        check_free_space(conf["pool"], pool_bytes, "pool file", "--pmem-size / pmem_size=")
         if os.path.exists(conf["pool"]):
             raise StoreError(f"{conf['pool']} exists; a new pmem store needs a new pool file")
         parent = os.path.dirname(conf["pool"])
@@ -162,23 +189,13 @@ def init_dir(
                         "created": time.time()})
 
 
-def memory_limit() -> int:
-    """Bytes this process may have resident: the machine's memory, or its cgroup's limit
-    where that is lower."""
-    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(f) as fh:
-                raw = fh.read().strip()
-        except OSError:
-            continue
-        if raw.isdigit():
-            limit = min(limit, int(raw))
-    return limit
-
-
 def check_host_cache(nbytes: int) -> None:
-    """Refuse a host cache the machine cannot hold: it would be swapped or OOM-killed."""
+    """Refuse a host cache of less than its one page (its unit), and one the machine
+    cannot hold: it would be swapped or OOM-killed."""
+    if 0 < nbytes < ALIGNMENT:
+        raise StoreError(f"a host cache of {format_size(nbytes)} is less than one "
+                         f"{format_size(ALIGNMENT)} page; give 0 for no host cache or at "
+                         f"least {ALIGNMENT // 1024}KiB (--host-cache / host_cache=)")
     limit = memory_limit()
     if nbytes > limit:
         raise StoreError(f"a host cache of {format_size(nbytes)} does not fit this machine's "
@@ -265,24 +282,37 @@ def open_store(
     if backing is not None and backing != meta["backing"]["kind"]:
         raise StoreError(f"store {path} is backed by {meta['backing']['kind']}, not {backing}")
     lock_fd = lock(path)
-    catalog = medium = None
+    catalog = None
     try:
         catalog = Catalog(os.path.join(path, CATALOG_DIR), map_size=parse_size(map_size))
         check_identity(path, meta, catalog)
-        with catalog.read() as txn:
-            fresh = not catalog.segments(txn)
-        medium = _make_medium(path, meta["backing"], engine, io_threads, fresh)
-        return LocalStore(path, catalog, medium, chunk_bytes=chunk, lock_fd=lock_fd,
-                     io_threads=io_threads, host_cache=cache_bytes,
-                     policy=policy, policy_args=policy_args, device_budget=device_budget,
-                     cache_arena=cache_arena)
+        return assemble(path, meta, catalog, lock_fd, engine=engine, io_threads=io_threads,
+                        chunk_bytes=chunk, host_cache=cache_bytes, policy=policy,
+                        policy_args=policy_args, device_budget=device_budget,
+                        cache_arena=cache_arena)
     except BaseException as e:
-        if medium is not None:
-            medium.close()
         if catalog is not None:
             catalog.close()
         os.close(lock_fd)
         if isinstance(e, PermissionError):
             raise StoreError(f"{e.filename or path}: permission denied; open the store as the "
                              "user who owns it, or make its files writable") from None
+        raise
+
+
+def assemble(path: str, meta: dict[str, Any], catalog: Catalog, lock_fd: int, *,
+             engine: str = "auto", io_threads: int = 8, chunk_bytes: int = 8 << 20,
+             may_make_pool: bool = True, **options: Any) -> LocalStore:
+    """The store at ``path`` (its marker ``meta``) over ``catalog``, already open and shown
+    to be this store's, holding the lock ``lock_fd``: the store closes both when it closes;
+    if this fails, the caller does. ``may_make_pool``: a pmem store whose catalog names no
+    segment may make its pool. ``options`` go to :class:`LocalStore`."""
+    with catalog.read() as txn:
+        fresh = not catalog.segments(txn)
+    medium = _make_medium(path, meta["backing"], engine, io_threads, fresh and may_make_pool)
+    try:
+        return LocalStore(path, catalog, medium, chunk_bytes=chunk_bytes, lock_fd=lock_fd,
+                          io_threads=io_threads, **options)
+    except BaseException:
+        medium.close()
         raise

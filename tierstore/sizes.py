@@ -1,8 +1,9 @@
-"""Byte sizes as users write them: ``4096``, ``"64MiB"``, ``"2 GiB"``, ``"1.5GB"``; and the
-range a timeout in seconds may take."""
+"""Byte sizes as users write them: ``4096``, ``"64MiB"``, ``"2 GiB"``, ``"1.5GB"``; the
+memory this process may use; and the range a timeout in seconds may take."""
 
 from __future__ import annotations
 
+import os
 import re
 
 _UNITS = {
@@ -40,3 +41,18 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def memory_limit() -> int:
+    """Bytes this process may have resident: the machine's memory, or its cgroup's limit
+    where that is lower."""
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(f) as fh:
+                raw = fh.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            limit = min(limit, int(raw))
+    return limit

@@ -4,18 +4,19 @@ A snapshot takes a reference on every extent the live entries use, so their spac
 reused while it exists; ``restore`` makes the live entries exactly the snapshot's, and
 ``drop_snapshot`` gives back what only the snapshot held. Each snapshot leaves a copy of the
 catalog beside the store (:data:`CATALOG_COPY`): ``tierstore fsck --repair`` comes back to it
-if the live catalog is lost.
+if the live catalog is lost. A snapshot and its copy are one unit (a snapshot whose copy
+fails is dropped again), and the copy lands in the store's directory wherever that has been
+moved while the store is open.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
-from .catalog import Record, entry_key
-from .errors import SnapshotError
+from .catalog import CopyFailed, Record, entry_key
+from .errors import SnapshotError, StoreError, StoreFullError
 from .interface import SnapshotInfo
 from .keys import check_tag
 from .writes import WritePath
@@ -52,7 +53,21 @@ class SnapshotOps(WritePath):
             self._flush()
             # A copy of the catalog as this commit left it: `tierstore fsck --repair` comes
             # back to it if the live catalog is lost (snapshots keep its extents in place).
-            return cat.write(txn_snap, copy_to=os.path.join(self.path, CATALOG_COPY))
+            # It goes to the store's directory through the catalog's descriptor on it, so
+            # a store moved while open keeps its copy beside it. The snapshot and its copy
+            # are one unit: a snapshot whose copy fails is dropped again.
+            try:
+                return cat.write(txn_snap, copy_to=CATALOG_COPY)
+            except CopyFailed as e:
+                try:
+                    self._alloc.release(cat.write(lambda txn: self._drop_txn(txn, tag)))
+                except StoreError as undo:
+                    raise StoreError(f"snapshot {tag!r} was taken, but its catalog copy was "
+                                     f"not saved ({e}) and dropping it again failed ({undo}); "
+                                     "drop it, then take it again") from None
+                full = isinstance(e.__cause__, StoreFullError)  # a full disk stays one
+                raise (StoreFullError if full else StoreError)(
+                    f"snapshot {tag!r} was not taken: {e}") from None
 
     def snapshots(self) -> list[SnapshotInfo]:
         self._check_open()
@@ -104,21 +119,30 @@ class SnapshotOps(WritePath):
         """Forget a snapshot; space only it held becomes free."""
         self._check_open()
         cat = self._catalog
-
-        def txn_drop(txn: Any) -> list[tuple[int, int, int]]:
-            if not txn.delete(tag.encode(), db=cat.db["snapshots"]):
-                raise SnapshotError(f"no snapshot {tag!r}")
-            freed: list[tuple[int, int, int]] = []
-            lead = tag.encode() + b"\0"
-            cur = txn.cursor(db=cat.db["snapentries"])
-            more = cur.set_range(lead)
-            while more and cur.key().startswith(lead):
-                cat.decref(txn, Record.decode(cur.value()), freed)
-                more = cur.delete()  # and on to the next record
-            cat.add_free_many(txn, freed)  # neighbours freed together: one update each run
-            return freed
-
-        copy = os.path.join(self.path, CATALOG_COPY)
         # The copy is refreshed so it never lists a snapshot whose space may be reused.
         with self._ops.shared():
-            self._alloc.release(cat.write(txn_drop, copy_to=copy if os.path.exists(copy) else None))
+            copy = CATALOG_COPY if cat.has_copy(CATALOG_COPY) else None
+            try:
+                self._alloc.release(cat.write(lambda txn: self._drop_txn(txn, tag),
+                                              copy_to=copy))
+            except CopyFailed as e:
+                self._alloc.release(e.result)
+                raise StoreError(f"snapshot {tag!r} was dropped, but the saved catalog copy "
+                                 f"was not refreshed ({e}): it still lists the snapshot, so "
+                                 "`fsck --repair` may refuse it until the next snapshot "
+                                 "saves a new one") from None
+
+    def _drop_txn(self, txn: Any, tag: str) -> list[tuple[int, int, int]]:
+        """Drop snapshot ``tag`` in ``txn``; returns the extents that freed."""
+        cat = self._catalog
+        if not txn.delete(tag.encode(), db=cat.db["snapshots"]):
+            raise SnapshotError(f"no snapshot {tag!r}")
+        freed: list[tuple[int, int, int]] = []
+        lead = tag.encode() + b"\0"
+        cur = txn.cursor(db=cat.db["snapentries"])
+        more = cur.set_range(lead)
+        while more and cur.key().startswith(lead):
+            cat.decref(txn, Record.decode(cur.value()), freed)
+            more = cur.delete()  # and on to the next record
+        cat.add_free_many(txn, freed)  # neighbours freed together: one update each run
+        return freed

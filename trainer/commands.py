@@ -10,7 +10,15 @@ from typing import Any
 
 import click
 
-from tierstore.cli_options import DEVICE, OUTPUT_FILE, POSITIVE_SIZE, SIZE, SLAB_SIZE
+from tierstore.cli_options import (
+    CACHE_SIZE,
+    DEVICE,
+    OUTPUT_FILE,
+    POSITIVE_SIZE,
+    SIZE,
+    FiniteFloat,
+    new_store_options,
+)
 from tierstore.cli_options import run_command as _run
 
 DEFAULT_DEMO_STORE = "demo-store"
@@ -160,7 +168,8 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
 @click.option("--connect", "connect", type=click.Path(dir_okay=False),
               help="Instead of --store: train over the store a `tierstore serve` daemon owns, "
                    "through its socket (the daemon's host cache and backing are used; "
-                   "--host-cache, --backing, --pmem-* and --slab-size do not apply).")
+                   "--host-cache, --backing, --pmem-* and --slab-size do not apply, and "
+                   "under --distributed are checked against that daemon's).")
 @click.option("--resident", is_flag=True,
               help="Train the same model with everything in memory as plain torch modules "
                    "(the reference and the performance baseline).")
@@ -182,14 +191,9 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
                    "Peak RSS stays within the dense states + --host-cache + this + a fixed "
                    "overhead (docs/trainer.md). Default: unbounded on the CPU, the store's "
                    "share of a GPU.")
-@click.option("--host-cache", type=SIZE, default="1GiB", show_default=True,
+@click.option("--host-cache", type=CACHE_SIZE, default="1GiB", show_default=True,
               help="Host-memory cache in front of the backing tier (0: none).")
-@click.option("--backing", type=click.Choice(["nvme", "pmem"]),
-              help="Backing tier of a new store (default nvme); checked against an existing one.")
-@click.option("--pmem-path", type=OUTPUT_FILE, help="Pool file for --backing pmem.")
-@click.option("--pmem-size", type=POSITIVE_SIZE, help="Pool size for --backing pmem, e.g. 16GiB.")
-@click.option("--slab-size", type=SLAB_SIZE, default="1GiB", show_default=True,
-              help="NVMe slab file size of a new store.")
+@new_store_options
 @click.option("--fetch", type=click.Choice(["auto", "queue", "direct"]), default="auto",
               show_default=True,
               help="How experts reach the device: the prefetch queue (next layer predicted from "
@@ -213,7 +217,8 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Read at most this much of the corpus (0: all of it) [8MiB].")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Sequences per micro-batch [8].")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence [128].")
-@click.option("--lr", type=float, help="Peak learning rate [3e-3; fine-tunes want far less].")
+@click.option("--lr", type=FiniteFloat(min=0),
+              help="Peak learning rate [3e-3; fine-tunes want far less].")
 @click.option("--grad-accum", type=click.IntRange(min=1), help="Micro-batches per step [1].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]),
               help="Compute dtype (master weights and optimizer states stay fp32) [float32].")
@@ -223,8 +228,9 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Train with expert parallelism across the ranks torchrun started (torchrun "
                    "--nproc-per-node R -m tierstore train --distributed ...): --store is this "
                    "node's store, served to the node's ranks by one daemon that local rank 0 "
-                   "starts; --batch-size is per rank. See the README's 'Training on several "
-                   "machines'.")
+                   "starts with --host-cache and the store options; --batch-size is per "
+                   "rank; --device-budget and --fetch queue do not apply. See the README's "
+                   "'Training on several machines'.")
 @click.option("--paradigm", type=click.Choice(["auto", "token", "data"]), default="auto",
               show_default=True,
               help="--distributed: send tokens to the experts' owners (token), pull experts to "
@@ -263,6 +269,12 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
     tierstore train --store mixtral --steps 100 --corpus notes/ --lr 1e-5 --host-cache 4GiB
     torchrun --nproc-per-node 2 -m tierstore train --distributed --store node --steps 100
     """
+    # As `tierstore init` has it: an option of the other backing is a mistake, never ignored.
+    if (pmem_path is not None or pmem_size is not None) and backing != "pmem":
+        raise click.UsageError("--pmem-path and --pmem-size go with --backing pmem")
+    if backing == "pmem" and _given(click.get_current_context().get_parameter_source,
+                                    "slab_size", slab_size) is not None:
+        raise click.UsageError("--slab-size goes with NVMe stores, not --backing pmem")
     if distributed:
         if resident or trace is not None:
             raise click.UsageError("--distributed trains over the node stores: drop "
@@ -270,6 +282,12 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
         if store is None:
             raise click.UsageError("--distributed needs --store (this node's store; with "
                                    "--connect, the store that daemon serves)")
+        if device_budget is not None or fetch == "queue":
+            # The distributed trainer reads a step's experts with get_many (--fetch direct)
+            # and sizes nothing by a budget: refused rather than ignored.
+            raise click.UsageError("--device-budget and --fetch queue do not apply to "
+                                   "--distributed, which reads the experts each step needs "
+                                   "with get_many (--fetch direct) and has no step budget")
     elif paradigm != "auto" or credits is not None or run_dir is not None or hierarchical:
         raise click.UsageError("--paradigm, --credits, --hierarchical-a2a and --run-dir go "
                                "with --distributed")
@@ -294,8 +312,13 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
             if distributed:
                 from tierstore.trainer.dist.cli import run_distributed
 
+                given = click.get_current_context().get_parameter_source
                 run_distributed(store=store, connect=connect, run_dir=run_dir, model=model,
-                                steps=steps, seed=seed, host_cache=host_cache,
+                                steps=steps, seed=seed,
+                                daemon={"host_cache": _given(given, "host_cache", host_cache),
+                                        "backing": backing, "pmem_path": pmem_path,
+                                        "pmem_size": pmem_size,
+                                        "slab_size": _given(given, "slab_size", slab_size)},
                                 paradigm=paradigm, credits=credits,
                                 hierarchical=hierarchical,
                                 checkpoint_every=checkpoint_every, resume=resume,
@@ -316,6 +339,11 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
     _run(go)
 
 
+def _given(source: Any, name: str, value: Any) -> Any:
+    """``value`` where the option was given, None where it is its default."""
+    return None if source(name) == click.core.ParameterSource.DEFAULT else value
+
+
 @click.command()
 @click.option("--store", "store", type=click.Path(exists=True, file_okay=False),
               help="A store holding a model (`tierstore import-hf`, or a `tierstore train` run).")
@@ -330,9 +358,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
               help="Tokens to generate per prompt at most (fewer once a prompt reaches an "
                    "end-of-sequence token).")
 @click.option("--greedy", is_flag=True, help="Take the most likely token (default: sample).")
-@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0,
+@click.option("--temperature", type=FiniteFloat(min=0, min_open=True), default=1.0,
               show_default=True, help="Sampling temperature.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0,
               show_default=True, help="Sample from the smallest set of tokens whose probability "
                                       "reaches this.")
 @click.option("--seed", type=int, help="Sampling seed (the same seed gives the same tokens).")
@@ -353,7 +381,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                    "needed, nothing kept.")
 @click.option("--device", type=DEVICE, default="auto", show_default=True,
               help="cpu, cuda, cuda:N (auto: cuda if available).")
-@click.option("--host-cache", type=SIZE,
+@click.option("--host-cache", type=CACHE_SIZE,
               help="Host-memory cache in front of the backing tier (default: the store's, 1GiB).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="CPU compute threads (default: torch's; on a CPU device, ring and expert "

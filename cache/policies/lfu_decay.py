@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -101,8 +102,8 @@ class LfuDecayPolicy(_HeapPolicy):
             raise ValueError(f"beta must be in (0, 1), got {beta}")
         if int(period) < 1:
             raise ValueError(f"period must be >= 1, got {period}")
-        if theta < 0:
-            raise ValueError(f"theta must be >= 0, got {theta}")
+        if not 0 <= theta < math.inf:  # false for nan too
+            raise ValueError(f"theta must be a finite number >= 0, got {theta}")
         if int(ghost_size) < 0:
             raise ValueError(f"ghost_size must be >= 0, got {ghost_size}")
         if turn != 0 and not turn >= 1:

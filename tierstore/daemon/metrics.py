@@ -1,152 +1,156 @@
-"""Prometheus text-format metrics and a health check on a loopback HTTP port.
+"""Prometheus metrics and a health check on a loopback HTTP port, through prometheus_client.
 
-``GET /metrics`` answers in the Prometheus text exposition format (version 0.0.4);
-``GET /healthz`` answers ``200 ok`` while the daemon serves and ``503`` once it is stopping.
-The listener binds 127.0.0.1 only: the daemon has no other network listener.
+Each daemon has a registry of its own (``DaemonRegistry``), never the library's process-wide
+default one: a process that runs a daemon in a thread (the tests, an embedding application)
+keeps its metrics apart. It holds the request-latency histogram, which the server observes
+as it serves, and a collector that reads the daemon's status at each scrape: the store and its
+cache keep the counts, so they are read, not counted twice.
+
+``GET /metrics`` is prometheus_client's own handler: the text format (version 0.0.4), or
+OpenMetrics to a scraper that asks for it, gzip where accepted, ``name[]`` to select. ``GET
+/healthz`` answers ``200 ok`` while the daemon serves and ``503`` once it is stopping. The
+listener binds 127.0.0.1 only: the daemon has no other network listener.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterator
+from http.server import ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlparse
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import MetricsHandler
+from prometheus_client.registry import Collector
 
 #: Request latency histogram buckets, seconds (upper bounds; +Inf is implied).
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
            0.5, 1.0, 2.5, 5.0, 10.0)
 
+Status = dict[str, Any]
 
-class Histogram:
-    """Cumulative latency histograms, one per label value (the request's op)."""
+# name, help, type, the value in the daemon's status (see ``Server.status``).
+_SCALARS: tuple[tuple[str, str, str, Callable[[Status], float]], ...] = (
+    ("tierstore_up", "1 while the daemon serves.", "gauge", lambda s: 1),
+    ("tierstore_clients", "Connected client processes.", "gauge", lambda s: s["clients"]),
+    ("tierstore_connections", "Open client connections.", "gauge",
+     lambda s: s["connections"]),
+    ("tierstore_open_connections", "Open connections of every kind (clients, status probes, "
+     "connections yet to say hello).", "gauge", lambda s: s["open_connections"]),
+    ("tierstore_max_connections", "The daemon's --max-connections.", "gauge",
+     lambda s: s["max_connections"]),
+    ("tierstore_leases", "Cache slots leased to clients (pinned until released).", "gauge",
+     lambda s: s["leases"]),
+    ("tierstore_cache_hits_total", "Host cache hits.", "counter",
+     lambda s: _cache(s).get("hits", 0)),
+    ("tierstore_cache_misses_total", "Host cache misses.", "counter",
+     lambda s: _cache(s).get("misses", 0)),
+    ("tierstore_cache_hit_rate", "Host cache hits / accesses since start.", "gauge",
+     lambda s: _cache(s).get("hit_rate", 0.0)),
+    ("tierstore_cache_evictions_total", "Host cache evictions.", "counter",
+     lambda s: _cache(s).get("evictions", 0)),
+    ("tierstore_cache_dirty_entries", "Cache entries not yet written back.", "gauge",
+     lambda s: _cache(s).get("dirty_entries", 0)),
+    ("tierstore_requests_in_flight", "Requests the daemon is serving now.", "gauge",
+     lambda s: s["queues"]["requests_in_flight"]),
+    ("tierstore_prefetch_stall_seconds_total", "Time clients' acquire() waited on transfers.",
+     "counter", lambda s: s["stall_s"]),
+)
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._series: dict[str, list[float]] = {}  # counts per bucket + [+Inf, sum]
+# name, help, type, label, the {label value: value} in the daemon's status.
+_LABELLED: tuple[tuple[str, str, str, str, Callable[[Status], dict[str, float]]], ...] = (
+    ("tierstore_tier_bytes", "Bytes held per tier (host: cache resident, device: clients' "
+     "prefetched copies, backing: committed entries).", "gauge", "tier",
+     lambda s: s["tier_bytes"]),
+    ("tierstore_tier_read_bytes_total", "Bytes read from the backing tier.", "counter", "tier",
+     lambda s: {t: v["bytes_read"] for t, v in s["tiers"].items()}),
+    ("tierstore_tier_written_bytes_total", "Bytes written to the backing tier.", "counter",
+     "tier", lambda s: {t: v["bytes_written"] for t, v in s["tiers"].items()}),
+    ("tierstore_prefetch_queue_depth", "Clients' prefetch requests by state.", "gauge", "state",
+     lambda s: {st: s["queues"][f"prefetch_{st}"] for st in ("queued", "in_flight",
+                                                              "resident")}),
+)
 
-    def observe(self, label: str, seconds: float) -> None:
-        i = bisect.bisect_left(BUCKETS, seconds)
-        with self._lock:
-            s = self._series.get(label)
-            if s is None:
-                s = self._series[label] = [0.0] * (len(BUCKETS) + 2)
-            s[i] += 1
-            s[-1] += seconds
-
-    def snapshot(self) -> dict[str, list[float]]:
-        with self._lock:
-            return {k: list(v) for k, v in self._series.items()}
-
-
-def render(name: str, help_text: str, histogram: Histogram, label: str) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-    for value, s in sorted(histogram.snapshot().items()):
-        running = 0.0
-        for bound, count in zip(BUCKETS, s):
-            running += count
-            lines.append(f'{name}_bucket{{{label}="{value}",le="{bound}"}} {running:.0f}')
-        running += s[len(BUCKETS)]
-        lines.append(f'{name}_bucket{{{label}="{value}",le="+Inf"}} {running:.0f}')
-        lines.append(f'{name}_sum{{{label}="{value}"}} {s[-1]:.9f}')
-        lines.append(f'{name}_count{{{label}="{value}"}} {running:.0f}')
-    return lines
-
-
-def gauge(name: str, help_text: str, samples: list[tuple[dict[str, str], float]],
-          kind: str = "gauge") -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    for labels, value in samples:
-        text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        lines.append(f"{name}{{{text}}} {_num(value)}" if text else f"{name} {_num(value)}")
-    return lines
-
-
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+_FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
 
-def _num(v: float) -> str:
-    if isinstance(v, int):
-        return str(v)
-    return repr(float(v))
+def _cache(status: Status) -> dict[str, Any]:
+    return status.get("cache") or {}
 
 
-def exposition(status: dict[str, Any], latency: Histogram) -> str:
-    """The daemon's metrics from its status (see ``Server.status``)."""
-    cache = status.get("cache") or {}
-    out: list[str] = []
-    out += gauge("tierstore_up", "1 while the daemon serves.", [({}, 1)])
-    out += gauge("tierstore_clients", "Connected client processes.",
-                 [({}, status["clients"])])
-    out += gauge("tierstore_connections", "Open client connections.",
-                 [({}, status["connections"])])
-    out += gauge("tierstore_open_connections", "Open connections of every kind (clients, "
-                 "status probes, connections yet to say hello).",
-                 [({}, status["open_connections"])])
-    out += gauge("tierstore_max_connections", "The daemon's --max-connections.",
-                 [({}, status["max_connections"])])
-    out += gauge("tierstore_leases", "Cache slots leased to clients (pinned until released).",
-                 [({}, status["leases"])])
-    out += gauge("tierstore_cache_hits_total", "Host cache hits.",
-                 [({}, cache.get("hits", 0))], "counter")
-    out += gauge("tierstore_cache_misses_total", "Host cache misses.",
-                 [({}, cache.get("misses", 0))], "counter")
-    out += gauge("tierstore_cache_hit_rate", "Host cache hits / accesses since start.",
-                 [({}, cache.get("hit_rate", 0.0))])
-    out += gauge("tierstore_cache_evictions_total", "Host cache evictions.",
-                 [({}, cache.get("evictions", 0))], "counter")
-    out += gauge("tierstore_cache_dirty_entries", "Cache entries not yet written back.",
-                 [({}, cache.get("dirty_entries", 0))])
-    out += gauge("tierstore_tier_bytes", "Bytes held per tier (host: cache resident, device: "
-                 "clients' prefetched copies, backing: committed entries).",
-                 [({"tier": t}, v) for t, v in status["tier_bytes"].items()])
-    out += gauge("tierstore_tier_read_bytes_total", "Bytes read from the backing tier.",
-                 [({"tier": t}, v["bytes_read"]) for t, v in status["tiers"].items()],
-                 "counter")
-    out += gauge("tierstore_tier_written_bytes_total", "Bytes written to the backing tier.",
-                 [({"tier": t}, v["bytes_written"]) for t, v in status["tiers"].items()],
-                 "counter")
-    q = status["queues"]
-    out += gauge("tierstore_requests_in_flight", "Requests the daemon is serving now.",
-                 [({}, q["requests_in_flight"])])
-    out += gauge("tierstore_prefetch_queue_depth", "Clients' prefetch requests by state.",
-                 [({"state": s}, q[f"prefetch_{s}"]) for s in ("queued", "in_flight",
-                                                               "resident")])
-    out += gauge("tierstore_prefetch_stall_seconds_total",
-                 "Time clients' acquire() waited on transfers.",
-                 [({}, status["stall_s"])], "counter")
-    out += render("tierstore_request_duration_seconds",
-                  "Time to serve a request, by operation.", latency, "op")
-    return "\n".join(out) + "\n"
+class _StatusCollector(Collector):
+    """The daemon's figures, read from its status once per scrape."""
+
+    def __init__(self, status: Callable[[], Status]) -> None:
+        self._status = status
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples: what the registry checks names against and what
+        ``name[]`` selects from."""
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self._status())
+
+    @staticmethod
+    def _families(s: Status | None) -> Iterator[Metric]:
+        for name, help_text, kind, read in _SCALARS:
+            family = _FAMILIES[kind](name, help_text, labels=[])
+            if s is not None:
+                family.add_metric([], read(s))
+            yield family
+        for name, help_text, kind, label, read_all in _LABELLED:
+            family = _FAMILIES[kind](name, help_text, labels=[label])
+            for value, figure in (read_all(s) if s is not None else {}).items():
+                family.add_metric([value], figure)
+            yield family
+
+
+class DaemonRegistry(CollectorRegistry):
+    """One daemon's metrics: its status at each scrape and its request latencies."""
+
+    def __init__(self, status: Callable[[], Status]) -> None:
+        super().__init__()
+        self._latency = Histogram("tierstore_request_duration_seconds",
+                                  "Time to serve a request, by operation.", ["op"],
+                                  buckets=BUCKETS, registry=self)
+        self._ops: dict[str, Any] = {}  # op -> its labelled histogram, looked up once
+        self.register(_StatusCollector(status))
+
+    def observe(self, op: str, seconds: float) -> None:
+        child = self._ops.get(op)
+        if child is None:  # labels() returns one child per op, so a race is harmless
+            child = self._ops[op] = self._latency.labels(op)
+        child.observe(seconds)
 
 
 class MetricsServer:
     """The loopback HTTP listener; ``port`` 0 picks a free port (see ``.port``)."""
 
-    def __init__(self, port: int, text: Callable[[], str], healthy: Callable[[], bool]) -> None:
-        class Handler(BaseHTTPRequestHandler):
+    def __init__(self, port: int, registry: CollectorRegistry,
+                 healthy: Callable[[], bool]) -> None:
+        class Handler(MetricsHandler):  # the library's /metrics; it logs nothing
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                path = self.path.split("?", 1)[0]
+                path = urlparse(self.path).path
                 if path == "/metrics":
-                    self._send(200, text(), "text/plain; version=0.0.4; charset=utf-8")
+                    super().do_GET()
                 elif path == "/healthz":
                     ok = healthy()
-                    self._send(200 if ok else 503, "ok\n" if ok else "stopping\n", "text/plain")
+                    self._send(200 if ok else 503, "ok\n" if ok else "stopping\n")
                 else:
-                    self._send(404, "not found\n", "text/plain")
+                    self._send(404, "not found\n")
 
-            def _send(self, code: int, body: str, ctype: str) -> None:
+            def _send(self, code: int, body: str) -> None:
                 data = body.encode()
                 self.send_response(code)
-                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 
-            def log_message(self, *args: Any) -> None:  # scrapes are not worth a log line
-                pass
-
+        Handler.registry = registry
         self._http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]

@@ -68,7 +68,7 @@ from tierstore.cache.slab import PAGE
 from ..errors import StoreError
 from ..interface import status_figures
 from ..local import LocalStore
-from ..opening import check_host_cache, open_store
+from ..opening import check_host_cache, open_store, read_marker
 from ..sizes import TIMEOUT_RANGE_S, format_size, parse_size
 from . import protocol as P
 from .handlers import HANDLERS, OpHandlers
@@ -81,7 +81,7 @@ from .intake import (
     admit,
     inflight_limit,
 )
-from .metrics import Histogram, MetricsServer, exposition
+from .metrics import DaemonRegistry, MetricsServer
 from .shared_cache import SharedCache
 
 # A connection costs a thread; more are answered with an error and closed
@@ -124,6 +124,8 @@ class Server(OpHandlers):
         send_timeout_s: float = SEND_TIMEOUT_S,
         create: bool = False,
         policy: str = "lfu-decay",
+        for_run: bool = False,
+        store_options: dict[str, Any] | None = None,
         log: Callable[[str], Any] | None = None,
     ) -> None:
         self.socket_path = os.path.abspath(socket_path)
@@ -159,14 +161,24 @@ class Server(OpHandlers):
         # The store lock decides which daemon owns the store, before the socket is touched,
         # so a refused second daemon never disturbs the first one's socket.
         try:
+            # ``store_options``: backing, pmem_path, pmem_size, slab_size (tierstore.open's).
+            options = {k: v for k, v in (store_options or {}).items() if v is not None}
             self.store: LocalStore = open_store(store_path, create=create, host_cache=cap,
-                                                policy=policy, cache_arena=self._shared.arena)
+                                                policy=policy, cache_arena=self._shared.arena,
+                                                **options)
         except BaseException:
             self._shared.close()
             raise
         cache = self.store.internals.cache
         assert cache is not None
         self._shared.attach(cache)
+        # What a client checks before it uses this daemon (``identity.py``): the store it
+        # serves, and whether a training run started it (the run that finishes stops it).
+        marker = read_marker(self.store.path)
+        self.identity: dict[str, Any] = {
+            "store_realpath": os.path.realpath(self.store.path),
+            "store_id": marker.get("store_id"), "store_backing": marker["backing"],
+            "for_run": for_run}
         self._stop = threading.Event()
         self._conns: dict[int, Conn] = {}
         self._conns_lock = threading.Lock()
@@ -174,7 +186,7 @@ class Server(OpHandlers):
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
         self._reports: dict[str, dict[str, Any]] = {}
-        self._latency = Histogram()
+        self._registry = DaemonRegistry(lambda: P.jsonable(self.status()))
         self._started = time.time()
         self._listener: socket.socket | None = None
         self.metrics: MetricsServer | None = None
@@ -188,7 +200,7 @@ class Server(OpHandlers):
 
     def _serve_metrics(self, port: int) -> MetricsServer:
         try:
-            return MetricsServer(port, self.metrics_text, lambda: not self._stop.is_set())
+            return MetricsServer(port, self._registry, lambda: not self._stop.is_set())
         except OSError as e:
             raise StoreError(f"cannot serve metrics on 127.0.0.1:{port}: "
                              f"{e.strerror or e}") from None
@@ -472,7 +484,7 @@ class Server(OpHandlers):
             if counted:
                 with self._in_flight_lock:
                     self._in_flight -= 1
-            self._latency.observe(_OP_NAMES[op], time.perf_counter() - t0)
+            self._registry.observe(_OP_NAMES[op], time.perf_counter() - t0)
         if out is None:
             return None
         if isinstance(out, tuple):
@@ -517,15 +529,14 @@ class Server(OpHandlers):
             "open_connections": len(conns), "max_connections": self.max_connections,
             "leases": sum(c["leases"] for c in clients.values()),
             "client_list": list(clients.values()),
+            "run": self.claimed_by(),
+            **self.identity,
             **figures,
             "queues": {"requests_in_flight": self._in_flight,
                        "request_bytes_held": self._budget.used,
                        "request_bytes_limit": self._budget.limit,
                        **figures["queues"]},
         }
-
-    def metrics_text(self) -> str:
-        return exposition(P.jsonable(self.status()), self._latency)
 
     def describe(self) -> str:
         port = f", metrics on http://127.0.0.1:{self.metrics.port}/metrics" if self.metrics else ""

@@ -59,7 +59,7 @@ from .collectives import all_reduce_sum_, sum_over_ranks
 from .exchange import ExpertParallel, choose_paradigms, janus_ratio
 from .faults import FaultWatch
 from .owned import OwnedExperts
-from .sidecar import default_run_dir, start_node_daemon
+from .sidecar import DaemonSettings, default_run_dir, start_node_daemon
 from .world import (
     AgreedError,
     DistributedError,
@@ -82,7 +82,11 @@ def train_distributed(
     store_path: PathLike,
     run_dir: PathLike | None = None,
     connect: str | None = None,
-    host_cache: int = 256 << 20,
+    host_cache: int | None = 256 << 20,
+    backing: str | None = None,
+    pmem_path: PathLike | None = None,
+    pmem_size: int | None = None,
+    slab_size: int | None = None,
     paradigm: str = "auto",
     credits: int | None = None,
     hierarchical: bool = False,
@@ -102,6 +106,10 @@ def train_distributed(
     ``store_path`` is this node's store (created if missing) and ``run_dir`` its run
     directory (default ``store_path + '.run'``): the daemon's socket and log, and the
     checkpoint manifests. ``connect`` uses a daemon the user runs instead of starting one.
+    ``host_cache``, ``backing``, ``pmem_path``, ``pmem_size`` and ``slab_size`` are the
+    node daemon's and its store's (``tierstore serve``'s options; None: not asked, and a
+    daemon or store already there is not checked for it); one that differs from what is
+    there is refused.
     ``train.batch_size`` is the per-rank batch; the global batch is W times it.
     ``model=None`` with ``resume`` continues the run the stores hold with its own model,
     hyperparameters (the per-rank batch being its global batch over W) and seed
@@ -125,12 +133,14 @@ def train_distributed(
             + " ".join(str(e).split("\n")[0].split())[:200] + "): a rank failed or did not "
             "start (its node's torchrun output says which); rerun with --resume") from None
     run = Path(run_dir) if run_dir is not None else default_run_dir(store_path)
+    settings = DaemonSettings(host_cache, backing, None if pmem_path is None
+                              else os.fspath(pmem_path), pmem_size, slab_size)
     # From here on a rank that fails tells the others, and they end with one line naming
     # it instead of gloo's traceback, or instead of waiting on it (:mod:`.faults`).
     watch = FaultWatch.start(world)
     try:
-        daemon = start_node_daemon(world, store_path, run, host_cache, connect)
-        store = tierstore.connect(daemon.socket)
+        daemon = start_node_daemon(world, store_path, run, settings, connect)
+        store = daemon.connect()
     except BaseException as e:
         raise watch.failed(e) from None
     finished = False

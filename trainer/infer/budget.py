@@ -46,6 +46,27 @@ def too_small(what: str, need: int, budget: int, option: str = DEVICE_BUDGET) ->
                        f"least {fmt(need)}", option, need, what)
 
 
+def device_memory(device: torch.device) -> int:
+    """The memory a run on ``device`` has: a GPU's, or on the CPU what this process may
+    have resident (:func:`tierstore.memory_limit`)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return tierstore.memory_limit()
+
+
+def check_budget_fits(device_budget: int | None, device: torch.device) -> None:
+    """Refuse a device budget larger than the device's memory (on the CPU, the machine's):
+    nothing it promises could hold, and what it admits would be swapped or OOM-killed."""
+    if device_budget is None:
+        return
+    memory = device_memory(device)
+    if device_budget > memory:
+        fmt = tierstore.format_size
+        place = "this machine" if device.type == "cpu" else str(device)
+        raise BudgetError(f"{DEVICE_BUDGET} {fmt(device_budget)} is more than {place}'s "
+                          f"{fmt(memory)} of memory; lower it", DEVICE_BUDGET)
+
+
 def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
     """Bytes of :class:`trainer.model.KVCache` for ``batch`` sequences of ``max_len``."""
     per = torch.empty(0, dtype=dtype).element_size()

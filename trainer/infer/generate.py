@@ -16,6 +16,7 @@ caller's choice; :func:`make_source` builds one by name.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -29,7 +30,13 @@ from torch import Tensor
 import tierstore
 
 from ..model import ExpertSource, ExpertWeights, MoEModel, expert_names
-from .budget import BudgetError, generation_budget, peak_rss_bytes, pooled_host_cache
+from .budget import (
+    BudgetError,
+    check_budget_fits,
+    generation_budget,
+    peak_rss_bytes,
+    pooled_host_cache,
+)
 from .device_queue import DeviceClock, host_cache_bytes, queue_budget
 from .loading import stop_tokens
 from .sources import OnDemandSource, ResidentSource
@@ -179,16 +186,43 @@ def pad_left(prompts: Sequence[Sequence[int]], pad_id: int,
     return ids.to(device), mask.to(device)
 
 
+class NonFiniteLogitsError(tierstore.StoreError):
+    """The model computed NaN or infinite logits: no token can be chosen from them."""
+
+
+def check_logits(logits: Tensor, step: int) -> None:
+    """Refuse logits ``[B, V]`` that are not all finite, naming the first such row: they
+    come from weights holding NaN or infinite values (or a computation they overflow), and
+    a token chosen from them would be noise, or a sampler's failure, never an answer."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return
+    row = int((~finite).nonzero()[0, 0])
+    what = "NaN" if bool(logits[row].isnan().any()) else "infinite"
+    at = "the prompt" if step == 0 else f"generated token {step}"
+    raise NonFiniteLogitsError(
+        f"the model computed {what} logits for prompt {row} after {at}: its weights hold "
+        "NaN or infinite values (a diverged training run, or a damaged import); generate "
+        "from a sound checkpoint")
+
+
 def next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_p: float,
                 generator: torch.Generator | None) -> Tensor:
-    """One token per row of ``logits`` ``[B, V]``."""
+    """One token per row of ``logits`` ``[B, V]`` (finite: see :func:`check_logits`)."""
     if greedy:
         return logits.argmax(dim=-1)
-    if temperature <= 0:
-        raise tierstore.StoreError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise tierstore.StoreError(f"temperature must be a finite number above 0, "
+                                   f"got {temperature}")
     if not 0 < top_p <= 1:
         raise tierstore.StoreError(f"top_p must be in (0, 1], got {top_p}")
-    scores = logits.float() / temperature
+    # Shifted so that the largest score is 0 before the division, and divided by no less
+    # than fp32's smallest normal number (a smaller temperature is 0 in fp32, and 0/0 is
+    # NaN): a temperature so small that the scores overflow leaves the most likely tokens
+    # at 0 and the rest at -inf, which is what sampling at it is, greedy.
+    scores = logits.float()
+    tiny = torch.finfo(scores.dtype).tiny
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / max(temperature, tiny)
     if top_p < 1.0:
         # transformers' top-p: drop the least likely tokens whose total probability is at
         # most 1 - top_p, always keeping the most likely one.
@@ -296,6 +330,7 @@ def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[i
             if decode_threads is not None:
                 torch.set_num_threads(decode_threads)
             while True:
+                check_logits(logits, n)
                 tok = next_tokens(logits, greedy=greedy, temperature=temperature, top_p=top_p,
                                   generator=generator)
                 tok = torch.where(done, torch.full_like(tok, pad), tok)
@@ -410,6 +445,7 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
                                        f"got {ring_slots!r}") from None
     dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cpu = torch.device(dev).type == "cpu"
+    check_budget_fits(device_budget, torch.device(dev))
     before = torch.get_num_threads()
 
     def open_store(host: int | None) -> tierstore.Store:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections import OrderedDict
 from typing import Any
 
@@ -29,8 +30,9 @@ import torch
 
 from tierstore.interchange import safetensors_dtypes
 
-from ..model import ModelConfig, MoEDecoder
-from .hf_config import HFImportError
+from ..model import DTYPES, ModelConfig, MoEDecoder
+from ..train.data import file_kind
+from .hf_config import HFImportError, config_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -61,6 +63,13 @@ def _read_headers(path: str, names: list[str] | None = None) -> dict[str, Tensor
     there); reads no tensor data."""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise HFImportError(f"{path}: unreadable ({e.strerror})") from e
+    if not stat.S_ISREG(mode):  # opening a FIFO would wait for a writer for ever
+        raise HFImportError(f"{path}: {file_kind(mode)}, not a safetensors file; put the "
+                            "checkpoint's file there")
     try:
         with safe_open(path, framework="pt") as st:
             keys = list(st.keys())
@@ -126,10 +135,12 @@ def weight_files(model_dir: str) -> dict[str, TensorHeader]:
 
 class CheckpointReader:
     """Tensors out of the checkpoint's files, at most ``max_open`` files open at a time
-    (the least recently used one is closed first, unmapping it)."""
+    (the least recently used one is closed first, unmapping it), cast to ``dtype`` where
+    given (the model's: :func:`check_dtype` has found each cast lossless)."""
 
-    def __init__(self, heads: dict[str, TensorHeader], max_open: int = 2) -> None:
-        self.heads, self.max_open = heads, max_open
+    def __init__(self, heads: dict[str, TensorHeader], max_open: int = 2,
+                 dtype: torch.dtype | None = None) -> None:
+        self.heads, self.max_open, self.target = heads, max_open, dtype
         self._open: OrderedDict[str, Any] = OrderedDict()
 
     def _handle(self, name: str) -> Any:
@@ -156,10 +167,11 @@ class CheckpointReader:
 
         f = self._handle(name)
         try:
-            return f.get_tensor(name) if at is None else f.get_slice(name)[at]
+            t = f.get_tensor(name) if at is None else f.get_slice(name)[at]
         except (SafetensorError, OSError, ValueError, TypeError, RuntimeError) as e:
             raise HFImportError(f"{self.heads[name].path}: tensor {name!r} is unreadable: {e}; "
                                 "re-download or re-save the file") from e
+        return t if self.target is None else t.to(self.target)
 
     def get(self, name: str) -> torch.Tensor:
         return self._read(name)
@@ -168,6 +180,7 @@ class CheckpointReader:
         return list(self.heads[name].shape)
 
     def dtype(self, name: str) -> torch.dtype | None:
+        """The tensor's dtype in the file (``None``: one torch cannot read)."""
         return _ST_DTYPES.get(self.heads[name].dtype)
 
     def expert_slice(self, name: str, e: int) -> torch.Tensor:
@@ -363,3 +376,57 @@ def check_complete(cfg: ModelConfig, dense: dict[str, str],
     if extra:
         raise HFImportError(f"checkpoint has experts in layers {extra}, which the config "
                             "makes dense")
+
+
+# --------------------------------------------------------------------------- dtypes
+
+# Casts that keep every value: to the same dtype, or from a 16-bit float to fp32.
+_LOSSLESS = {(torch.float16, torch.float32), (torch.bfloat16, torch.float32)}
+
+
+def model_dtype(hf: dict[str, Any], heads: dict[str, TensorHeader]) -> torch.dtype:
+    """The dtype ``transformers`` would build the model in, as ``from_pretrained`` with its
+    default ``dtype="auto"`` picks it: the one ``config.json`` names, else the checkpoint's
+    own (its token embedding's), else fp32. The import stores every tensor in it."""
+    named = config_dtype(hf)
+    if named is not None:
+        return DTYPES[named]  # check_config has made sure it is one
+    embed = next((heads[n] for n in ("model.embed_tokens.weight", "embed_tokens.weight")
+                  if n in heads), None)
+    own = _ST_DTYPES.get(embed.dtype) if embed is not None else None
+    return own if own in DTYPES.values() else torch.float32
+
+
+def check_dtype(name: str, dtype: torch.dtype, expected: torch.dtype, where: str = "") -> None:
+    """Refuse checkpoint tensor ``name`` of ``dtype`` in a model of ``expected`` dtype
+    unless casting it keeps every value: ``transformers`` would cast it all the same,
+    silently rounding (fp32 into a bf16 model) or turning integers into weights (an int32
+    tensor in a float model is no weight, whatever its values)."""
+    if dtype == expected or (dtype, expected) in _LOSSLESS:
+        return
+    if not dtype.is_floating_point or dtype.itemsize == 1:
+        what = "an integer or boolean" if not dtype.is_floating_point else "an fp8"
+        why = (f"{what} tensor is no weight of an unquantized model; re-download the "
+               "checkpoint or save it again from the model")
+    else:
+        why = (f"casting it to {_name(expected)} would lose precision; convert the "
+               f"checkpoint to {_name(expected)}, or fix config.json's dtype if it is wrong")
+    raise HFImportError(f"{where + ': ' if where else ''}tensor {name!r} is {_name(dtype)}, the "
+                        f"model is {_name(expected)}: {why}")
+
+
+def check_dtypes(names: list[str], heads: dict[str, TensorHeader],
+                 expected: torch.dtype) -> None:
+    """Every tensor the import takes (``names``) has a dtype the model's casts losslessly
+    (:func:`check_dtype`; read from the headers: nothing is allocated yet)."""
+    for name in sorted(names):
+        h = heads[name]
+        dtype = _ST_DTYPES.get(h.dtype)
+        if dtype is None:  # check_against_weights refuses these first
+            raise HFImportError(f"{h.path}: tensor {name!r} has dtype {h.dtype}, which the "
+                                "import cannot read")
+        check_dtype(name, dtype, expected, h.path)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -21,6 +21,7 @@ from typing import Any
 import tierstore
 
 from ..model import DTYPES, ModelConfig
+from ..train.data import file_kind
 
 SUPPORTED_FAMILIES: dict[str, str] = {
     # family (= HF model_type) -> HF architecture
@@ -48,8 +49,13 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
     if not os.path.isdir(model_dir):
         raise HFImportError(f"{model_dir}: no such model directory")
     path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise HFImportError(f"{model_dir}: not a Hugging Face model directory (no config.json)")
+    if not os.path.isfile(path):  # opening a FIFO would wait for a writer for ever
+        mode = os.stat(path).st_mode if os.path.exists(path) else None
+        what = file_kind(mode) if mode is not None else "a symbolic link to nothing"
+        raise HFImportError(f"{path}: {what}, not a config file; put the model's config.json "
+                            "there")
     try:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -168,11 +174,22 @@ def check_config(hf: dict[str, Any], path: str, family: str) -> dict[str, int]:
             sub.number("factor")
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         c.ids(key)
+    for key in ("dtype", "torch_dtype"):
+        v = hf.get(key)
+        if v is not None and v not in DTYPES:
+            raise c.bad(key, f"not a dtype a model is imported in ({', '.join(DTYPES)})")
     arch = hf.get("architectures")
     if arch is not None and (not isinstance(arch, list)
                              or not all(isinstance(a, str) for a in arch)):
         raise c.bad("architectures", "not a list of names")
     return sizes
+
+
+def config_dtype(hf: Mapping[str, Any]) -> str | None:
+    """The dtype ``config.json`` names (``dtype``, or ``torch_dtype`` as older configs
+    spell it): what ``transformers`` builds the model in and casts every weight to."""
+    v = hf.get("dtype") or hf.get("torch_dtype")
+    return str(v) if v is not None else None
 
 
 def generation_eos(model_dir: str) -> tuple[int, ...]:
@@ -277,7 +294,7 @@ def build_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         raise ValueError("qwen2_moe config without shared_expert_intermediate_size")
     if not any(windows):
         windows = ()
-    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    dtype = config_dtype(hf) or "float32"
     return ModelConfig(
         family=family, vocab_size=int(hf["vocab_size"]), hidden_size=hidden, n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, n_experts=n_experts,

@@ -27,15 +27,19 @@ written in one dtype: the one asked for, else the checkpoint's own (the dtype it
 were imported in; fp32 for a trainer run, whose weights are fp32 masters).
 
 The files are written into a hidden directory beside ``out_dir`` and moved into place at
-the end, so an interrupted export leaves no partial checkpoint under ``out_dir``.
+the end, so an interrupted export leaves no partial checkpoint under ``out_dir``; the
+hidden directory a killed export leaves is removed by the next export into the same
+parent directory (it names its process and is locked while that runs).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import shutil
+import stat
 import struct
 import tempfile
 from collections.abc import Callable, Iterator
@@ -325,8 +329,15 @@ def _write_shard(path: str, items: list[_Item], values: _Values, dt: torch.dtype
 # --------------------------------------------------------------------------- the directory
 
 
-def _prepare(out_dir: str, force: bool) -> str:
-    """Check ``out_dir`` and return a fresh hidden directory beside it to write into."""
+# The hidden directory an export writes into: ".{out_dir's name}.{pid}.{random}.export-hf",
+# locked (flock) by its export while it runs.
+_SCRATCH_SUFFIX = ".export-hf"
+
+
+def _prepare(out_dir: str, force: bool) -> tuple[str, int]:
+    """Check ``out_dir``; return a fresh hidden directory beside it to write into and the
+    descriptor that holds its lock. Directories that killed exports left there are removed
+    first (:func:`_remove_leftovers`)."""
     if os.path.exists(out_dir):
         if not os.path.isdir(out_dir):
             raise HFExportError(f"{out_dir} exists and is not a directory")
@@ -335,8 +346,56 @@ def _prepare(out_dir: str, force: bool) -> str:
                                 "it (its weight files are replaced)")
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.",
-                            suffix=".export-hf", dir=parent)
+    _remove_leftovers(parent)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}."
+                           f"{os.getpid()}.", suffix=_SCRATCH_SUFFIX, dir=parent)
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a cleaner looks at it (see below)
+    return tmp, fd
+
+
+def _remove_leftovers(parent: str) -> None:
+    """Remove the hidden directories of exports into ``parent`` that were killed (an
+    export that fails otherwise removes its own): this user's, named as :func:`_prepare`
+    names them, whose process is gone and whose lock nobody holds. Either test alone could
+    err: a lock is taken a moment after its directory is made, and a process id may be
+    another machine's (a shared file system) or reused; together they spare every live
+    export."""
+    for name in os.listdir(parent):
+        stem = name.removesuffix(_SCRATCH_SUFFIX)
+        parts = stem.rsplit(".", 2)
+        if (not name.startswith(".") or stem == name or len(parts) != 3
+                or not parts[1].isdigit()):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _alive(int(parts[1])):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path, ignore_errors=True)
+        except BlockingIOError:
+            pass  # a live export's
+        finally:
+            os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def _fsync_dir(path: str) -> None:
@@ -428,7 +487,7 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
         shards = _shards(items, dt, limit)
         total = sum(it.nbytes(dt) for it in items)
         values = _Values(store, info)
-        tmp = _prepare(out_dir, force)
+        tmp, lock = _prepare(out_dir, force)
         bar: Any = None
         try:
             if progress is True:
@@ -462,6 +521,7 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         finally:
+            os.close(lock)
             if bar is not None:
                 bar.close()
     return {"family": family, "source": source, "dtype": dtype_name(dt), "files": files,

@@ -12,13 +12,16 @@ checkpoint's layout (its tensor names, per-expert or fused experts:
 
 An import first records where it comes from (``import.json``: the HF config and the weight
 files' names and sizes). ``resume=True`` (``--resume``) continues an interrupted import of
-the same checkpoint: an expert whose three tensors are stored with the shapes and dtype the
-checkpoint has is kept (they were committed together), as is a dense tensor stored as the
-checkpoint has it; everything else is imported (the small tokenizer files always are).
+the same checkpoint: an expert whose three tensors are stored with the checkpoint's shapes in the
+model's dtype is kept (they were committed together), as is a dense tensor stored so;
+everything else is imported (the small tokenizer files always are).
 
 Every number the import uses is checked before a model object is built or a store opened:
 the config's values in sane ranges, then against the safetensors headers (the layers,
-experts and shapes the checkpoint actually holds). Experts and dense tensors are read in
+experts and shapes the checkpoint actually holds), and every tensor's dtype against the
+model's (:func:`~trainer.infer.hf_checkpoint.check_dtype`: what transformers would cast
+with a loss, or is no weight at all, is refused; the rest is stored in the model's dtype).
+The tokenizer is loaded once to prove it works. Experts and dense tensors are read in
 shard order with at most two shard files open, so an import's memory is bounded by one
 expert and the shards it is reading, not by the checkpoint's size.
 """
@@ -41,7 +44,9 @@ from .hf_checkpoint import (
     CheckpointReader,
     check_against_weights,
     check_complete,
+    check_dtypes,
     fused_expert,
+    model_dtype,
     plan,
     weight_files,
 )
@@ -61,6 +66,7 @@ from .loading import (
     TOKENIZER_KIND,
     TOKENIZER_PREFIX,
     json_entry,
+    parse_tokenizer,
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -79,8 +85,8 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
     an interrupted import of the same checkpoint (see the module docstring).
 
     Everything is checked (config values, the config against the weights' headers, every
-    tensor's shape) before the store is opened; a checkpoint that fails a check leaves no
-    store behind."""
+    tensor's shape and dtype, the tokenizer) before the store is opened; a checkpoint that
+    fails a check leaves no store behind."""
     model_dir = os.fspath(model_dir)
     hf = read_hf_config(model_dir)
     hf_path = os.path.join(model_dir, "config.json")
@@ -101,9 +107,13 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
         cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys((*cfg.eos_token_ids, *eos))))
     dense, per_expert, fused = plan(cfg, sorted(heads))
     check_complete(cfg, dense, per_expert, fused, heads, hf_path)
+    dtype = model_dtype(hf, heads)
+    check_dtypes([*dense.values(), *(n for e in per_expert.values() for n in e.values()),
+                  *(n for f in fused.values() for n in f.values())], heads, dtype)
+    tokenizer = read_tokenizer_files(model_dir)
     layout = record_layout(cfg, dense, per_expert, fused,
                            {k: h.shape for k, h in heads.items()}, sorted(heads))
-    reader = CheckpointReader(heads)
+    reader = CheckpointReader(heads, dtype=dtype)
     files = sorted({h.path for h in heads.values()})
 
     total = sum(os.path.getsize(p) for p in files)
@@ -128,30 +138,20 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
         _begin(store, source, resume)
         keep = _Keep(store, resume)
         try:
-            stored_dtype = _put_experts(store, reader, cfg, per_expert, fused, advance, keep)
-            cfg = replace(cfg, dtype=stored_dtype)
+            _put_experts(store, reader, cfg, per_expert, fused, advance, keep)
+            cfg = replace(cfg, dtype=str(dtype).removeprefix("torch."))
             for name, hf_name in sorted(dense.items(), key=lambda d: (reader.rank(d[1]), d[0])):
                 shape, src = reader.shape(hf_name), reader.dtype(hf_name)
-                if src is None or not keep(DENSE_PREFIX + name, shape, src):
-                    t = reader.get(hf_name)
-                    store.put(DENSE_PREFIX + name, t.contiguous())
-                    src = t.dtype
+                assert src is not None  # check_dtypes refused the rest
+                if not keep(DENSE_PREFIX + name, shape, dtype):
+                    store.put(DENSE_PREFIX + name, reader.get(hf_name).contiguous())
                 advance(math.prod(shape) * src.itemsize)
             reader.close()
-            toks = []
-            for fname in TOKENIZER_FILES:
-                path = os.path.join(model_dir, fname)
-                if os.path.isfile(path):
-                    try:
-                        with open(path, "rb") as f:
-                            raw = f.read()
-                    except OSError as e:
-                        raise HFImportError(f"{path}: unreadable ({e}); fix its permissions or "
-                                            "remove it") from e
-                    store.put(TOKENIZER_PREFIX + fname,
-                              torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-                              if raw else torch.zeros(0, dtype=torch.uint8), kind=TOKENIZER_KIND)
-                    toks.append(fname)
+            for fname, raw in tokenizer.items():
+                store.put(TOKENIZER_PREFIX + fname,
+                          torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                          if raw else torch.zeros(0, dtype=torch.uint8), kind=TOKENIZER_KIND)
+            toks = list(tokenizer)
             info = {"format": MODEL_FORMAT, "family": cfg.family, "config": cfg.to_dict(),
                     "hf_config": hf, "hf_layout": layout, "dense_prefix": DENSE_PREFIX,
                     "tokenizer": toks}
@@ -163,6 +163,35 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
             if bar is not None:
                 bar.close()
     return info
+
+
+def read_tokenizer_files(model_dir: str) -> dict[str, bytes]:
+    """The model directory's tokenizer files (:data:`TOKENIZER_FILES`), read and proven
+    before anything is stored: ``tokenizer.json`` loads and encodes text (what ``tierstore
+    generate --prompt`` will do with it), and each JSON file beside it parses. A file that
+    does not is refused, naming it."""
+    out: dict[str, bytes] = {}
+    for fname in TOKENIZER_FILES:
+        path = os.path.join(model_dir, fname)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise HFImportError(f"{path}: unreadable ({e}); fix its permissions or "
+                                "remove it") from e
+        if fname == "tokenizer.json":
+            parse_tokenizer(raw, path, "use the model's original tokenizer.json, or remove "
+                            "it to import the model without a tokenizer")
+        elif fname.endswith(".json"):
+            try:
+                json.loads(raw)
+            except ValueError as e:
+                raise HFImportError(f"{path}: not JSON ({e}); use the model's original "
+                                    "file, or remove it") from e
+        out[fname] = raw
+    return out
 
 
 def _begin(store: tierstore.Store, source: dict[str, Any], resume: bool) -> None:
@@ -202,10 +231,9 @@ class _Keep:
 def _put_experts(store: tierstore.Store, reader: CheckpointReader, cfg: ModelConfig,
                  per_expert: dict[tuple[int, int], dict[str, str]],
                  fused: dict[int, dict[str, str]], advance: Callable[[int], Any],
-                 keep: _Keep) -> str:
-    """Every expert in one ``put_many`` each (those ``keep`` says are stored already are
-    skipped); returns the experts' dtype name."""
-    dtype = "float32"
+                 keep: _Keep) -> None:
+    """Every expert in one ``put_many`` each, in the model's dtype (those ``keep`` says are
+    stored already are skipped)."""
     want = [[cfg.moe_ffn, cfg.hidden_size], [cfg.hidden_size, cfg.moe_ffn],
             [cfg.moe_ffn, cfg.hidden_size]]
 
@@ -217,10 +245,9 @@ def _put_experts(store: tierstore.Store, reader: CheckpointReader, cfg: ModelCon
                   key=lambda le: (reader.rank(first(*le)), le))
     for layer, e in work:
         src = reader.dtype(first(layer, e))
+        assert src is not None  # check_dtypes refused the rest
         names = expert_names(layer, e)
-        if all(keep(n, w, src) for n, w in zip(names, want)):
-            assert src is not None
-            dtype = str(src).removeprefix("torch.")
+        if all(keep(n, w, reader.target) for n, w in zip(names, want)):
             advance(sum(math.prod(w) for w in want) * src.itemsize)
             continue
         if layer in fused:
@@ -232,6 +259,4 @@ def _put_experts(store: tierstore.Store, reader: CheckpointReader, cfg: ModelCon
         if shapes != want:
             raise HFImportError(f"layer {layer} expert {e}: shapes {shapes}, config says {want}")
         store.put_many(list(zip(names, (w1, w2, w3))))
-        dtype = str(w1.dtype).removeprefix("torch.")
-        advance(sum(w.numel() * w.element_size() for w in (w1, w2, w3)))
-    return dtype
+        advance(sum(math.prod(w) for w in want) * src.itemsize)

@@ -8,7 +8,7 @@ experts under the same names and its dense state in its latest checkpoint):
   "tokenizer": [file names]}`` (``hf_layout``: the checkpoint's tensor names and expert
   layout, :mod:`trainer.infer.hf_layout`; absent in stores imported before it was recorded);
 * ``layers.{i}.experts.{e}.w1|w2|w3`` (kind ``param``): gate ``[ffn, hidden]``, down
-  ``[hidden, ffn]``, up ``[ffn, hidden]``, in the checkpoint's dtype;
+  ``[hidden, ffn]``, up ``[ffn, hidden]``, in the model's dtype (config.json's);
 * ``dense.{name}`` (kind ``param``): the model's own state-dict names;
 * ``tokenizer.{file}`` (kind ``meta``): tokenizer files as uint8 tensors.
 
@@ -114,10 +114,25 @@ def load_tokenizer(store: tierstore.Store) -> tokenizers.Tokenizer | None:
     name = TOKENIZER_PREFIX + "tokenizer.json"
     if (name, TOKENIZER_KIND) not in store:
         return None
+    return parse_tokenizer(store.get(name, TOKENIZER_KIND).numpy().tobytes(),
+                           f"store {store.path}: its tokenizer.json",
+                           "import the model again from a directory whose tokenizer loads")
+
+
+def parse_tokenizer(raw: bytes, where: str, fix: str) -> tokenizers.Tokenizer:
+    """``tokenizer.json``'s bytes as a ``tokenizers.Tokenizer`` that has encoded and decoded
+    a line of text; anything else is a :class:`tierstore.StoreError` naming ``where`` and
+    saying what to do (``fix``)."""
     import tokenizers
 
-    return tokenizers.Tokenizer.from_str(store.get(name, TOKENIZER_KIND).numpy().tobytes()
-                                         .decode())
+    try:
+        tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        tok.decode(tok.encode("The quick brown fox, 0123456789.").ids)
+    except Exception as e:  # noqa: BLE001  (tokenizers raises plain Exceptions)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise tierstore.StoreError(f"{where} does not load as a tokenizer ({why}); "
+                                   f"{fix}") from e
+    return tok
 
 
 def tokenizer_files(store: tierstore.Store) -> dict[str, bytes]:

@@ -15,17 +15,22 @@ fixed overhead. The device budget bounds the step's working set:
 The first two are known before the first step and come off the budget first; a budget
 that then cannot hold one token's experts is an error before anything runs, and a step
 whose routing touches more experts than the rest holds fails with the budget it needs.
+
+With a budget or without one, the same working set (and the dense states, and on a CPU the
+host cache) must fit the memory of the machine or device: :func:`check_step_fits` refuses a
+batch that cannot, naming the batch size that would, before anything is allocated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 import tierstore
 
-from ..model import model_config
+from ..infer.budget import device_memory
+from ..model import MoEModel, model_config
 from ..presets import TrainModel
 from .checkpoint import TrainerError
 from .resident import TrainConfig
@@ -111,11 +116,55 @@ def train_budget(cfg: TrainModel, tc: TrainConfig, device_budget: int | str | No
     plan = TrainBudget(device=tierstore.parse_size(device_budget),
                        activations=activation_bytes(cfg, tc),
                        moments=moment_bytes(cfg, tc, read_ahead))
-    least = len(cfg.moe_layers) * cfg.top_k * expert_bytes(cfg)
+    least = least_expert_bytes(cfg)
     if plan.fetch_bytes < least:
         raise plan.too_small(f"a step of one token ({cfg.top_k} experts in every MoE layer)",
                              least)
     return plan
+
+
+def least_expert_bytes(cfg: TrainModel) -> int:
+    """The expert weights a step of one token touches: ``top_k`` experts in every MoE
+    layer."""
+    return len(cfg.moe_layers) * cfg.top_k * expert_bytes(cfg)
+
+
+def check_step_fits(cfg: TrainModel, tc: TrainConfig, device: torch.device, *,
+                    host_cache: int = 0, resident: bool = False,
+                    read_ahead: bool = False) -> None:
+    """Refuse a step that cannot fit ``device``'s memory before anything is allocated: its
+    activations, with the store trainer also one layer's AdamW moments and one token's
+    experts (the least any step holds), beside the dense states (every weight's with
+    ``resident``) and, on a CPU, the host cache. The error names the batch size that fits,
+    or the sequence length when not even one sequence does."""
+    with torch.device("meta"):
+        net = MoEModel(cfg, seed=None, resident_experts=resident)
+    states = dense_state_bytes(net)
+    memory = device_memory(device)
+    cache = host_cache if device.type == "cpu" else 0
+    room = memory - states - cache
+    acts = activation_bytes(cfg, tc)
+    rest = 0 if resident else (moment_bytes(cfg, tc, read_ahead)
+                               + 2 * least_expert_bytes(cfg))
+    if acts + rest <= room:
+        return
+    most = (room - rest) // activation_bytes(cfg, replace(tc, batch_size=1))
+    spare = room + cache - rest - acts  # what the batch would leave without a host cache
+    if most >= 1:
+        fix = f"lower --batch-size to at most {most}"
+    elif cache and spare > 0:
+        fix = f"lower --host-cache to at most {_fmt(spare)}"
+    else:
+        fix = "lower --seq-len"
+    what = f"{_fmt(acts)} of activations" + (
+        "" if resident else f" + {_fmt(rest)} of AdamW moments and expert weights")
+    beside = f"{_fmt(states)} of dense states" + (f" and the {_fmt(cache)} host cache"
+                                                   if cache else "")
+    place = "this machine" if device.type == "cpu" else str(device)
+    raise TrainerError(
+        f"a step of --batch-size {tc.batch_size} x --seq-len {tc.seq_len} needs {what}, more "
+        f"than the {_fmt(max(room, 0))} that {place}'s {_fmt(memory)} of memory leaves beside "
+        f"{beside}; {fix}")
 
 
 def dense_state_bytes(net: torch.nn.Module) -> int:

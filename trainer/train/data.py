@@ -16,13 +16,15 @@ the number of batches drawn, which makes exact resumption a matter of storing on
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import sysconfig
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -74,22 +76,51 @@ def default_corpus_root() -> Path:
 def is_text_file(path: Path) -> bool:
     """Text if the first 8 KiB hold no NUL byte (the test git and grep use)."""
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             head = f.read(_SNIFF)
     except OSError:
         return False
     return b"\x00" not in head
 
 
+def _open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file: without blocking on a FIFO
+    (opening one waits for a writer) and before reading an endless device (``/dev/zero``).
+    Anything else is an ``OSError`` saying what it is."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"{file_kind(mode)}, not a text file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words (``"a FIFO (named pipe)"``)."""
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((what for test, what in kinds if test(mode)), "a special file")
+
+
 def _walk(root: Path, suffixes: tuple[str, ...] | None) -> Iterable[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
+    def unreadable(e: OSError) -> None:
+        if e.filename is not None and os.path.abspath(e.filename) == os.path.abspath(root):
+            raise CorpusError(f"corpus directory {str(root)!r} cannot be read: "
+                              f"{e.strerror}") from e
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         # Installed packages are not the standard library; hidden and cache dirs are not text.
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
         for name in filenames:
             if name.startswith("."):
                 continue
             if suffixes is None or name.endswith(suffixes):
-                yield Path(dirpath) / name
+                yield Path(dirpath) / name  # FIFOs, sockets and devices: skipped on reading
 
 
 def _order_key(rel: str) -> bytes:
@@ -107,12 +138,22 @@ def find_files(paths: Sequence[str | os.PathLike[str]],
     found: list[tuple[Path, str]] = []
     for raw in paths:
         p = Path(raw).expanduser()
-        if p.is_file():
+        try:
+            mode = p.stat().st_mode
+        except OSError as e:
+            what = ("does not exist" if e.errno == errno.ENOENT and not p.is_symlink() else
+                    "is a symbolic link to nothing" if e.errno == errno.ENOENT else
+                    f"cannot be read: {e.strerror}")
+            raise CorpusError(f"corpus path {str(p)!r} {what}") from e
+        if stat.S_ISREG(mode):
+            if not os.access(p, os.R_OK):
+                raise CorpusError(f"corpus file {str(p)!r} cannot be read: permission denied")
             found.append((p, p.name))
-        elif p.is_dir():
+        elif stat.S_ISDIR(mode):
             found.extend((f, f.relative_to(p).as_posix()) for f in _walk(p, suffixes))
         else:
-            raise CorpusError(f"corpus path {str(p)!r} does not exist")
+            raise CorpusError(f"corpus path {str(p)!r} is {file_kind(mode)}, not a text file "
+                              "or a directory of them")
     found.sort(key=lambda fl: (_order_key(fl[1]), fl[1]))
     return found
 
@@ -145,8 +186,9 @@ def load_corpus(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
         if not is_text_file(path):
             continue
         try:
-            with open(path, "rb") as f:
-                data = f.read(None if max_bytes is None else max_bytes - total)
+            with _open_regular(path) as f:
+                size = os.fstat(f.fileno()).st_size
+                data = f.read(size if max_bytes is None else min(size, max_bytes - total))
         except OSError:
             continue
         if data:

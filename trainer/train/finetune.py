@@ -52,7 +52,7 @@ class ImportedModel:
     (``tokenizer.json``'s text; ``None`` if the import had none)."""
 
     info: dict[str, Any]
-    tokenizer_json: str | None
+    tokenizer_json: bytes | None
     where: str
 
     @property
@@ -63,9 +63,11 @@ class ImportedModel:
         if self.tokenizer_json is None:
             raise CorpusError(f"{self.where} holds no tokenizer.json to encode the training text "
                               "with; import the model from a directory that has one")
-        import tokenizers
+        from ..infer.loading import parse_tokenizer
 
-        return tokenizers.Tokenizer.from_str(self.tokenizer_json)
+        return parse_tokenizer(self.tokenizer_json, f"{self.where}: its tokenizer.json",
+                               "import the model again from a directory whose tokenizer "
+                               "loads")
 
 
 def imported_model(store: PathLike | tierstore.Store | None) -> ImportedModel | None:
@@ -86,9 +88,9 @@ def imported_model(store: PathLike | tierstore.Store | None) -> ImportedModel | 
         return None
     info = json.loads(store.get(*MODEL_ENTRY).numpy().tobytes())
     tok = TOKENIZER_PREFIX + "tokenizer.json"
-    text = (store.get(tok, TOKENIZER_KIND).numpy().tobytes().decode()
-            if (tok, TOKENIZER_KIND) in store else None)
-    return ImportedModel(info, text, f"store {store.path}")
+    raw = (store.get(tok, TOKENIZER_KIND).numpy().tobytes()
+           if (tok, TOKENIZER_KIND) in store else None)
+    return ImportedModel(info, raw, f"store {store.path}")
 
 
 def finetune_config(model: ImportedModel | dict[str, Any], tc: TrainConfig | None = None

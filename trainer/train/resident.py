@@ -229,7 +229,9 @@ def train_resident(
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
+    from .budget import check_step_fits  # (budget imports this module)
 
+    check_step_fits(cfg, tc, dev, resident=True)
     sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
 
     if init_state is None:

@@ -36,9 +36,10 @@ import tierstore
 from tierstore.devices import normalize_device
 from tierstore.prefetch import DEFAULT_CUDA_FRACTION
 
+from ..infer.budget import check_budget_fits
 from ..model import ModelConfig, MoEModel
 from ..presets import TrainModel
-from .budget import train_budget
+from .budget import check_step_fits, train_budget
 from .checkpoint import TrainerError, start_run, write_checkpoint
 from .data import BatchSampler, Corpus
 from .expert_states import ExpertStates
@@ -171,8 +172,12 @@ def train_store(
     dev = normalize_device(device)
     mode = resolve_fetch_mode(fetch, dev)
     # The device budget's split (trainer.train.budget): checked before anything is made.
-    plan = train_budget(cfg, tc, device_budget,
-                        read_ahead if read_ahead is not None else dev.type != "cpu")
+    ahead = read_ahead if read_ahead is not None else dev.type != "cpu"
+    check_budget_fits(None if device_budget is None else tierstore.parse_size(device_budget),
+                      dev)
+    plan = train_budget(cfg, tc, device_budget, ahead)
+    check_step_fits(cfg, tc, dev, read_ahead=ahead,
+                    host_cache=tierstore.parse_size(host_cache or 0) if store is None else 0)
     _seed_everything(seed)
     sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
 
