@@ -4,9 +4,11 @@
 config dict), ``steps``, ``seed``, ``train`` (TrainConfig fields), ``corpus_bytes``,
 ``store`` (a path with ``{node}`` for this node's index), ``paradigm``, ``credits``,
 ``checkpoint_every``, ``resume``, ``metrics`` and ``out``, and optionally ``kill``:
-``[phase, step, rank]``, at which that rank SIGKILLs itself (a crash during a checkpoint),
-and ``pause``: ``[phase, step, rank, folder]``, at which that rank makes ``folder/paused``
-and waits until ``folder/go`` exists (a run held live while a test tries something).
+``[phase, n, rank]``, at which that rank SIGKILLs itself: a checkpoint's ``snapshot`` or
+``manifest`` of step n, or a re-shard's n-th expert ``moved`` (written on its new node) or
+``sent`` (deleted on its old one); and ``pause``: ``[phase, step, rank, folder]``, at which
+that rank makes ``folder/paused`` and waits until ``folder/go`` exists (a run held live while
+a test tries something).
 Rank 0 writes its metrics and final dense state to ``out``."""
 
 from __future__ import annotations
