@@ -12,14 +12,25 @@
 - ``cache_kw``: ``{}`` (the default host cache: puts land in memory, ``flush()`` commits) or
   ``{"host_cache": 0}`` (every put committed before it returns), for tests whose subject
   behaves differently on the two paths.
+- ``other_user``: a second, real user of this machine, made for the test (``useradd``) and
+  removed after it, with a folder both users may write to (``shared``, mode 1777 like
+  /tmp) and ``serve``, which starts that user's own ``tierstore serve``. Skipped, saying
+  why, where users cannot be made (not root, no ``useradd``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +151,58 @@ def make_store(backing: str, tmp_path: Path,
 @pytest.fixture
 def store(make_store: Callable[..., tierstore.Store]) -> tierstore.Store:
     return make_store()
+
+
+@dataclass
+class OtherUser:
+    """A second user of this machine (see ``other_user``)."""
+
+    name: str
+    uid: int
+    gid: int
+    shared: Path  # a folder both users may write to, as /tmp is
+
+    def own(self, path: Path, mode: int) -> None:
+        """``path`` as this user made it, with ``mode``."""
+        os.chown(path, self.uid, self.gid)
+        os.chmod(path, mode)
+
+    def serve(self, store: Path, sock: Path, *extra: str) -> subprocess.Popen[bytes]:
+        """This user's own ``tierstore serve --create``, once it answers (its log beside
+        the socket's folder)."""
+        log = self.shared / f"serve-{uuid.uuid4().hex[:8]}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("as_user.py")), str(self.uid),
+                 str(self.gid), "serve", "--create", "--store", str(store), "--socket",
+                 str(sock), "--host-cache", "16MiB", *extra],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 90
+        while "tierstore serve: serving" not in log.read_text(errors="replace"):
+            if proc.poll() is not None:
+                raise AssertionError(f"{self.name}'s daemon exited: {log.read_text()}")
+            assert time.monotonic() < deadline, f"{self.name}'s daemon did not start"
+            time.sleep(0.05)
+        return proc
+
+
+@pytest.fixture
+def other_user() -> Iterator[OtherUser]:
+    if os.geteuid() != 0:
+        pytest.skip("a second user can be made only by root (useradd)")
+    useradd, userdel = shutil.which("useradd"), shutil.which("userdel")
+    if useradd is None or userdel is None:
+        pytest.skip("useradd/userdel are not installed: no second user can be made")
+    name = f"tsother{uuid.uuid4().hex[:8]}"
+    made = subprocess.run([useradd, "--system", "--user-group", "--no-create-home", "--shell",
+                           "/usr/sbin/nologin", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"useradd could not make a second user: {made.stderr.strip()}")
+    shared = Path(tempfile.mkdtemp(prefix="tierstore-shared-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o1777)
+        pw = pwd.getpwnam(name)
+        yield OtherUser(name, pw.pw_uid, pw.pw_gid, shared)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        subprocess.run([userdel, name], capture_output=True)

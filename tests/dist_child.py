@@ -4,7 +4,11 @@
 config dict), ``steps``, ``seed``, ``train`` (TrainConfig fields), ``corpus_bytes``,
 ``store`` (a path with ``{node}`` for this node's index), ``paradigm``, ``credits``,
 ``checkpoint_every``, ``resume``, ``metrics`` and ``out``, and optionally ``kill``:
-``[phase, step, rank]``, at which that rank SIGKILLs itself (a crash during a checkpoint).
+``[phase, n, rank]``, at which that rank SIGKILLs itself: a checkpoint's ``snapshot`` or
+``manifest`` of step n, or a re-shard's n-th expert ``moved`` (written on its new node) or
+``sent`` (deleted on its old one); and ``pause``: ``[phase, step, rank, folder]``, at which
+that rank makes ``folder/paused`` and waits until ``folder/go`` exists (a run held live while
+a test tries something).
 Rank 0 writes its metrics and final dense state to ``out``."""
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import json
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 import torch
 from tierstore.trainer.dist import train_distributed
@@ -28,9 +34,16 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     kill = spec.get("kill")
 
+    pause = spec.get("pause")
+
     def on_phase(phase: str, step: int) -> None:
         if kill and phase == kill[0] and step == kill[1] and rank == kill[2]:
             os.kill(os.getpid(), signal.SIGKILL)
+        if pause and [phase, step, rank] == pause[:3]:
+            Path(pause[3], "paused").touch()
+            deadline = time.monotonic() + 300
+            while not Path(pause[3], "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     model = spec["model"]
     if isinstance(model, dict):
@@ -43,6 +56,7 @@ def main() -> None:
         resume=spec.get("resume", False), metrics_path=spec.get("metrics"),
         corpus=load_corpus(max_bytes=spec.get("corpus_bytes", 256 * 1024)),
         on_phase=on_phase, host_cache=spec.get("host_cache", 64 << 20),
+        connect=spec.get("connect"),
         device=spec.get("device", "cpu"))
     if rank == 0 and spec.get("out"):
         torch.save({"history": history}, spec["out"])

@@ -318,15 +318,15 @@ time.sleep(120)
                          stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "holding"
-        status = tierstore.daemon.client.status(served.sock)
+        status = tierstore.daemon_status(served.sock)
         assert status["leases"] >= 1
         holder = [c for c in status["client_list"] if c["pid"] == p.pid]
         assert holder and holder[0]["leases"] == 1
     finally:
         p.kill()
         p.wait()
-    wait_for(lambda: tierstore.daemon.client.status(served.sock)["leases"] == 0)
-    assert tierstore.daemon.client.status(served.sock)["clients"] == 0
+    wait_for(lambda: tierstore.daemon_status(served.sock)["leases"] == 0)
+    assert tierstore.daemon_status(served.sock)["clients"] == 0
 
 
 def test_second_daemon_on_the_same_store_is_refused(served: Daemon, tmp_path: Path) -> None:

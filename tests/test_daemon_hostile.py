@@ -30,7 +30,7 @@ from test_daemon import Daemon, exchange, make_store, raw_conn, read_frame, wait
 import tierstore
 from tierstore.cli import main
 from tierstore.daemon import protocol as P
-from tierstore.daemon.client import status as daemon_status
+from tierstore.daemon.control import status as daemon_status
 from tierstore.daemon.server import Server
 
 MAX_REQUEST = 1 << 30

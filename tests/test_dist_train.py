@@ -11,23 +11,31 @@ and store directory, launched as two torchrun agents with a static rendezvous).
   unchanged, and the resumed run equals the uninterrupted one.
 - SIGKILL of a rank during a checkpoint: the previous checkpoint is the latest on every
   node, every store is fsck-clean, and resuming from it gives the uninterrupted run.
+- A re-shard (W = 1 -> 2) killed at several points of the move resumes, and equals the
+  uninterrupted run; a store holding another run's experts is refused as a joining node.
 - The hierarchical (two-stage) all-to-all equals the flat one bit for bit.
 - `torchrun -m tierstore train --distributed`, credits, one-line refusals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from tierstore.trainer.dist import stop_daemon_at
+from tierstore.trainer.dist.reshard import JOIN_TAG, prepare_joining
 from tierstore.trainer.presets import PRESETS
 from tierstore.trainer.train.data import load_corpus
 from tierstore.trainer.train.resident import TrainConfig
@@ -55,6 +63,17 @@ def launch(tmp: Path, name: str, nodes: int, per_node: int, *, steps: int,
            hierarchical: bool = False) -> list[int]:
     """Run one distributed training: ``nodes`` torchrun agents of ``per_node`` ranks on this
     machine, node ``i``'s store ``tmp/node{i}``; returns the agents' exit codes."""
+    agents = start(tmp, name, nodes, per_node, steps=steps, paradigm=paradigm, resume=resume,
+                   checkpoint_every=checkpoint_every, kill=kill, device=device,
+                   hierarchical=hierarchical)
+    return [p.wait(timeout=500) for p in agents]
+
+
+def start(tmp: Path, name: str, nodes: int, per_node: int, *, steps: int,
+          paradigm: str = "token", resume: bool = False, checkpoint_every: int = 0,
+          kill: list[Any] | None = None, device: str = "cpu",
+          hierarchical: bool = False) -> list[subprocess.Popen[bytes]]:
+    """:func:`launch`, returning the running agents."""
     spec = {"model": "tiny", "steps": steps, "seed": SEED, "corpus_bytes": CORPUS_BYTES,
             "train": {**TRAIN, "batch_size": GLOBAL_BATCH // (nodes * per_node)},
             "store": str(tmp / "node{node}"), "paradigm": paradigm, "resume": resume,
@@ -70,9 +89,20 @@ def launch(tmp: Path, name: str, nodes: int, per_node: int, *, steps: int,
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
                  "--node-rank", str(i), "--nproc-per-node", str(per_node), "--master-addr",
-                 "127.0.0.1", "--master-port", str(port), str(CHILD), str(spec_path)],
+                 "127.0.0.1", "--master-port", str(port), "--log-dir",
+                 str(tmp / f"{name}.logs" / f"node{i}"), "--tee", "3", str(CHILD),
+                 str(spec_path)],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
-    return [p.wait(timeout=500) for p in procs]
+    return procs
+
+
+def rank_stderr(tmp: Path, name: str, rank: int, per_node: int) -> list[str]:
+    """The non-empty lines that rank ``rank`` of run ``name`` wrote to its stderr (torchrun
+    keeps them in a file of their own under ``--log-dir``)."""
+    node, local = divmod(rank, per_node)
+    files = list((tmp / f"{name}.logs" / f"node{node}").glob(f"*/attempt_0/{local}/stderr.log"))
+    assert len(files) == 1, files
+    return [ln for ln in files[0].read_text(errors="replace").splitlines() if ln.strip()]
 
 
 def metrics(tmp: Path, name: str, rank: int) -> list[dict[str, Any]]:
@@ -225,6 +255,131 @@ def test_sigkill_during_a_checkpoint_keeps_the_previous_one(
     check_weights(tmp_path, 2, reference["at4"])
 
 
+# Points of a W = 1 -> 2 re-shard (node 1 joins and receives experts 4..7 of both MoE layers,
+# one commit each) at which a rank SIGKILLs itself: node 1 after its first expert arrived,
+# node 0 while deleting what it sent, node 1 during the checkpoint in the new layout.
+RESHARD_KILLS = [["moved", 1, 1], ["sent", 3, 0], ["snapshot", 2, 1]]
+
+
+def fsck_all(tmp: Path, nodes: int) -> None:
+    stop_daemons(tmp)
+    for i in range(nodes):
+        with tierstore.open(tmp / f"node{i}", host_cache=0) as st:
+            report = st.fsck()
+        assert report.ok, (i, report)
+
+
+def rank_pids(agents: list[subprocess.Popen[bytes]]) -> list[int]:
+    """The rank processes (the agents' children)."""
+    pids = []
+    for agent in agents:
+        for task in Path(f"/proc/{agent.pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                pids += [int(c) for c in (task / "children").read_text().split()]
+    return pids
+
+
+def resumes_equal_after(tmp: Path, reference: dict[str, Any], kills: list[list[Any]],
+                        must_hit: bool = True) -> None:
+    """From a W = 1 checkpoint at step 2 in ``tmp``: a W = 2 resume killed at each of
+    ``kills`` in turn (every store fsck-clean after each), then one that runs to step 4,
+    which must equal the uninterrupted run."""
+    for n, kill in enumerate(kills):
+        codes = launch(tmp, f"k{n}", 2, 1, steps=4, resume=True, kill=kill)
+        assert codes != [0, 0] or not must_hit, (kill, (tmp / f"k{n}.node0.log").read_text())
+        if codes != [0, 0]:  # the other rank ended with one line naming the one killed
+            victim = kill[2]
+            assert rank_stderr(tmp, f"k{n}", 1 - victim, 1) == [
+                f"tierstore: rank {1 - victim}: stopped because rank {victim} (node {victim}) "
+                "ended without a word (killed, or out of memory: its node's torchrun output "
+                "says which); rerun with --resume to continue from the last complete "
+                "checkpoint"]
+        fsck_all(tmp, 2)
+    assert launch(tmp, "done", 2, 1, steps=4, resume=True) == [0, 0], \
+        (tmp / "done.node1.log").read_text()[-3000:]
+    losses = [m["loss"] for m in metrics(tmp, "done", 0)]
+    if losses:  # (a random kill may have come after the last checkpoint)
+        for got, want in zip(losses, reference["losses"][4 - len(losses):4]):
+            assert abs(got - want) <= 1e-5 * abs(want)
+    check_weights(tmp, 2, reference["at4"])
+    for i in range(2):
+        assert node_experts(tmp / f"node{i}") == owned_by_node(2, 1, i)
+    fsck_all(tmp, 2)
+
+
+@pytest.mark.timeout(600 + 600 * int(os.environ.get("TIERSTORE_RESHARD_KILLS", "0")))
+def test_an_interrupted_reshard_resumes_from_any_instant(tmp_path: Path,
+                                                         reference: dict[str, Any]) -> None:
+    """A W = 1 -> 2 re-shard killed at several points of the move is taken up again by the
+    next resume, and the result equals the uninterrupted run (that a store holding another
+    run's experts is still refused as the joining node: the next test).
+    TIERSTORE_RESHARD_KILLS=N adds N kills, each from a fresh W = 1 run: a real SIGKILL of a
+    random rank at a random moment of the resume once its ranks have formed the process
+    group, or a random point of the move."""
+    assert launch(tmp_path, "a", 1, 1, steps=2) == [0]
+    resumes_equal_after(tmp_path, reference, RESHARD_KILLS)
+
+    rng = random.Random(int(os.environ.get("TIERSTORE_RESHARD_SEED", "0")))
+    for i in range(int(os.environ.get("TIERSTORE_RESHARD_KILLS", "0"))):
+        d = tmp_path / f"random{i}"
+        d.mkdir()
+        assert launch(d, "a", 1, 1, steps=2) == [0]
+        if rng.random() < 0.5:
+            phase = rng.choice(["moved", "sent", "snapshot"])
+            kill = [phase, 2, rng.randint(0, 1)] if phase == "snapshot" else \
+                [phase, rng.randint(1, 8), 1 if phase == "moved" else 0]
+            resumes_equal_after(d, reference, [kill])
+        else:
+            agents = start(d, "k", 2, 1, steps=4, resume=True)
+            # Once every rank has joined the process group and the run's failure channel
+            # (node 1 starts its daemon after that): a rank that dies before the group has
+            # formed leaves the others in torch.distributed's rendezvous until its timeout.
+            joined = d / "node1.run" / "daemon.sock"
+            deadline = time.monotonic() + 300
+            while not joined.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(rng.uniform(0.0, 15.0))
+            pids = rank_pids(agents)
+            if pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+            for agent in agents:
+                agent.wait(timeout=500)
+            fsck_all(d, 2)
+            resumes_equal_after(d, reference, [], must_hit=False)
+        shutil.rmtree(d)  # its stores' slabs are large
+
+
+def test_a_joining_store_is_prepared_or_refused(tmp_path: Path) -> None:
+    """The joining node's side of a re-shard on a real store, case by case: an empty store
+    is marked and snapshotted; its own run's partial entries are undone (by restoring that
+    snapshot, or, once the snapshot is gone, by deleting them); another run's are refused."""
+    ident = {"format": 1, "seed": 3}
+    weights = {f"layers.0.experts.{e}.w1": torch.full((4,), float(e)) for e in range(3)}
+
+    def store(name: str) -> tierstore.Store:
+        return tierstore.open(tmp_path / name, create=True, slab_size="1MiB", host_cache=0)
+
+    with store("empty") as st:
+        assert prepare_joining(st, 1, "run-a", ident) is None
+        assert JOIN_TAG in {s.tag for s in st.snapshots()} and not st.names("layers.")
+        st.put_many(weights)  # an attempt that got part of the way
+        assert prepare_joining(st, 1, "run-a", ident) is None  # ours: undone in one restore
+        assert not st.names("layers.") and st.fsck().ok
+        st.put_many(weights)
+        st.drop_snapshot(JOIN_TAG)  # as once the node was in a checkpoint
+        assert prepare_joining(st, 1, "run-a", ident) is None  # ours: deleted
+        assert not st.names("layers.") and JOIN_TAG in {s.tag for s in st.snapshots()}
+        st.put_many(weights)
+        refused = prepare_joining(st, 1, "run-b", ident)  # another run's
+        assert refused is not None and "holds expert entries of another run" in refused
+        assert sorted(st.names("layers.")) == sorted(weights)  # untouched
+    with store("foreign") as st:  # expert entries, and no record of any run joining
+        st.put_many(weights)
+        refused = prepare_joining(st, 1, "run-a", ident)
+        assert refused is not None and str(tmp_path / "foreign") in refused
+
+
 def test_the_command_line_under_torchrun(tmp_path: Path) -> None:
     """`torchrun -m tierstore train --distributed`: a summary on rank 0, credits that send
     tokens where the pulls would not fit, and a second start on the same store refused in
@@ -235,11 +390,14 @@ def test_the_command_line_under_torchrun(tmp_path: Path) -> None:
            "--store", str(tmp_path / "node"), "--model", "tiny", "--steps", "2",
            "--batch-size", "2", "--seq-len", "32", "--corpus-max-bytes", "256KiB",
            "--eval-every", "0", "--paradigm", "data", "--credits", "1",
-           "--metrics", str(tmp_path / "m.jsonl")]
+           "--slab-size", "8MiB", "--metrics", str(tmp_path / "m.jsonl")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "distributed: steps 1-2" in done.stdout
     assert "bytes moved between ranks per step" in done.stdout
+    # the store options reach the node daemon that makes the store
+    marker = json.loads((tmp_path / "node" / "TIERSTORE").read_text())
+    assert marker["backing"] == {"kind": "nvme", "slab_bytes": 8 << 20}
     first = [json.loads(line) for line in (tmp_path / "m.jsonl.rank0").read_text().splitlines()]
     # one pulled expert per rank cannot hold a layer's needs: those blocks sent tokens
     assert all("token" in m["paradigm"].values() or "mixed" in m["paradigm"].values()

@@ -13,7 +13,11 @@ from . import _source_tree  # noqa: F401
 # isort: split
 from . import lab, probes
 from .daemon import RemoteStore, connect
-from .daemon.client import status as daemon_status
+from .daemon.control import probe as probe_daemon
+from .daemon.control import status as daemon_status
+from .daemon.control import stop as stop_daemon
+from .daemon.identity import DaemonIdentityError
+from .daemon.identity import make_private_dir as private_dir
 from .errors import (
     CatalogError,
     CorruptEntryError,
@@ -44,6 +48,7 @@ __all__ = [
     "Capabilities",
     "CatalogError",
     "CorruptEntryError",
+    "DaemonIdentityError",
     "EntryInfo",
     "EntryNotFoundError",
     "FsckReport",
@@ -70,7 +75,10 @@ __all__ = [
     "memory_limit",
     "open",
     "parse_size",
+    "private_dir",
+    "probe_daemon",
     "probes",
     "read_buffer",
     "repair_store",
+    "stop_daemon",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from .cli_options import CACHE_SIZE, POSITIVE_SIZE, SIZE, TIMEOUT
+from .cli_options import CACHE_SIZE, POSITIVE_SIZE, SIZE, TIMEOUT, new_store_options
 from .cli_options import run_command as _run
 from .sizes import format_size
 
@@ -56,10 +56,14 @@ def _known_policy(ctx: click.Context, _param: Any, value: str) -> str:
 @click.option("--policy", default="lfu-decay", show_default=True, callback=_known_policy,
               help="Cache eviction policy.")
 @click.option("--create", is_flag=True, help="Create the store if it does not exist.")
+@new_store_options
+@click.option("--for-run", is_flag=True, hidden=True,
+              help="Started for a distributed training run: the run that finishes stops it.")
 def serve(store: str, socket_path: str, host_cache: int, metrics_port: int | None,
           group: str | None, max_request: int, max_inflight: int | None,
           max_connections: int, hello_timeout: float, send_timeout: float, policy: str,
-          create: bool) -> None:
+          create: bool, backing: str | None, pmem_path: str | None, pmem_size: int | None,
+          slab_size: int, for_run: bool) -> None:
     """Own STORE and serve it to the processes on this machine (`tierstore.connect(SOCKET)`):
     one host cache for all of them, so each expert is read from the backing tier once.
 
@@ -74,7 +78,10 @@ def serve(store: str, socket_path: str, host_cache: int, metrics_port: int | Non
                         group=group, max_request_bytes=max_request,
                         max_inflight_bytes=max_inflight, max_connections=max_connections,
                         hello_timeout_s=hello_timeout, send_timeout_s=send_timeout,
-                        create=create, policy=policy, log=lambda m: click.echo(m, err=True))
+                        create=create, policy=policy, for_run=for_run,
+                        store_options={"backing": backing, "pmem_path": pmem_path,
+                                       "pmem_size": pmem_size, "slab_size": slab_size},
+                        log=lambda m: click.echo(m, err=True))
         click.echo(f"tierstore serve: {server.describe()}", err=True)
         code = server.serve_forever()
         click.echo("tierstore serve: flushed and stopped", err=True)
@@ -89,7 +96,7 @@ def serve(store: str, socket_path: str, host_cache: int, metrics_port: int | Non
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(socket_path: str, as_json: bool) -> None:
     """A running daemon's clients, leases, hit rate, bytes per tier and queue depths."""
-    from .daemon.client import status as daemon_status
+    from .daemon.control import status as daemon_status
 
     def go() -> None:
         s = daemon_status(socket_path)
@@ -97,7 +104,9 @@ def status(socket_path: str, as_json: bool) -> None:
             click.echo(json.dumps(s))
             return
         click.echo(f"daemon    pid {s['pid']}, up {s['uptime_s']:.0f} s, {s['socket']}")
-        click.echo(f"store     {s['store']} ({s['backend']})")
+        click.echo(f"store     {s['store']} ({s['backend']}), id {s.get('store_id')}")
+        if s.get("run"):
+            click.echo(f"run       in use by a training run (process {s['run']['pid']})")
         click.echo(f"clients   {s['clients']} ({s['connections']} connections, "
                    f"{s['leases']} leases); {s['open_connections']} connections open, limit "
                    f"{s['max_connections']}")

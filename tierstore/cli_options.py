@@ -183,6 +183,24 @@ class OutputFile(click.Path):
 OUTPUT_FILE = OutputFile()
 
 
+def new_store_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--backing``, ``--pmem-path``, ``--pmem-size`` and ``--slab-size``: what a command
+    that may make a store makes it with (``tierstore.open``'s options of those names)."""
+    options = [
+        click.option("--backing", type=click.Choice(["nvme", "pmem"]),
+                     help="Backing tier of a new store (default nvme); checked against an "
+                          "existing one."),
+        click.option("--pmem-path", type=OUTPUT_FILE, help="Pool file for --backing pmem."),
+        click.option("--pmem-size", type=POSITIVE_SIZE,
+                     help="Pool size for --backing pmem, e.g. 16GiB."),
+        click.option("--slab-size", type=SLAB_SIZE, default="1GiB", show_default=True,
+                     help="NVMe slab file size of a new store."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def run_command(fn: Callable[[], int | None]) -> None:
     """Run a command's body: store errors, and OS errors on the files it was given, become
     one line and exit status 2 instead of a traceback; otherwise exit with the body's

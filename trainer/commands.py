@@ -16,8 +16,8 @@ from tierstore.cli_options import (
     OUTPUT_FILE,
     POSITIVE_SIZE,
     SIZE,
-    SLAB_SIZE,
     FiniteFloat,
+    new_store_options,
 )
 from tierstore.cli_options import run_command as _run
 
@@ -191,7 +191,8 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
 @click.option("--connect", "connect", type=click.Path(dir_okay=False),
               help="Instead of --store: train over the store a `tierstore serve` daemon owns, "
                    "through its socket (the daemon's host cache and backing are used; "
-                   "--host-cache, --backing, --pmem-* and --slab-size do not apply).")
+                   "--host-cache, --backing, --pmem-* and --slab-size do not apply, and "
+                   "under --distributed are checked against that daemon's).")
 @click.option("--resident", is_flag=True,
               help="Train the same model with everything in memory as plain torch modules "
                    "(the reference and the performance baseline).")
@@ -215,12 +216,7 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
                    "share of a GPU.")
 @click.option("--host-cache", type=CACHE_SIZE, default="1GiB", show_default=True,
               help="Host-memory cache in front of the backing tier (0: none).")
-@click.option("--backing", type=click.Choice(["nvme", "pmem"]),
-              help="Backing tier of a new store (default nvme); checked against an existing one.")
-@click.option("--pmem-path", type=OUTPUT_FILE, help="Pool file for --backing pmem.")
-@click.option("--pmem-size", type=POSITIVE_SIZE, help="Pool size for --backing pmem, e.g. 16GiB.")
-@click.option("--slab-size", type=SLAB_SIZE, default="1GiB", show_default=True,
-              help="NVMe slab file size of a new store.")
+@new_store_options
 @click.option("--fetch", type=click.Choice(["auto", "queue", "direct"]), default="auto",
               show_default=True,
               help="How experts reach the device: the prefetch queue (next layer predicted from "
@@ -255,8 +251,9 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               help="Train with expert parallelism across the ranks torchrun started (torchrun "
                    "--nproc-per-node R -m tierstore train --distributed ...): --store is this "
                    "node's store, served to the node's ranks by one daemon that local rank 0 "
-                   "starts; --batch-size is per rank. See the README's 'Training on several "
-                   "machines'.")
+                   "starts with --host-cache and the store options; --batch-size is per "
+                   "rank; --device-budget and --fetch queue do not apply. See the README's "
+                   "'Training on several machines'.")
 @click.option("--paradigm", type=click.Choice(["auto", "token", "data"]), default="auto",
               show_default=True,
               help="--distributed: send tokens to the experts' owners (token), pull experts to "
@@ -295,6 +292,12 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
     tierstore train --store mixtral --steps 100 --corpus notes/ --lr 1e-5 --host-cache 4GiB
     torchrun --nproc-per-node 2 -m tierstore train --distributed --store node --steps 100
     """
+    # As `tierstore init` has it: an option of the other backing is a mistake, never ignored.
+    if (pmem_path is not None or pmem_size is not None) and backing != "pmem":
+        raise click.UsageError("--pmem-path and --pmem-size go with --backing pmem")
+    if backing == "pmem" and _given(click.get_current_context().get_parameter_source,
+                                    "slab_size", slab_size) is not None:
+        raise click.UsageError("--slab-size goes with NVMe stores, not --backing pmem")
     if distributed:
         if resident or trace is not None:
             raise click.UsageError("--distributed trains over the node stores: drop "
@@ -302,6 +305,12 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
         if store is None:
             raise click.UsageError("--distributed needs --store (this node's store; with "
                                    "--connect, the store that daemon serves)")
+        if device_budget is not None or fetch == "queue":
+            # The distributed trainer reads a step's experts with get_many (--fetch direct)
+            # and sizes nothing by a budget: refused rather than ignored.
+            raise click.UsageError("--device-budget and --fetch queue do not apply to "
+                                   "--distributed, which reads the experts each step needs "
+                                   "with get_many (--fetch direct) and has no step budget")
     elif paradigm != "auto" or credits is not None or run_dir is not None or hierarchical:
         raise click.UsageError("--paradigm, --credits, --hierarchical-a2a and --run-dir go "
                                "with --distributed")
@@ -326,8 +335,13 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
             if distributed:
                 from tierstore.trainer.dist.cli import run_distributed
 
+                given = click.get_current_context().get_parameter_source
                 run_distributed(store=store, connect=connect, run_dir=run_dir, model=model,
-                                steps=steps, seed=seed, host_cache=host_cache,
+                                steps=steps, seed=seed,
+                                daemon={"host_cache": _given(given, "host_cache", host_cache),
+                                        "backing": backing, "pmem_path": pmem_path,
+                                        "pmem_size": pmem_size,
+                                        "slab_size": _given(given, "slab_size", slab_size)},
                                 paradigm=paradigm, credits=credits,
                                 hierarchical=hierarchical,
                                 checkpoint_every=checkpoint_every, resume=resume,
@@ -346,6 +360,11 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
         return 0
 
     _run(go)
+
+
+def _given(source: Any, name: str, value: Any) -> Any:
+    """``value`` where the option was given, None where it is its default."""
+    return None if source(name) == click.core.ParameterSource.DEFAULT else value
 
 
 @click.command()

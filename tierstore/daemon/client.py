@@ -52,6 +52,8 @@ from ..prefetch import DeviceQueues
 from ..tensors import as_bytes, dtype_from_name, dtype_name, from_bytes
 from . import protocol as P
 from .connection import RELEASE_DELAY_S, Connection, Lease
+from .control import daemon_identity
+from .identity import check_serves
 
 MAX_CONNECTIONS = 8  # per client: concurrent requests from its threads
 HITS_BATCH = 256  # self-served hits told to the daemon in one message, at most
@@ -69,8 +71,10 @@ class RemoteStore(Store):
     """
 
     def __init__(self, socket_path: str | os.PathLike[str], *,
-                 device_budget: int | str | Mapping[str, int | str] | None = None) -> None:
+                 device_budget: int | str | Mapping[str, int | str] | None = None,
+                 store: str | os.PathLike[str] | None = None, run: str | None = None) -> None:
         self.socket_path = os.path.abspath(os.fspath(socket_path))
+        self._run = run
         self.client_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._idle: list[Connection] = []
         self._all: list[Connection] = []
@@ -81,10 +85,16 @@ class RemoteStore(Store):
         # Results land in reused memory once callers drop earlier ones: faulting fresh pages
         # in (on a VM that returns freed memory to its host) costs more than the copy.
         self._results = RecycledBuffers(IDLE_READ_BUFFER_BYTES)
-        first = Connection(self.socket_path, self.client_id, want_arena=True)
-        if first.arena_fd < 0:
+        first = Connection(self.socket_path, self.client_id, want_arena=True, run=run)
+        try:
+            if store is not None:
+                check_serves(self.socket_path, first.hello, store)
+            if first.arena_fd < 0:
+                raise StoreError(f"the daemon at {self.socket_path} sent no cache mapping")
+        except BaseException:
             first.close()
-            raise StoreError(f"the daemon at {self.socket_path} sent no cache mapping")
+            raise
+        self.daemon = daemon_identity(first)
         self._all.append(first)
         self._idle.append(first)
         hello = first.hello
@@ -142,7 +152,8 @@ class RemoteStore(Store):
             if self._idle:
                 return self._idle.pop()
         try:
-            conn = Connection(self.socket_path, self.client_id, want_arena=False)
+            conn = Connection(self.socket_path, self.client_id, want_arena=False,
+                              run=self._run)
             if conn.hello.get("instance") != self._instance:
                 conn.close()
                 self._daemon_replaced()
@@ -577,17 +588,13 @@ def _deliver(key: Key, meta: Meta, raw: Any, out: torch.Tensor | None, device: A
 
 
 def connect(socket_path: str | os.PathLike[str], *,
-            device_budget: int | str | Mapping[str, int | str] | None = None) -> RemoteStore:
+            device_budget: int | str | Mapping[str, int | str] | None = None,
+            store: str | os.PathLike[str] | None = None,
+            run: str | None = None) -> RemoteStore:
     """Connect to ``tierstore serve`` on ``socket_path``: a store with ``tierstore.open``'s
-    API whose host cache is the daemon's, shared with every other client."""
-    return RemoteStore(socket_path, device_budget=device_budget)
-
-
-def status(socket_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A running daemon's figures, without mapping its cache (``tierstore status``)."""
-    conn = Connection(os.path.abspath(os.fspath(socket_path)), f"status-{os.getpid()}",
-                       want_arena=False, role="status")
-    try:
-        return conn.request(P.Op.STATUS, {})[0]
-    finally:
-        conn.close()
+    API whose host cache is the daemon's, shared with every other client. The daemon must
+    run as this user or root (or a user ``TIERSTORE_DAEMON_USER`` names) and, with
+    ``store``, serve that store (``identity.py``). ``run``, an id the processes of one
+    training run share, claims the store for it: a client of another run is refused while
+    this run's are connected. ``RemoteStore.daemon`` says who answered."""
+    return RemoteStore(socket_path, device_budget=device_budget, store=store, run=run)

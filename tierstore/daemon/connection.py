@@ -4,6 +4,7 @@ daemon's errors as the store's exception classes, and the lease on the slots of 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import threading
@@ -13,6 +14,7 @@ from typing import Any
 from .. import errors
 from ..errors import StoreError
 from . import protocol as P
+from .identity import check_peer
 
 RELEASE_DELAY_S = 0.002
 # How long the daemon may take to answer a connection's first message. A daemon answers at
@@ -21,20 +23,31 @@ RELEASE_DELAY_S = 0.002
 HELLO_TIMEOUT_S = 30.0
 
 
+class NoDaemonError(StoreError):
+    """Nothing listens at the socket's path: it does not exist, or connecting to it is
+    refused (a daemon that was killed left it)."""
+
+
 class Connection:
     """One socket to the daemon. ``request`` is one call at a time (``busy``); one-way
     frames (releases) may be sent from any thread meanwhile under ``send_lock``."""
 
     def __init__(self, path: str, client_id: str, want_arena: bool, role: str = "client",
-                 hello_timeout_s: float | None = None) -> None:
+                 hello_timeout_s: float | None = None, run: str | None = None) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.connect(path)
+            # Before a byte goes out: the process listening must be a trusted user's.
+            self.peer = check_peer(path, self.sock)
         except OSError as e:
             self.sock.close()
-            raise StoreError(f"cannot connect to a tierstore daemon at {path}: {e.strerror or e}"
-                             ) from None
+            cls = NoDaemonError if e.errno in (errno.ENOENT, errno.ECONNREFUSED) else StoreError
+            raise cls(f"cannot connect to a tierstore daemon at {path}: {e.strerror or e}"
+                      ) from None
+        except BaseException:
+            self.sock.close()
+            raise
         self.reader = P.Reader(self.sock)
         self.pending: list[int] = []  # released leases not yet told to the daemon
         self.pending_lock = threading.Lock()
@@ -45,10 +58,12 @@ class Connection:
         self.arena_fd = -1
         wait = HELLO_TIMEOUT_S if hello_timeout_s is None else hello_timeout_s
         self.sock.settimeout(wait)
+        hello = {"version": P.PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
+                 "arena": want_arena, "role": role}
+        if run is not None:  # this connection belongs to a training run (the daemon's claim)
+            hello["run"] = run
         try:
-            self.hello, _ = self.request(P.Op.HELLO, {
-                "version": P.PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
-                "arena": want_arena, "role": role}, fds=want_arena)
+            self.hello, _ = self.request(P.Op.HELLO, hello, fds=want_arena)
         except BaseException as e:
             self.close()  # the socket, and the arena's descriptor if it came
             if isinstance(e, StoreError) and (isinstance(e.__context__, TimeoutError)

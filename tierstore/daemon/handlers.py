@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..errors import StoreError, UnsupportedTensorError
+from ..errors import StoreError, StoreLockedError, UnsupportedTensorError
 from ..keys import check_kind, check_name, check_tag
 from ..local import LocalStore
 from ..tensors import DTYPES, dtype_name, element_size, from_bytes
@@ -39,7 +40,9 @@ class OpHandlers:
     arena_bytes: int
     index_rows: int
     instance: str
+    identity: dict[str, Any]
     _shared: SharedCache
+    _conns: dict[int, Conn]
     _conns_lock: Any
     _reports: dict[str, dict[str, Any]]
     status: Callable[[], dict[str, Any]]
@@ -54,6 +57,9 @@ class OpHandlers:
         role = f.str("role", "client", 16)
         if role not in ("client", "status"):
             raise P.ProtocolError("role is client or status")
+        run = f.str("run", "", 64)
+        if run and role == "client":
+            self._claim(conn, run)
         conn.role = role
         fds = [self._shared.ro_fd] if f.bool("arena", False) else []
         st = self.store
@@ -62,7 +68,30 @@ class OpHandlers:
                  "max_request_bytes": self.max_request,
                  "max_inflight_bytes": self.max_inflight, "connection": conn.cid,
                  "arena": bool(fds), "index_offset": self.arena_bytes,
-                 "index_rows": self.index_rows, "instance": self.instance}, [], fds)
+                 "index_rows": self.index_rows, "instance": self.instance,
+                 "run": self.claimed_by(), **self.identity}, [], fds)
+
+    def _claim(self, conn: Conn, run: str) -> None:
+        """One training run at a time uses the store: a client of another run is refused
+        while any connection of the run that holds it is open (a crashed run's close with
+        its processes, so its claim goes with them)."""
+        with self._conns_lock:
+            holder = next((c for c in self._conns.values()
+                           if c.run and c.run != run and not _hung_up(c)), None)
+            if holder is None:
+                conn.run = run
+                return
+        raise StoreLockedError(f"store {self.store.path} is in use by another training run "
+                               f"(process {holder.pid}); wait for it to finish, or stop it")
+
+    def claimed_by(self) -> dict[str, Any] | None:
+        """The run using the store: its id and the process of its first connection."""
+        with self._conns_lock:
+            holders = [c for c in self._conns.values() if c.run and not _hung_up(c)]
+        if not holders:
+            return None
+        first = min(holders, key=lambda c: c.cid)
+        return {"id": first.run, "pid": first.pid}
 
     def _put(self, conn: Conn, f: P.Fields, req: Request) -> Any:
         items = [self._put_item(item) for item in f.list("items")]
@@ -243,6 +272,17 @@ class OpHandlers:
 
     def _status(self, conn: Conn, f: P.Fields, _p: Any) -> Any:
         return self.status()
+
+
+def _hung_up(conn: Conn) -> bool:
+    """Whether the client closed ``conn`` (it exited, or was killed), which its own thread
+    may not have noticed yet (it may still have bytes of it to read): the kernel's word."""
+    poll = select.poll()
+    try:
+        poll.register(conn.sock, select.POLLRDHUP)
+    except (OSError, ValueError):  # closed meanwhile
+        return True
+    return bool(poll.poll(0))
 
 
 def _storable_dtype(name: str, dtype: str) -> torch.dtype:

@@ -155,6 +155,7 @@ class Conn:
         self.client = f"anonymous-{cid}"
         self.pid = 0
         self.role = "anonymous"  # until its hello
+        self.run = ""  # the training run this client connection belongs to, if any
         self.spare = False  # past --max-connections: for a status request only
         self.leases: dict[int, list[Any]] = {}
         self.lease_ids = itertools.count(1)

@@ -68,7 +68,7 @@ from tierstore.cache.slab import PAGE
 from ..errors import StoreError
 from ..interface import status_figures
 from ..local import LocalStore
-from ..opening import check_host_cache, open_store
+from ..opening import check_host_cache, open_store, read_marker
 from ..sizes import TIMEOUT_RANGE_S, format_size, parse_size
 from . import protocol as P
 from .handlers import HANDLERS, OpHandlers
@@ -124,6 +124,8 @@ class Server(OpHandlers):
         send_timeout_s: float = SEND_TIMEOUT_S,
         create: bool = False,
         policy: str = "lfu-decay",
+        for_run: bool = False,
+        store_options: dict[str, Any] | None = None,
         log: Callable[[str], Any] | None = None,
     ) -> None:
         self.socket_path = os.path.abspath(socket_path)
@@ -159,14 +161,24 @@ class Server(OpHandlers):
         # The store lock decides which daemon owns the store, before the socket is touched,
         # so a refused second daemon never disturbs the first one's socket.
         try:
+            # ``store_options``: backing, pmem_path, pmem_size, slab_size (tierstore.open's).
+            options = {k: v for k, v in (store_options or {}).items() if v is not None}
             self.store: LocalStore = open_store(store_path, create=create, host_cache=cap,
-                                                policy=policy, cache_arena=self._shared.arena)
+                                                policy=policy, cache_arena=self._shared.arena,
+                                                **options)
         except BaseException:
             self._shared.close()
             raise
         cache = self.store.internals.cache
         assert cache is not None
         self._shared.attach(cache)
+        # What a client checks before it uses this daemon (``identity.py``): the store it
+        # serves, and whether a training run started it (the run that finishes stops it).
+        marker = read_marker(self.store.path)
+        self.identity: dict[str, Any] = {
+            "store_realpath": os.path.realpath(self.store.path),
+            "store_id": marker.get("store_id"), "store_backing": marker["backing"],
+            "for_run": for_run}
         self._stop = threading.Event()
         self._conns: dict[int, Conn] = {}
         self._conns_lock = threading.Lock()
@@ -517,6 +529,8 @@ class Server(OpHandlers):
             "open_connections": len(conns), "max_connections": self.max_connections,
             "leases": sum(c["leases"] for c in clients.values()),
             "client_list": list(clients.values()),
+            "run": self.claimed_by(),
+            **self.identity,
             **figures,
             "queues": {"requests_in_flight": self._in_flight,
                        "request_bytes_held": self._budget.used,

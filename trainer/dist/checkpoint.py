@@ -1,10 +1,10 @@
-"""All-or-nothing distributed checkpoints, resume, and re-sharding to another world size.
+"""All-or-nothing distributed checkpoints, and resuming from them at any world size.
 
 A checkpoint ``n`` (numbered in the order taken) is, on every node, a store snapshot
 ``dist-{n:06d}`` of the node's store, plus a manifest ``manifests/ckpt-{n:06d}.json`` in the
-node's run directory. The dense part (model and optimizer state, sampler position, every
-rank's RNG states, configs) is written into each node's store right before its snapshot, so
-the snapshot's one catalog commit holds it with the node's experts.
+node's run directory (:mod:`.manifests`). The dense part (model and optimizer state, sampler
+position, every rank's RNG states, configs) is written into each node's store right before
+its snapshot, so the snapshot's one catalog commit holds it with the node's experts.
 
 Protocol (:func:`write_checkpoint`)
 1. A barrier: every rank's expert updates have been acknowledged by its node's daemon, and
@@ -18,27 +18,26 @@ Protocol (:func:`write_checkpoint`)
 The checkpoint exists only where its manifest is on every node it was taken on. A rank
 killed before step 3 completes leaves no manifest anywhere, so the previous checkpoint is
 the latest everywhere; a node with a snapshot but no manifest keeps it until the next
-checkpoint of that number replaces it. Resume (:func:`resume_run`) takes the latest
-manifest found on every node it names, restores that snapshot on each of those nodes and
-loads the dense state.
+checkpoint of that number replaces it.
 
-Re-sharding: when the manifest's world differs from this one, every expert whose owner now
-lives on another node has its whole state (weights, moments, step count) read on the old
-node, sent to the new node's local rank 0 and written there; once every node has written
-what it received, the old nodes delete what they sent. A new checkpoint of the same step
-is then taken, in the new layout. Nodes may be added; a checkpoint whose experts live on a
-node that is not in the new run cannot be resumed (that node's store is out of reach).
+Resume (:func:`choose_checkpoint`) validates every manifest as a whole, checks the copies of
+one checkpoint against each other and against the stores (each node's store id, and the
+snapshot the manifest names), and takes the latest checkpoint whose manifest is on every
+node it names: anything else is one line, on every rank, naming the manifest or node. Only
+the latest checkpoint can be incomplete (checkpoint n's manifests are written after every
+node wrote n-1's); falling back from it is said, and its leftover manifests are removed so
+that they can never pair with a later attempt's. That checkpoint's snapshot is restored on
+each of its nodes and the dense state loaded. When the world differs, the experts are
+re-sharded (:mod:`.reshard`, resumable from any instant) and a checkpoint of the same step is
+taken in the new layout. Nodes may be added; a checkpoint whose experts live on a node that
+is not in the new run cannot be resumed (that node's store is out of reach).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import time
-import uuid
-from collections.abc import Callable
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -53,59 +52,14 @@ from ..presets import TrainModel, config_from_dict
 from ..train.checkpoint import DENSE_ENTRY, RUN_ENTRY, pack, unpack
 from ..train.data import BatchSampler
 from ..train.resident import TrainConfig, rng_state, set_rng_state
-from .collectives import all_to_all_rows, comm_device
-from .owned import OwnedExperts, state_keys
-from .world import DistributedError, World, barrier, owner
+from . import manifests, records
+from .manifests import FORMAT, tag_of
+from .owned import OwnedExperts
+from .reshard import JOIN_TAG, PhaseHook, prepare_joining, reshard
+from .world import AgreedError, World, barrier
 
 KEEP_CHECKPOINTS = 2
-NODE_ENTRY = ("trainer.node", "meta")
-FORMAT = 1
-_MANIFEST = re.compile(r"^ckpt-(\d{6})\.json$")
 _TAG = re.compile(r"^dist-(\d{6})$")
-PhaseHook = Callable[[str, int], None]
-
-
-def tag_of(n: int) -> str:
-    return f"dist-{n:06d}"
-
-
-def _json(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(obj, sort_keys=True).encode()),
-                            dtype=torch.uint8)
-
-
-def _read_json(store: tierstore.Store, key: tuple[str, str]) -> Any:
-    if key not in store:
-        return None
-    return json.loads(store.get(*key).numpy().tobytes())
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def manifests(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """The manifests in a node's run directory, by checkpoint number."""
-    found: dict[int, dict[str, Any]] = {}
-    folder = run_dir / "manifests"
-    if not folder.is_dir():
-        return found
-    for p in folder.iterdir():
-        m = _MANIFEST.match(p.name)
-        if m:
-            with contextlib.suppress(OSError, ValueError):
-                found[int(m.group(1))] = json.loads(p.read_text())
-    return found
 
 
 def identity(cfg: TrainModel, tc: TrainConfig, seed: int) -> dict[str, Any]:
@@ -116,16 +70,8 @@ def identity(cfg: TrainModel, tc: TrainConfig, seed: int) -> dict[str, Any]:
 
 def saved_identity(store: tierstore.Store) -> dict[str, Any] | None:
     """The identity of the run a node's store holds (:func:`identity`), or ``None``."""
-    saved = _read_json(store, RUN_ENTRY)
-    return saved if saved is not None and saved.get("format") == FORMAT else None
-
-
-def _node_id(store: tierstore.Store) -> str:
-    saved = _read_json(store, NODE_ENTRY)
-    if saved is None:
-        saved = {"id": uuid.uuid4().hex}
-        store.put(NODE_ENTRY[0], _json(saved), kind=NODE_ENTRY[1])
-    return str(saved["id"])
+    saved = records.read(store, RUN_ENTRY)
+    return saved if isinstance(saved, dict) and saved.get("format") == FORMAT else None
 
 
 def _gather(world: World, value: Any) -> list[Any]:
@@ -138,7 +84,7 @@ def _fail_together(world: World, error: str | None) -> None:
     """Raise on every rank if any rank found ``error`` (the first one, by rank)."""
     errors = [e for e in _gather(world, error) if e]
     if errors:
-        raise DistributedError(errors[0])
+        raise AgreedError(errors[0])
 
 
 # --------------------------------------------------------------------------- writing
@@ -160,19 +106,12 @@ def write_checkpoint(world: World, store: tierstore.Store, run_dir: Path, number
         store.snapshot(tag)
     if on_phase is not None:
         on_phase("snapshot", step)
-    node_ids = _gather(world, _node_id(store) if world.is_node_leader else None)
+    node_ids = _gather(world, records.node_id(store) if world.is_node_leader else None)
     barrier(world)
     if world.is_node_leader:
-        manifest = {
-            "format": FORMAT, "number": number, "step": step, "tag": tag,
-            "world_size": world.size, "nodes": world.nodes,
-            "node_ids": [node_ids[ranks[0]] for ranks in world.nodes],
-            "ownership": "consecutive", "n_experts": payload["model_config"]["n_experts"],
-            "sampler": payload["sampler"], "time": time.time(),
-        }
-        folder = run_dir / "manifests"
-        folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(folder / f"ckpt-{number:06d}.json", json.dumps(manifest, indent=1))
+        manifests.write(run_dir, manifests.make(
+            number, step, world.nodes, [node_ids[ranks[0]] for ranks in world.nodes],
+            payload["model_config"]["n_experts"], payload["sampler"]))
         _prune(store, run_dir)
     if on_phase is not None:
         on_phase("manifest", step)
@@ -180,46 +119,120 @@ def write_checkpoint(world: World, store: tierstore.Store, run_dir: Path, number
 
 
 def _prune(store: tierstore.Store, run_dir: Path) -> None:
-    keep = sorted(manifests(run_dir))[-KEEP_CHECKPOINTS:]
+    keep = manifests.numbers(run_dir)[-KEEP_CHECKPOINTS:]
     if not keep:
         return
-    for n in sorted(manifests(run_dir)):
+    for n in manifests.numbers(run_dir):
         if n < keep[0]:
-            (run_dir / "manifests" / f"ckpt-{n:06d}.json").unlink(missing_ok=True)
+            manifests.remove(run_dir, n)
     for s in store.snapshots():
         m = _TAG.match(s.tag)
-        if m and int(m.group(1)) < keep[0]:
+        # A joining node's snapshot of itself is not needed once it is in a checkpoint.
+        if (m and int(m.group(1)) < keep[0]) or s.tag == JOIN_TAG:
             store.drop_snapshot(s.tag)
 
 
 # --------------------------------------------------------------------------- starting
 
 
-def latest_manifest(world: World, run_dir: Path) -> dict[str, Any] | None:
-    """The latest checkpoint whose manifest is on every node it was taken on; the same on
-    every rank."""
-    mine = manifests(run_dir) if world.is_node_leader else None
-    by_node = {world.node_of(r): found for r, found in enumerate(_gather(world, mine))
-               if found is not None}
-    candidates: dict[int, dict[str, Any]] = {}
-    for found in by_node.values():
-        candidates.update(found)
-    for number in sorted(candidates, reverse=True):
-        m = candidates[number]
-        n_old = len(m["nodes"])
-        if all(number in by_node.get(i, {}) for i in range(min(n_old, world.n_nodes))):
-            if n_old > world.n_nodes:
-                raise DistributedError(
-                    f"checkpoint {number} (step {m['step']}) was taken on {n_old} nodes and "
-                    f"their stores hold its experts: resume with at least {n_old} nodes")
-            return m
+def choose_checkpoint(world: World, store: tierstore.Store, run_dir: Path, n_experts: int
+                      ) -> dict[str, Any] | None:
+    """The checkpoint to resume from (see the module docstring), the same on every rank;
+    ``None`` where there is none. Raises :class:`~.world.AgreedError` on every rank for an
+    invalid manifest, or one that does not fit the other nodes' or the stores."""
+    mine = None
+    if world.is_node_leader:
+        found, errors = manifests.read(run_dir, n_experts)
+        mine = {"found": found, "errors": errors, "id": records.node_id(store, create=False),
+                "tags": sorted(s.tag for s in store.snapshots()), "store": str(store.path),
+                "run_dir": str(run_dir)}
+    nodes = {world.node_of(r): got for r, got in enumerate(_gather(world, mine)) if got}
+    errors = [e for i in sorted(nodes) for e in nodes[i]["errors"]]
+    if errors:
+        raise AgreedError(errors[0])
+    _check_run_dirs(nodes)
+    numbers = sorted({n for got in nodes.values() for n in got["found"]}, reverse=True)
+    incomplete = None
+    for number in numbers:
+        copies = {i: got["found"][number] for i, got in sorted(nodes.items())
+                  if number in got["found"]}
+        first, m = next(iter(copies.items()))
+        what = f"checkpoint {number} (step {m['step']})"
+        for i, other in copies.items():
+            if not manifests.same_checkpoint(m, other):
+                raise AgreedError(
+                    f"the manifests of checkpoint {number} differ between node {first} "
+                    f"({_manifest(nodes[first], number)}) and node {i} "
+                    f"({_manifest(nodes[i], number)}): one of them was edited")
+        missing = [i for i in range(min(len(m["nodes"]), world.n_nodes)) if i not in copies]
+        if missing and incomplete is None:
+            # The run stopped while taking it: fall back to the one before, and say so.
+            incomplete = (f"{what} is incomplete: node {missing[0]}'s run directory "
+                          f"{nodes[missing[0]]['run_dir']} has no manifest of it (the run "
+                          "stopped while taking it)")
+            continue
+        if missing:
+            raise AgreedError(
+                f"node {missing[0]}'s run directory {nodes[missing[0]]['run_dir']} has no "
+                f"manifest of {what}, which node {first} has with a later one: pass that "
+                "node the run's --run-dir")
+        _check_stores(world, nodes, m, what)
+        if incomplete is not None and world.rank == 0:
+            print(f"tierstore train: {incomplete}; resuming from {what}, the one before",
+                  file=sys.stderr, flush=True)
+        return m
+    for i, got in sorted(nodes.items()):
+        held = [t for t in got["tags"] if _TAG.match(t) and int(t[5:]) > 1]
+        if held and not numbers:
+            raise AgreedError(f"node {i}'s store {got['store']} holds checkpoint snapshots "
+                              f"(the latest {held[-1]}), but its run directory "
+                              f"{got['run_dir']} has no manifest: pass the run's --run-dir")
+    if incomplete is not None and world.rank == 0:
+        print(f"tierstore train: {incomplete}, and there is none before it", file=sys.stderr,
+              flush=True)
     return None
+
+
+def _manifest(node: dict[str, Any], number: int) -> Path:
+    return manifests.path_of(Path(node["run_dir"]), number)
+
+
+def _check_run_dirs(nodes: dict[int, dict[str, Any]]) -> None:
+    """Every manifest in node i's run directory is of a checkpoint taken with node i's store,
+    in this run (node 0's store)."""
+    run = nodes[0]
+    for i, got in sorted(nodes.items()):
+        for number, m in sorted(got["found"].items()):
+            if i >= len(m["node_ids"]) or m["node_ids"][i] != got["id"]:
+                raise AgreedError(f"the manifest {_manifest(got, number)} is of a checkpoint "
+                                  f"not taken with node {i}'s store {got['store']}: give each "
+                                  "node its own run's store and --run-dir")
+            if m["node_ids"][0] != run["id"]:
+                raise AgreedError(f"the manifest {_manifest(got, number)} is of another run, "
+                                  f"not taken with node 0's store {run['store']}: give each "
+                                  "node its own run's store and --run-dir")
+
+
+def _check_stores(world: World, nodes: dict[int, dict[str, Any]], m: dict[str, Any],
+                  what: str) -> None:
+    """Checkpoint ``m`` fits the stores: each of its nodes is here, with its snapshot."""
+    old = len(m["nodes"])
+    if old > world.n_nodes:
+        raise AgreedError(f"{what} was taken on {old} nodes and their stores hold its experts: "
+                          f"resume with at least {old} nodes")
+    for i in range(old):
+        got = nodes[i]
+        if m["tag"] not in got["tags"]:
+            raise AgreedError(
+                f"the manifest {_manifest(got, m['number'])} of {what} names snapshot "
+                f"{m['tag']}, which node {i}'s store {got['store']} does not hold: move that "
+                "manifest away to resume from an earlier checkpoint")
 
 
 def start_run(world: World, store: tierstore.Store, run_dir: Path, experts: OwnedExperts,
               cfg: TrainModel, tc: TrainConfig, seed: int, resume: bool, net: MoEModel,
-              opt: torch.optim.Optimizer, sampler: BatchSampler
-              ) -> tuple[int, int, bool]:
+              opt: torch.optim.Optimizer, sampler: BatchSampler,
+              on_phase: PhaseHook | None = None) -> tuple[int, int, bool]:
     """Bring every node's store and this rank's model, optimizer, sampler and RNGs to where
     training starts. Returns ``(first step, next checkpoint number, re-sharded)``; when
     re-sharded the caller takes a checkpoint before training on."""
@@ -227,25 +240,28 @@ def start_run(world: World, store: tierstore.Store, run_dir: Path, experts: Owne
     mine = identity(cfg, tc, seed)
     error = None
     if world.is_node_leader:
-        saved = _read_json(store, RUN_ENTRY)
-        has_manifests = bool(manifests(run_dir))
+        saved = records.read(store, RUN_ENTRY)
         if saved is not None and not resume:
             error = (f"{where} already holds a training run; pass --resume to continue it, "
                      "or train in new stores")
         elif saved is not None and saved != json.loads(json.dumps(mine)):
             error = f"{where} holds another run ({_difference(saved, mine, world.size)})"
-        elif saved is None and (has_manifests or store.names("layers.")):
+        elif saved is None and (manifests.numbers(run_dir) or store.names("layers.")):
             error = f"{where} holds expert entries or checkpoints of no run of this trainer"
     _fail_together(world, error)
-    manifest = latest_manifest(world, run_dir) if resume else None
+    manifest = choose_checkpoint(world, store, run_dir, cfg.n_experts) if resume else None
+    if world.is_node_leader:  # manifests of a checkpoint newer than the one resumed
+        for n in manifests.numbers(run_dir):
+            if manifest is None or n > manifest["number"]:
+                manifests.remove(run_dir, n)
     if manifest is None:
         if world.is_node_leader:
-            store.put(RUN_ENTRY[0], _json(mine), kind=RUN_ENTRY[1])
-            _node_id(store)
+            store.put(RUN_ENTRY[0], records.as_tensor(mine), kind=RUN_ENTRY[1])
+            records.node_id(store)
         experts.initialise(seed)
         barrier(world)
         return 0, 1, False
-    return _resume(world, store, run_dir, experts, cfg, manifest, net, opt, sampler)
+    return _resume(world, store, cfg, mine, manifest, net, opt, sampler, on_phase)
 
 
 def _difference(saved: dict[str, Any], mine: dict[str, Any], world_size: int) -> str:
@@ -266,109 +282,47 @@ def _difference(saved: dict[str, Any], mine: dict[str, Any], world_size: int) ->
     return "different " + ", ".join(keys)
 
 
-def _resume(world: World, store: tierstore.Store, run_dir: Path, experts: OwnedExperts,
-            cfg: TrainModel, m: dict[str, Any], net: MoEModel, opt: torch.optim.Optimizer,
-            sampler: BatchSampler) -> tuple[int, int, bool]:
+def _resume(world: World, store: tierstore.Store, cfg: TrainModel, mine: dict[str, Any],
+            m: dict[str, Any], net: MoEModel, opt: torch.optim.Optimizer,
+            sampler: BatchSampler, on_phase: PhaseHook | None) -> tuple[int, int, bool]:
     old_nodes: list[list[int]] = m["nodes"]
+    what = f"checkpoint {m['number']} (step {m['step']})"
     error = None
-    if world.is_node_leader and world.node < len(old_nodes):
-        if _node_id(store) != m["node_ids"][world.node]:
-            error = (f"node {world.node}'s store {store.path} is not the store checkpoint "
-                     f"{m['number']} was taken with on node {world.node}")
-        else:
-            store.restore(m["tag"])
-    elif world.is_node_leader and store.names("layers."):
-        error = (f"node {world.node}'s store {store.path} already holds expert entries; a "
-                 "node joining a run needs an empty store")
+    if world.is_node_leader:
+        try:
+            if world.node < len(old_nodes):
+                store.restore(m["tag"])
+            else:
+                error = prepare_joining(store, world.node, m["node_ids"][0], mine)
+        except tierstore.StoreError as e:
+            error = (f"node {world.node}'s store {store.path} cannot be brought to {what}: "
+                     f"{e}; once that is fixed, rerun with --resume")
     _fail_together(world, error)
-    box: list[Any] = [unpack(store.get(*DENSE_ENTRY)) if world.rank == 0 else None]
+    box: list[Any] = [None]
+    if world.rank == 0:
+        try:
+            box = [unpack(store.get(*DENSE_ENTRY))]
+        except (tierstore.StoreError, ValueError, KeyError) as e:
+            box = [f"node 0's snapshot {m['tag']} of {what} in {store.path} holds no usable "
+                   f"dense state: {e}"]
     dist.broadcast_object_list(box, src=0)
     payload = box[0]
+    if isinstance(payload, str):
+        raise AgreedError(payload)
+    if payload.get("step") != m["step"] or payload.get("sampler") != m["sampler"]:
+        raise AgreedError(f"the manifests of {what} do not fit its snapshot {m['tag']} in node "
+                          f"0's store {store.path} (which holds step {payload.get('step')}): "
+                          "one of them was edited or replaced")
     net.load_state_dict(payload["model"])
     opt.load_state_dict(payload["optimizer"])
     sampler.load_state_dict(payload["sampler"])
     same = m["world_size"] == world.size and old_nodes == world.nodes
     if m["world_size"] == world.size:
         set_rng_state(payload["rng"][world.rank])
-    if world.is_node_leader and world.node >= len(old_nodes):
-        store.put(RUN_ENTRY[0], _json(payload["identity"]), kind=RUN_ENTRY[1])
     if not same:
-        reshard(world, store, cfg, old_nodes, m["world_size"])
+        reshard(world, store, cfg, old_nodes, m["world_size"], on_phase)
     barrier(world)
     return int(m["step"]), int(m["number"]) + 1, not same
-
-
-def reshard(world: World, store: tierstore.Store, cfg: TrainModel,
-            old_nodes: list[list[int]], old_size: int) -> int:
-    """Move every expert whose owning node changed from ``old_nodes`` (world size
-    ``old_size``) to this world's, one MoE layer at a time; returns how many experts this
-    rank's node received."""
-    old_node_of = {r: i for i, ranks in enumerate(old_nodes) for r in ranks}
-    n = cfg.n_experts
-    received = 0
-    for layer in cfg.moe_layers:
-        moves = []
-        for e in range(n):
-            src = old_node_of[owner(e, n, old_size)]
-            dst = world.node_of(owner(e, n, world.size))
-            if src != dst:
-                moves.append((e, src, dst))
-        if not moves:
-            continue
-        leader = [ranks[0] for ranks in world.nodes]
-        send, recv = [0] * world.size, [0] * world.size
-        out_ids = [e for e, src, _ in moves if src == world.node and world.is_node_leader]
-        in_ids = [e for e, _, dst in moves if dst == world.node and world.is_node_leader]
-        for _e, src, dst in moves:
-            if world.is_node_leader and src == world.node:
-                send[leader[dst]] += 1
-            if world.is_node_leader and dst == world.node:
-                recv[leader[src]] += 1
-        out_ids.sort(key=lambda e: (world.node_of(owner(e, n, world.size)), e))
-        in_ids.sort(key=lambda e: (old_node_of[owner(e, n, old_size)], e))
-        width = 3 * sum(a * b for a, b in cfg.expert_shapes().values())
-        floats, counts = _pack_states(store, layer, out_ids, width)
-        dev = comm_device(world)
-        got_f = all_to_all_rows(floats.to(dev), send, recv).cpu()
-        got_c = all_to_all_rows(counts.to(dev), send, recv).cpu()
-        if in_ids:
-            store.put_many(_unpack_states(cfg, layer, in_ids, got_f, got_c))
-            received += len(in_ids)
-        barrier(world)  # every node holds what it received: the senders may let go
-        for e in out_ids:
-            for name, kind in state_keys(layer, e):
-                store.delete(name, kind)
-    return received
-
-
-def _pack_states(store: tierstore.Store, layer: int, ids: list[int], width: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every state of experts ``ids`` as rows of ``width`` floats (weights and moments),
-    and their step counts."""
-    rows, counts = [], []
-    for e in ids:
-        keys = state_keys(layer, e)
-        got = store.get_many(keys)
-        rows.append(torch.cat([got[k].reshape(-1) for k in keys[:-1]]))
-        counts.append(got[keys[-1]].reshape(1))
-    if not rows:
-        return torch.empty((0, width)), torch.empty((0, 1), dtype=torch.int64)
-    return torch.stack(rows), torch.stack(counts)
-
-
-def _unpack_states(cfg: TrainModel, layer: int, ids: list[int], floats: torch.Tensor,
-                   counts: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
-    shapes = cfg.expert_shapes()
-    items = []
-    for i, e in enumerate(ids):
-        keys = state_keys(layer, e)
-        offset = 0
-        for name, kind in keys[:-1]:
-            a, b = shapes[name.rsplit(".", 1)[1]]
-            items.append((name, kind, floats[i, offset:offset + a * b].reshape(a, b).clone()))
-            offset += a * b
-        items.append((keys[-1][0], keys[-1][1], counts[i].clone()))
-    return items
 
 
 def dense_payload(cfg: TrainModel, tc: TrainConfig, seed: int, net: MoEModel,

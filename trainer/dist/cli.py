@@ -18,12 +18,14 @@ def _postfix(m: Metrics) -> str:
 
 
 def run_distributed(*, store: str | None, connect: str | None, run_dir: str | None,
-                    model: str | None, steps: int, seed: int | None, host_cache: int,
+                    model: str | None, steps: int, seed: int | None, daemon: dict[str, Any],
                     paradigm: str, credits: int | None, hierarchical: bool,
                     checkpoint_every: int, resume: bool,
                     metrics: str | None, corpus: Sequence[str], overrides: dict[str, Any],
                     device: str, echo: Callable[[str], Any] = print) -> list[Metrics]:
-    """``tierstore train --distributed`` on this rank (see :func:`train_distributed`)."""
+    """``tierstore train --distributed`` on this rank (see :func:`train_distributed`);
+    ``daemon`` holds its ``host_cache``, ``backing``, ``pmem_path``, ``pmem_size`` and
+    ``slab_size`` (None where not given)."""
     import os
 
     from tqdm import tqdm
@@ -41,7 +43,7 @@ def run_distributed(*, store: str | None, connect: str | None, run_dir: str | No
 
         history = train_distributed(
             model_arg, steps, seed if seed is not None or model_arg is None else 0,
-            store_path=store, connect=connect, run_dir=run_dir, host_cache=host_cache,
+            store_path=store, connect=connect, run_dir=run_dir, **daemon,
             paradigm=paradigm, credits=credits, hierarchical=hierarchical,
             checkpoint_every=checkpoint_every,
             resume=resume, metrics_path=metrics, corpus_paths=list(corpus) or None,

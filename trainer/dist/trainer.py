@@ -57,9 +57,11 @@ from ..train.resident import (
 from .checkpoint import PhaseHook, dense_payload, saved_identity, start_run, write_checkpoint
 from .collectives import all_reduce_sum_, sum_over_ranks
 from .exchange import ExpertParallel, choose_paradigms, janus_ratio
+from .faults import FaultWatch
 from .owned import OwnedExperts
-from .sidecar import default_run_dir, start_node_daemon
+from .sidecar import DaemonSettings, default_run_dir, start_node_daemon
 from .world import (
+    AgreedError,
     DistributedError,
     World,
     check_divides,
@@ -80,7 +82,11 @@ def train_distributed(
     store_path: PathLike,
     run_dir: PathLike | None = None,
     connect: str | None = None,
-    host_cache: int = 256 << 20,
+    host_cache: int | None = 256 << 20,
+    backing: str | None = None,
+    pmem_path: PathLike | None = None,
+    pmem_size: int | None = None,
+    slab_size: int | None = None,
     paradigm: str = "auto",
     credits: int | None = None,
     hierarchical: bool = False,
@@ -100,6 +106,10 @@ def train_distributed(
     ``store_path`` is this node's store (created if missing) and ``run_dir`` its run
     directory (default ``store_path + '.run'``): the daemon's socket and log, and the
     checkpoint manifests. ``connect`` uses a daemon the user runs instead of starting one.
+    ``host_cache``, ``backing``, ``pmem_path``, ``pmem_size`` and ``slab_size`` are the
+    node daemon's and its store's (``tierstore serve``'s options; None: not asked, and a
+    daemon or store already there is not checked for it); one that differs from what is
+    there is refused.
     ``train.batch_size`` is the per-rank batch; the global batch is W times it.
     ``model=None`` with ``resume`` continues the run the stores hold with its own model,
     hyperparameters (the per-rank batch being its global batch over W) and seed
@@ -110,15 +120,29 @@ def train_distributed(
     ``hierarchical``: token-centric exchanges in two stages, inside each node first (the
     same numbers; fewer, larger messages between nodes).
     ``metrics_path``: one JSON object per step per rank, ``{path}.rank{r}``.
-    ``on_phase(phase, step)`` is called at the points of a checkpoint (``snapshot``,
-    ``manifest``).
+    ``on_phase(phase, n)`` is called at the points of a checkpoint (``snapshot``,
+    ``manifest``) and of a re-shard (``moved``, ``sent``): see :mod:`.reshard`.
     """
     if steps < 0 or checkpoint_every < 0:
         raise ValueError("steps and checkpoint_every must be >= 0")
-    world = init_world(device)
+    try:
+        world = init_world(device)
+    except RuntimeError as e:  # gloo's or the rendezvous's, as one line
+        raise DistributedError(
+            "the ranks did not form a process group ("
+            + " ".join(str(e).split("\n")[0].split())[:200] + "): a rank failed or did not "
+            "start (its node's torchrun output says which); rerun with --resume") from None
     run = Path(run_dir) if run_dir is not None else default_run_dir(store_path)
-    daemon = start_node_daemon(world, store_path, run, host_cache, connect)
-    store = tierstore.connect(daemon.socket)
+    settings = DaemonSettings(host_cache, backing, None if pmem_path is None
+                              else os.fspath(pmem_path), pmem_size, slab_size)
+    # From here on a rank that fails tells the others, and they end with one line naming
+    # it instead of gloo's traceback, or instead of waiting on it (:mod:`.faults`).
+    watch = FaultWatch.start(world)
+    try:
+        daemon = start_node_daemon(world, store_path, run, settings, connect)
+        store = daemon.connect()
+    except BaseException as e:
+        raise watch.failed(e) from None
     finished = False
     try:
         cfg, tc, seed = _settings(world, store, model, train, seed, resume, overrides or {})
@@ -137,7 +161,8 @@ def train_distributed(
         paradigms = choose_paradigms(cfg, paradigm, tokens, world)
         source = ExpertParallel(world, cfg, experts, paradigms, credits, hierarchical)
         start, number, resharded = start_run(world, store, run, experts, cfg, global_tc, seed,
-                                             resume, net, opt, sampler)
+                                             resume, net, opt, sampler, on_phase)
+        watch.training = True
         if resume and start == 0 and world.rank == 0:
             # Not an error: a preemptible job is launched with --resume from its first start.
             print(f"tierstore train: {run} holds no checkpoint to resume; training starts "
@@ -154,8 +179,11 @@ def train_distributed(
         if resharded:
             loop.checkpoint(start, {"step": start})
         history = loop.train(start, steps)
+        watch.close()
         finished = True
         return history
+    except BaseException as e:
+        raise watch.failed(e) from None
     finally:
         store.close()
         # After a failure the other ranks may be anywhere (torchrun stops them): no
@@ -179,12 +207,12 @@ def _settings(world: World, store: tierstore.Store, model: TrainModel | str | No
     dist.broadcast_object_list(box, src=0)
     saved = box[0]
     if saved is None or not resume:
-        raise DistributedError("name the model to train (--model), or --resume a run these "
-                               "stores hold")
+        raise AgreedError("name the model to train (--model), or --resume a run these "
+                          "stores hold")
     tc = TrainConfig.from_dict(saved["train_config"])
     if tc.batch_size % world.size:
-        raise DistributedError(f"the run's global batch of {tc.batch_size} rows does not "
-                               f"split over {world.size} ranks")
+        raise AgreedError(f"the run's global batch of {tc.batch_size} rows does not "
+                          f"split over {world.size} ranks")
     tc = replace(tc, batch_size=tc.batch_size // world.size, **overrides)
     return (resolve_model_config(config_from_dict(saved["model_config"]), tc), tc,
             int(saved["seed"]) if seed is None else seed)

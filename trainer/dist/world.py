@@ -28,6 +28,11 @@ class DistributedError(TrainerError):
     """The distributed run cannot start or continue as asked (one line, no traceback)."""
 
 
+class AgreedError(DistributedError):
+    """A :class:`DistributedError` that every rank raises at the same point, from facts all
+    of them share: no rank waits for another, so none of them is "the one that failed"."""
+
+
 @dataclass
 class World:
     """This process's place in the run. ``nodes[i]`` lists node ``i``'s global ranks."""
@@ -76,9 +81,8 @@ def owned(rank: int, n_experts: int, world_size: int) -> range:
 
 def check_divides(n_experts: int, world_size: int) -> None:
     if world_size < 1 or n_experts % world_size:
-        raise DistributedError(f"{n_experts} experts per layer cannot be split evenly over "
-                               f"{world_size} ranks: use a world size that divides "
-                               f"{n_experts}")
+        raise AgreedError(f"{n_experts} experts per layer cannot be split evenly over "
+                          f"{world_size} ranks: use a world size that divides {n_experts}")
 
 
 def launched() -> bool:
