@@ -171,6 +171,8 @@ def train_store(
         plan = train_budget(shape, layout, tc, device_budget, ahead)
         check_step_fits(shape, tc, dev, dense_params=model_size(cfg).dense_params,
                         layout=layout, host_cache=cache, read_ahead=ahead)
+        if corpus is None:  # a corpus that is no text is refused before a store is made
+            corpus = corpus_for(tc, corpus_paths)
     owned = store is None
     if store is None:
         if store_path is None:
