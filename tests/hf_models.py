@@ -65,6 +65,18 @@ def make_tokenizer(model_dir: Path) -> Any:
     return tok
 
 
+def spread(model: Any) -> Any:
+    """``model`` with weights drawn larger than the default init (norms near 1), so routing
+    and attention are far from uniform."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
 def make_hf_model(family: str, model_dir: Path, seed: int = 0, save_original_format: bool = True,
                   max_shard_size: str | None = None, **over: Any) -> Any:
     """A random fp32 ``transformers`` model of ``family`` saved to ``model_dir`` with a tiny
@@ -72,13 +84,8 @@ def make_hf_model(family: str, model_dir: Path, seed: int = 0, save_original_for
     far from uniform. Shared with the inference tests (test_infer, test_generate)."""
     torch.manual_seed(seed)
     cfg = hf_config(family, **over)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
+    model = spread(transformers.AutoModelForCausalLM.from_config(cfg,
+                                                                 attn_implementation="eager"))
     model.eval()
     kw: dict[str, Any] = {"save_original_format": save_original_format}
     if max_shard_size:

@@ -31,6 +31,7 @@ import pytest
 import tierstore.hf
 import torch
 from click.testing import CliRunner
+from hf_models import spread
 from tierstore.hf.layout import stored_model
 from tierstore.trainer.train.checkpoint import MOMENTS, STEP_KIND, checkpoint_steps
 from tierstore.trainer.train.data import Corpus, load_corpus
@@ -123,13 +124,7 @@ def make_model(family: str, model_dir: Path, tokenizer_file: Path,
     tokenizer. Weights are drawn larger than the default init so routing is far from
     uniform. Returns the model (fp32, as saved before any cast)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **over))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
+    model = spread(transformers.AutoModelForCausalLM.from_config(tiny_config(family, **over)))
     model.to(dtype).save_pretrained(model_dir)
     shutil.copy(tokenizer_file, model_dir / "tokenizer.json")
     return model.float()

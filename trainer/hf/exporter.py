@@ -43,11 +43,11 @@ from torch import Tensor, nn
 
 import tierstore
 
+from .config import FLOAT_DTYPES as DTYPES
 from .config import hf_config, meta_model
 from .convert import expert_params
 from .families import UnservedFamilyError, check_served
 from .layout import ExpertsModule, StoredModel, stored_model
-from .loader import DTYPES
 from .outdir import HFExportError, WorkDir, check_out_dir, remove_leftovers, write_file
 from .reverse import Group, ReverseError, ReversePlan, reverse_plan, run
 from .shards import INDEX_FILE, Shards

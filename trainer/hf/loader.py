@@ -24,14 +24,13 @@ from torch import nn
 import tierstore
 
 from .backend import IMPLEMENTATION, ROLES, ExpertLayer, ExpertParam, bind
-from .config import hf_config, meta_model
+from .config import FLOAT_DTYPES, hf_config, meta_model
 from .families import UnservedFamilyError, check_served
 from .layout import StoredModel, stored_model
 from .served import Passes, ServedModel
 from .warmup import NotDispatchedError, check_dispatch, narrow_source
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def open_store(store: str | os.PathLike[str] | tierstore.Store, *,
@@ -60,10 +59,10 @@ def dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
     try:
-        return DTYPES[str(name).removeprefix("torch.")]
+        return FLOAT_DTYPES[str(name).removeprefix("torch.")]
     except KeyError:
         raise tierstore.StoreError(f"unsupported dtype {name!r}; use one of "
-                                   f"{', '.join(sorted(DTYPES))}") from None
+                                   f"{', '.join(sorted(FLOAT_DTYPES))}") from None
 
 
 def _layer_keys(names: list[str]) -> list[int]:
