@@ -1,4 +1,4 @@
-"""Tiny random ``transformers`` models of four families with a tiny tokenizer, saved with
+"""Tiny random ``transformers`` models of five families with a tiny tokenizer, saved with
 ``save_pretrained`` and imported into stores: the fixtures of the inference, generation and
 budget tests (support code, not a test module; the every-family matrix is
 ``test_hf_backend.py``, built by :mod:`hf_tiny`)."""
@@ -49,6 +49,13 @@ def hf_config(family: str, **over: Any) -> Any:
                   decoder_sparse_step=2, norm_topk_prob=True)
         kw.update(over)
         return transformers.Qwen3MoeConfig(**kw)
+    if family == "deepseek_v3":  # MLA attention: head sizes of its own, no grouped queries
+        kw.update(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                  n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                  kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                  v_head_dim=8, num_key_value_heads=4)
+        kw.update(over)
+        return transformers.DeepseekV3Config(**kw)
     raise ValueError(family)
 
 

@@ -13,6 +13,12 @@ routing, caches and ``generate``::
     out = model.generate(input_ids, max_new_tokens=32)
     model.tierstore.close()                           # the source, and the store it opened
 
+``load(store, trainable=True)`` gives the model to fine-tune in a loop of one's own
+(:mod:`tierstore.hf.train`): ``model.parameters()`` are the dense weights, for any torch
+optimizer, and :class:`ExpertAdamW` trains the experts, their masters and moments in the
+store; :func:`clip_grad_norm_` clips both by one norm, :class:`CombinedOptimizer` steps both
+(for ``transformers.Trainer``), :func:`save` puts the dense weights in the store too.
+
 :func:`import_hf` (``tierstore import-hf``) puts any checkpoint of a family whose experts
 ``transformers`` dispatches through that interface into a store, mapped with
 ``transformers``' own conversion mapping; :func:`export_hf` (``tierstore export-hf``) writes a
@@ -35,21 +41,29 @@ from .families import causal_lm_families
 from .importer import import_hf
 from .loader import Loaded, build, dtype_of, open_store
 from .strategies import MODES, make_source, resolve_mode
+from .train import CombinedOptimizer, ExpertAdamW, clip_grad_norm_, load_trainable, save
 
 register()
 
-__all__ = ["IMPLEMENTATION", "MODES", "Loaded", "causal_lm_families", "export_hf", "import_hf",
-           "load"]
+__all__ = ["IMPLEMENTATION", "MODES", "CombinedOptimizer", "ExpertAdamW", "Loaded",
+           "causal_lm_families", "clip_grad_norm_", "export_hf", "import_hf", "load", "save"]
 
 
-def load(store: str | os.PathLike[str] | tierstore.Store, *, mode: str = "auto",
-         device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-         device_budget: int | str | None = None, host_cache: int | str | None = None,
-         ring_slots: int | str = "auto") -> Any:
+def load(store: str | os.PathLike[str] | tierstore.Store, *, trainable: bool = False,
+         mode: str = "auto", device: str | torch.device | None = None,
+         dtype: str | torch.dtype | None = None, device_budget: int | str | None = None,
+         host_cache: int | str | None = None, ring_slots: int | str = "auto",
+         fetch: str = "auto") -> Any:
     """The store's model as its ``transformers`` class, in eval mode, its experts served
     from the store by ``mode`` (``auto``, ``expert``, ``on-demand``, ``ring``,
     ``resident``; ``model.tierstore.mode`` says which ``auto`` chose and
     ``model.tierstore.notes`` why).
+
+    ``trainable=True``: the model in training mode, its dense weights fp32 parameters, its
+    experts trained through the store by :class:`ExpertAdamW` (:mod:`tierstore.hf.train`);
+    ``mode`` and ``ring_slots`` are the inference sources' and do not apply, ``fetch`` says
+    how experts reach the device (``auto``, ``queue``, ``direct``), and ``dtype`` can only
+    be fp32 (compute in bf16 with ``torch.autocast``).
 
     ``store``: a store directory, a daemon's socket, or an open :class:`tierstore.Store`
     (left open). ``device``: default CUDA where there is one, else the CPU. ``dtype``: the
@@ -58,6 +72,15 @@ def load(store: str | os.PathLike[str] | tierstore.Store, *, mode: str = "auto",
     """
     dev = torch.device(device if device is not None else
                        ("cuda" if torch.cuda.is_available() else "cpu"))
+    if trainable:
+        if mode != "auto":
+            raise ValueError(f"mode {mode!r} serves inference; a trainable model's experts "
+                             "come from the store trainer (fetch= says how)")
+        if dtype_of(dtype) not in (None, torch.float32):
+            raise ValueError("a trainable model keeps fp32 weights; compute in bf16 with "
+                             "torch.autocast")
+        return load_trainable(store, device=dev, host_cache=host_cache,
+                              device_budget=device_budget, fetch=fetch)
     st, owns = open_store(store, host_cache=host_cache, device_budget=device_budget)
     try:
         model, loaded = build(st, owns, device=dev, dtype=dtype_of(dtype))

@@ -88,6 +88,7 @@ class Loaded:
     mode: str = ""
     notes: list[str] = field(default_factory=list)
     narrow: Any = None  # zero experts for a warm-up pass (tierstore.hf.warmup)
+    experts: Any = None  # the trainer's ExpertStates, once attach_trainable gave them
 
     def attach(self, source: Any, mode: str, *, close_previous: bool = True) -> None:
         """Feed every experts module from ``source`` (closing the one before, unless
@@ -116,11 +117,13 @@ class Loaded:
         require grad, shared by a step's micro-batches and by recomputations, and put the
         model in training mode. The experts function is the same: autograd gives each
         routed expert's weight gradient, and the router's through ``top_k_weights``. The
-        inference source, if any, is closed; forward calls are no longer passes of one."""
+        inference source, if any, is closed; forward calls are no longer passes of one.
+        ``experts`` keeps the states (:meth:`close` closes them)."""
         if self.source is not None:
             self.source.close()
             self.source = None
         self.mode = "train"
+        self.experts = states
         self.passes.source = None
         for layer in self.served.layers.values():
             layer.source = states
@@ -130,10 +133,14 @@ class Loaded:
         return dict(self.source.stats()) if self.source is not None else {}
 
     def close(self) -> None:
-        """Give back what the source holds and close the store if ``load`` opened it."""
+        """Give back what the source (or the trainable experts) hold and close the store if
+        ``load`` opened it."""
         if self.source is not None:
             self.source.close()
             self.source = None
+        if self.experts is not None:
+            self.experts.close()
+            self.experts = None
         self.passes.remove()
         if self.owns_store:
             self.store.close()

@@ -160,8 +160,12 @@ class ExpertStates:
         if layers and self._reader is not None:
             self._start_moments(layers[0])
 
+    def tensors(self) -> list[Tensor]:
+        """The step's expert leaves fetched so far."""
+        return [w for ws in self.leaves.values() for w in ws]
+
     def grads(self) -> list[Tensor]:
-        return [w.grad for ws in self.leaves.values() for w in ws if w.grad is not None]
+        return [w.grad for w in self.tensors() if w.grad is not None]
 
     def _touched_layers(self) -> list[int]:
         return sorted({layer for layer, _ in self.leaves})

@@ -141,13 +141,7 @@ class HFNet(TrainNet):
         self.shape = train_shape(model.config, self.layout)
         self.record = {"finetune": stored.family, "hf_config": stored.hf_config}
         self.autocast = compute_dtype(stored.dtype, tc) == "bfloat16"
-        # The dense tensors by the names their entries are kept under (a tied weight under
-        # each name the import stored it by): the trained weights, and the buffers the
-        # checkpoint holds (a router's score correction), which stay as they are but are
-        # kept as fp32 too, so that the dense part of a fine-tune is one precision.
-        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
-        self.entries = {name: (stored.dense[name], t) for name, t in named
-                        if name in stored.dense}
+        self.entries = dense_entries(model, stored)
         model.train()
 
     def attach(self, experts: ExpertStates) -> None:
@@ -162,7 +156,7 @@ class HFNet(TrainNet):
         self.load_dense(store, {})
 
     def dense_payload(self, store: tierstore.Store) -> dict[str, Any]:
-        store.put_many([(entry, "param", _master(t)) for entry, t in self.entries.values()])
+        write_dense(store, self.entries)
         return {"dense": "entries"}
 
     @torch.no_grad()
@@ -182,6 +176,21 @@ class HFNet(TrainNet):
                               "training text with; import the model from a directory that "
                               "has one")
         return tok
+
+
+def dense_entries(model: Any, stored: StoredModel) -> dict[str, tuple[str, Tensor]]:
+    """A loaded model's dense tensors by the names their entries are kept under (a tied
+    weight under each name the import stored it by): ``{name: (entry, tensor)}``. The
+    trained weights, and the buffers the checkpoint holds (a router's score correction),
+    which stay as they are but are kept as fp32 too, so that the dense part of a fine-tune
+    is one precision."""
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    return {name: (stored.dense[name], t) for name, t in named if name in stored.dense}
+
+
+def write_dense(store: tierstore.Store, entries: dict[str, tuple[str, Tensor]]) -> None:
+    """Put :func:`dense_entries`' tensors into their entries, floating ones as fp32."""
+    store.put_many([(entry, "param", _master(t)) for entry, t in entries.values()])
 
 
 def _master(t: Tensor) -> Tensor:
