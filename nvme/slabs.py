@@ -86,6 +86,10 @@ class SlabMedium:
         self._missing: dict[int, str] = {}
         self._lock = threading.Lock()
         os.makedirs(os.path.join(self.root, SLAB_DIR), exist_ok=True)
+        # New slabs go into this directory wherever the store is moved while open (a store
+        # renamed under its daemon keeps growing), as the catalog's copies do.
+        self._dir_fd = os.open(os.path.join(self.root, SLAB_DIR),
+                               os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def describe(self) -> str:
         return self.engine.describe()
@@ -112,10 +116,18 @@ class SlabMedium:
             raise FileNotFoundError(errno.ENOENT, "slab file is missing", path)
         return fh
 
+    def _slab_dir(self) -> str:
+        """Where the slab directory is now: the path of the descriptor held on it."""
+        try:
+            return os.readlink(f"/proc/self/fd/{self._dir_fd}")
+        except OSError:  # no /proc: where it was opened
+            return os.path.join(self.root, SLAB_DIR)
+
     def create_segment(self, seg: int, min_bytes: int) -> tuple[int, str, int, int]:
         size = max(self.slab_bytes, -(-min_bytes // 4096) * 4096)
-        rel = os.path.join(SLAB_DIR, f"slab-{seg:06d}.dat")
-        path = self._abspath(rel)
+        name = f"slab-{seg:06d}.dat"
+        rel = os.path.join(SLAB_DIR, name)
+        path = os.path.join(self._slab_dir(), name)
         if os.path.exists(path):
             # No catalog segment names this file. A crash between creating a slab and
             # committing it leaves one that was never written (all zeros): safe to redo.
@@ -189,3 +201,6 @@ class SlabMedium:
             files, self._files = self._files, {}
         for fh in files.values():
             self.engine.close_file(fh)
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1

@@ -45,6 +45,22 @@ def test_a_store_moved_while_open_keeps_its_snapshots_copy_beside_it(tmp_path: P
         assert torch.equal(st.get("a"), t(2.0))
 
 
+def test_a_store_moved_while_open_makes_its_new_slabs_beside_it(tmp_path: Path) -> None:
+    """A put that needs a new slab after the store was moved makes it in the moved store."""
+    old, new = tmp_path / "st", tmp_path / "moved"
+    big = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: past the first 1 MiB slab
+    with tierstore.open(old, create=True, slab_size="1MiB", host_cache=0) as st:
+        st.put("a", t(1.0))
+        os.rename(old, new)
+        st.put("b", big)
+        st.snapshot("s1")
+    assert not old.exists()
+    assert len(list((new / "slabs").iterdir())) == 2
+    with tierstore.open(new) as st:
+        assert st.fsck().ok
+        assert torch.equal(st.get("b"), big) and torch.equal(st.get("a"), t(1.0))
+
+
 def test_a_store_moved_under_its_daemon_snapshots_with_its_copy(tmp_path: Path) -> None:
     store, moved = tmp_path / "store", tmp_path / "moved"
     with tierstore.open(store, create=True, slab_size="1MiB", host_cache=0) as st:
