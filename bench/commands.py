@@ -102,16 +102,17 @@ def _memory_limit(ctx: click.Context, _param: Any, value: str | None) -> str | N
     return value
 
 
-def _check_synthetic(layers: int, experts: int, hidden: int, ffn: int) -> None:
+def _check_synthetic(shape: str, layers: int, experts: int, hidden: int, ffn: int) -> None:
     # The synthetic model checks its shape only once the benchmark builds it, and names its
     # own fields (top_k, head dimension) rather than the options.
-    from tierstore.bench.infer import synthetic_config
+    from tierstore.bench.infer import check_synthetic
 
     try:
-        synthetic_config(layers, experts, hidden, ffn)
-    except ValueError as e:
-        raise click.UsageError(f"--layers {layers} --experts {experts} --hidden {hidden} "
-                               f"--ffn {ffn} make no synthetic model: {e}") from None
+        check_synthetic(shape, layers, experts, hidden, ffn)
+    except (ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise click.UsageError(f"--shape {shape} --layers {layers} --experts {experts} --hidden "
+                               f"{hidden} --ffn {ffn} make no synthetic model: {first}") from None
 
 
 @click.group()
@@ -250,8 +251,13 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
 
 @bench.command(name="infer")
 @click.option("--store", "store", type=click.Path(exists=True, file_okay=False),
-              help="A store holding a model (default: a synthetic Mixtral-shaped model written "
+              help="A store holding a model (default: a synthetic model of --shape written "
                    "to a temporary store here).")
+@click.option("--shape", type=click.Choice(["mixtral", "deepseek_v3", "gpt_oss"]),
+              default="mixtral", show_default=True,
+              help="Synthetic model's family and shape: Mixtral (8 wide experts, top-2), "
+                   "DeepSeek-V3 (MLA, many small routed experts in groups, top-6, a shared "
+                   "expert) or gpt-oss (biased, transposed experts, attention sinks).")
 @click.option("--model-dir", type=click.Path(exists=True, file_okay=False),
               help="A Hugging Face model directory, imported into a temporary store first.")
 @click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1),
@@ -289,14 +295,19 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
               help="Compute device (default: cuda if available).")
 @click.option("--vocab", type=click.IntRange(min=8),
               help="Synthetic model: vocabulary [512; 32000 with --peer].")
-@click.option("--peer", type=click.Choice(["accelerate"]),
-              help="Also run the checkpoint (--model-dir, or a synthetic Mixtral-shaped one "
+@click.option("--peer", type=click.Choice(["accelerate", "llamacpp"]),
+              help="Also run the checkpoint (--model-dir, or a synthetic one of --shape "
                    "saved with transformers) through this system: accelerate's disk offload "
-                   "(experts on \"disk\", the rest on the CPU). Every run is then a fresh "
-                   "process (`tierstore generate` per mode: resident, ring auto, expert, "
+                   "(experts on \"disk\", the rest on the CPU; the `peers` extra), or "
+                   "llama.cpp on the checkpoint converted to GGUF F32 once (cached in "
+                   "MODEL_DIR/gguf), memory-mapped (the `llamacpp` extra, which builds "
+                   "llama.cpp from source: 10 CPU-minutes, 37 minutes on a shared 2-core "
+                   "machine). Every run is then a "
+                   "fresh process (`tierstore generate` per mode: resident, ring auto, expert, "
                    "on-demand) with one prompt of --prefill-len tokens and --decode-tokens "
                    "greedy tokens; tokens are checked equal, and prefill and decode tokens/s, "
-                   "peak RSS and the ratios to the peer reported. Needs the `peers` extra.")
+                   "the time outside them (the cold start), peak RSS and the ratios to the "
+                   "peer reported.")
 @click.option("--memory-limit", metavar="SIZE|FRACTION", callback=_memory_limit,
               help="With --peer: run every offloading mode and the peer in a memory cgroup "
                    "with this limit (page cache included), a size (1.4GiB) or a fraction of "
@@ -311,14 +322,16 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
                    "generate`; default the store's, or a quarter of --memory-limit).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="With --peer: CPU compute threads of every run, the peer's included "
-                   "(default: each system's own; tierstore's ring and expert modes leave a "
-                   "core to their reads while the host cache cannot hold every expert).")
+                   "(default: 1 with llamacpp; with accelerate each system's own: tierstore's "
+                   "ring and expert modes leave a core to their reads while the host cache "
+                   "cannot hold every expert).")
 @click.option("--engine", type=click.Choice(["auto", "posix-direct"]), default="auto",
               show_default=True,
               help="The store's NVMe I/O engine (auto: Linux AIO where it runs; "
                    "posix-direct: the thread-pool fallback).")
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
-def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: int, hidden: int,
+def bench_infer(store: str | None, model_dir: str | None, shape: str, layers: int, experts: int,
+                hidden: int,
                 ffn: int, prefill_batch: int, prefill_len: int, decode_batch: int,
                 decode_tokens: int, ring_slots: list[int], tier: str, host_cache: int | None,
                 expert_budget: float, repeats: int, device: str | None, vocab: int | None,
@@ -334,13 +347,17 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
     offload and every tierstore mode, each run a fresh process, cold, optionally under a
     memory limit; ratios to accelerate per phase, and the ring's prefill against its
     physical limit, max(compute, bytes read / the tier's bandwidth measured in every round).
+    With --peer llamacpp the same against llama.cpp on the checkpoint as GGUF F32 (bytes it
+    read from disk, from /proc/self/io, reported), one compute thread per run by default.
     Without --memory-limit the host cache holds every expert (as the page cache does for
     accelerate); under one it defaults to a sixth of the limit (--host-cache overrides).
 
     \b
     tierstore bench infer --peer accelerate --hidden 1024 --ffn 2048 --prefill-len 16 \\
         --decode-tokens 16 --rounds 3 --memory-limit 0.75 --host-cache 256MiB \\
-        --device-budget 400MiB --json peer.json"""
+        --device-budget 400MiB --json peer.json
+    tierstore bench infer --peer llamacpp --layers 4 --hidden 1024 --ffn 2048 --vocab 2000 \\
+        --prefill-len 16 --decode-tokens 16 --rounds 1 --memory-limit 0.75"""
     if store and model_dir:
         raise click.UsageError("--store and --model-dir exclude each other")
     if peer and store:
@@ -351,7 +368,16 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
     if peer and engine != "auto":
         raise click.UsageError("--engine applies to the in-process benchmark, not --peer")
     if store is None and model_dir is None:
-        _check_synthetic(layers, experts, hidden, ffn)
+        _check_synthetic(shape, layers, experts, hidden, ffn)
+        if peer == "llamacpp" and vocab is not None:
+            from tierstore.bench.llamacpp import check_vocab
+
+            from tierstore import StoreError
+
+            try:
+                check_vocab(vocab)
+            except StoreError as e:
+                raise click.UsageError(str(e)) from None
     from tierstore.bench.infer import run_infer
 
     def go() -> None:
@@ -361,7 +387,7 @@ def bench_infer(store: str | None, model_dir: str | None, layers: int, experts: 
                   host_cache=host_cache, expert_budget=expert_budget, device=device,
                   repeats=repeats, tier=tier, vocab=vocab, peer=peer,
                   memory_limit=memory_limit, cold=cold, device_budget=device_budget,
-                  threads=threads, engine=engine, echo=click.echo)
+                  threads=threads, engine=engine, shape=shape, echo=click.echo)
 
     _run(go)
 

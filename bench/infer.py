@@ -48,63 +48,36 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from tierstore.trainer.infer.generate import GenerationResult, generate, make_source
-from tierstore.trainer.infer.loading import (
-    DENSE_PREFIX,
-    MODEL_ENTRY,
-    MODEL_FORMAT,
-    json_entry,
-    load_model,
-    model_info,
-)
-from tierstore.trainer.model import ModelConfig, MoEDecoder, expert_names
+from tierstore.hf.layout import stored_model
+from tierstore.hf.loader import Loaded, build
+from tierstore.hf.served import ServedModel
+from tierstore.hf.strategies import make_source
+from tierstore.trainer.infer.generate import GenerationResult, generate
 
 import tierstore
+
+from .hf_models import hf_config, write_hf_checkpoint
 
 MiB = 1 << 20
 TIERS = ("nvme", "backing", "host")
 
 
-def synthetic_config(layers: int = 8, experts: int = 8, hidden: int = 512, ffn: int = 1024,
-                     vocab: int = 512, top_k: int = 2, heads: int = 8,
-                     kv_heads: int = 2) -> ModelConfig:
-    """A Mixtral-shaped configuration (every layer MoE, top-k routing, GQA)."""
-    return ModelConfig(
-        family="mixtral", vocab_size=vocab, hidden_size=hidden, n_layers=layers,
-        n_heads=heads, n_kv_heads=kv_heads, head_dim=hidden // heads, n_experts=experts,
-        top_k=top_k, moe_ffn=ffn, moe_layers=tuple(range(layers)), dense_ffn=ffn,
-        eos_token_ids=(), max_position=4096, dtype="float32")
+def check_synthetic(shape: str, layers: int, experts: int, hidden: int, ffn: int) -> None:
+    """A ``ValueError`` naming what is wrong with a synthetic model's shape: what the
+    family's config class refuses, and what an import of it would (two experts per token
+    of one, say)."""
+    from tierstore.hf.config import hf_config as checked
+
+    cfg = hf_config(shape, layers=layers, experts=experts, hidden=hidden, ffn=ffn, vocab=512)
+    try:
+        checked(cfg.to_dict(), f"a synthetic {shape} model")
+    except tierstore.StoreError as e:
+        raise ValueError(str(e)) from None
 
 
-def write_synthetic_model(store: tierstore.Store, cfg: ModelConfig, seed: int = 0,
-                          progress: Callable[[int], Any] | None = None) -> None:
-    """Random weights for ``cfg`` in the store layout ``trainer.infer.loading.load_model`` reads:
-    experts as ``layers.{i}.experts.{e}.w1|w2|w3``, dense weights under ``dense.``, then
-    ``model.json``. Weights are scaled by 1/sqrt(fan-in) so activations stay O(1)."""
-    g = torch.Generator().manual_seed(seed)
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}[cfg.dtype]
-    h, f = cfg.hidden_size, cfg.moe_ffn
-
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dt)
-
-    for layer in cfg.moe_layers:
-        items = {}
-        for e in range(cfg.n_experts):
-            w1, w2, w3 = expert_names(layer, e)
-            items.update({w1: rand(f, h), w2: rand(h, f), w3: rand(f, h)})
-        store.put_many(items)
-        if progress is not None:
-            progress(sum(t.numel() * t.element_size() for t in items.values()))
-    torch.manual_seed(seed)
-    model = MoEDecoder(cfg)
-    store.put_many({DENSE_PREFIX + k: v.detach().to(dt).contiguous()
-                    for k, v in model.state_dict().items()})
-    info = {"format": MODEL_FORMAT, "family": cfg.family, "config": cfg.to_dict(),
-            "hf_config": None, "dense_prefix": DENSE_PREFIX, "tokenizer": []}
-    store.put(MODEL_ENTRY[0], json_entry(info), kind=MODEL_ENTRY[1])
-    store.flush()
+def layer_names(served: ServedModel, layer: int) -> list[str]:
+    """Every entry of one MoE layer's experts."""
+    return [n for e in range(served.n_experts) for n in served.expert_names(layer, e)]
 
 
 def _sync(device: torch.device) -> None:
@@ -112,15 +85,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_bandwidth(store: tierstore.Store, cfg: ModelConfig, device: torch.device,
+def measure_bandwidth(store: tierstore.Store, served: ServedModel, device: torch.device,
                       repeats: int = 2) -> dict[str, Any]:
     """Bytes per second of ``get_many`` of whole MoE layers' experts onto ``device``, the
     path every source's transfers take (median over the layers and repeats)."""
     rates, nbytes = [], 0
     dev = None if device.type == "cpu" else device
     for _ in range(repeats):
-        for layer in cfg.moe_layers:
-            names = [n for e in range(cfg.n_experts) for n in expert_names(layer, e)]
+        for layer in served.moe_layers:
+            names = layer_names(served, layer)
             t0 = time.perf_counter()
             got = store.get_many(names, device=dev)
             _sync(device)
@@ -132,10 +105,10 @@ def measure_bandwidth(store: tierstore.Store, cfg: ModelConfig, device: torch.de
             "t_transfer_layer_s": nbytes / statistics.median(rates)}
 
 
-def _prompts(cfg: ModelConfig, batch: int, length: int, seed: int) -> list[list[int]]:
+def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # Lengths differ a little so that left padding is exercised.
-    return [torch.randint(0, cfg.vocab_size, (max(1, length - 3 * i),), generator=g).tolist()
+    return [torch.randint(3, vocab, (max(1, length - 3 * i),), generator=g).tolist()
             for i in range(batch)]
 
 
@@ -144,15 +117,26 @@ def _tier_bytes(store: tierstore.Store) -> int:
     return int(store.stats()["tiers"][store.backing]["bytes_read"])
 
 
-def _run(store: tierstore.Store, model: MoEDecoder, mode: str, prompts: list[list[int]],
-         new_tokens: int, *, slots: int | str = "auto", budget: int | None = None
-         ) -> tuple[GenerationResult, dict[str, Any]]:
-    source = make_source(mode, store, model, ring_slots=slots, budget=budget)
+def _run(model: Any, mode: str, prompts: list[list[int]], new_tokens: int, *,
+         slots: int | str = "auto", budget: int | None = None, source: Any = None
+         ) -> GenerationResult:
+    """One generation in ``mode`` (a new source of it, or ``source``, kept open), with no
+    end-of-sequence token: every run makes ``new_tokens`` tokens."""
+    loaded: Loaded = model.tierstore
+    made = source is None
+    if made:
+        source = make_source(mode, loaded.store, loaded.served, ring_slots=slots, budget=budget)
+    loaded.attach(source, mode, close_previous=False)
+    gen = model.generation_config
+    saved = gen.eos_token_id
+    gen.eos_token_id = None
     try:
-        res = generate(model, source, prompts, new_tokens, greedy=True, eos_token_ids=())
+        return generate(model, prompts, new_tokens, greedy=True, warm=False)
     finally:
-        source.close()
-    return res, res.source
+        gen.eos_token_id = saved
+        loaded.detach()
+        if made:
+            source.close()
 
 
 def _row(name: str, res: GenerationResult, phase: str, stats: dict[str, Any],
@@ -204,9 +188,12 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
               repeats: int = 5, tier: str = "backing", vocab: int | None = None,
               peer: str | None = None, memory_limit: str | float | int | None = None,
               cold: bool = True, device_budget: int | None = None,
-              threads: int | None = None, engine: str = "auto",
+              threads: int | None = None, engine: str = "auto", shape: str = "mixtral",
               echo: Callable[[str], Any] = print) -> dict[str, Any]:
     """Run the benchmark (see the module docstring); returns (and writes) the results.
+
+    ``shape``: the synthetic checkpoint's (:data:`~.hf_models.SHAPES`) when neither
+    ``store_path`` nor ``model_dir`` is given.
 
     With ``peer`` (``"accelerate"``) it is the study of :mod:`tierstore.bench.peers`
     instead: the checkpoint in ``model_dir`` (or a synthetic Mixtral-shaped one saved with
@@ -229,7 +216,8 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
         from .peers import run_peer_study
 
         return run_peer_study(
-            peer=peer, model_dir=model_dir, layers=layers, experts=experts, hidden=hidden,
+            peer=peer, model_dir=model_dir, shape=shape, layers=layers, experts=experts,
+            hidden=hidden,
             ffn=ffn, vocab=vocab or 32000, prompt_len=prefill_len, new_tokens=decode_tokens,
             rounds=repeats, memory_limit=memory_limit, cold=cold, host_cache=host_cache,
             device_budget=device_budget, seed=seed, threads=threads, json_out=json_out,
@@ -247,29 +235,30 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
             tmp = tempfile.mkdtemp(prefix="tierstore-infer-", dir=".")
             store_path = os.path.join(tmp, "store")
             if model_dir is not None:
-                from tierstore.trainer.infer.hf_import import import_hf
+                from tierstore.hf import import_hf
 
                 import_hf(model_dir, store_path, progress=False)
             else:
-                cfg0 = synthetic_config(layers, experts, hidden, ffn, vocab=vocab or 512)
-                with tierstore.open(store_path, create=True, host_cache=0) as st:
-                    write_synthetic_model(st, cfg0, seed)
+                from tierstore.hf import import_hf
+
+                model_dir = os.path.join(tmp, "hf")
+                write_hf_checkpoint(model_dir, shape, layers=layers, experts=experts,
+                                    hidden=hidden, ffn=ffn, vocab=vocab or 512, seed=seed)
+                import_hf(model_dir, store_path, progress=False)
         # tier "nvme"/"backing": no host cache, so every transfer reads the backing tier
         # (O_DIRECT, checksums verified), the setting the store exists for; tier "host":
         # every expert fits the host cache.
         with tierstore.open(store_path, host_cache=0) as probe:
-            cfg1 = ModelConfig.from_dict(model_info(probe)["config"])
+            every_expert = sum(probe.info(n).nbytes for m in stored_model(probe).experts
+                               for e in range(m.num_experts) for a, parts in m.params
+                               for n in (f"{m.prefix}.{e}.{p}" for p in parts))
             backing = probe.backing
         if tier == "nvme" and backing != "nvme":
             raise tierstore.StoreError(f"--tier nvme needs a store on NVMe; this one is on "
                                        f"{backing} (use --tier backing)")
-        if host_cache is None:
-            if tier == "host":  # room for every expert plus the per-slot rounding
-                cache = int(len(cfg1.moe_layers) * cfg1.layer_expert_bytes() * 1.25) + 64 * MiB
-            else:
-                cache = 0
-        else:
-            cache = host_cache
+        cache = host_cache
+        if cache is None:  # tier host: room for every expert plus the per-slot rounding
+            cache = int(every_expert * 1.25) + 64 * MiB if tier == "host" else 0
         with tierstore.open(store_path, host_cache=cache, engine=engine,
                             device_budget=device_budget or "1TiB") as store:
             return _bench(store, dev, json_out=json_out, prefill_batch=prefill_batch,
@@ -290,15 +279,14 @@ def _queue_stats(store: tierstore.Store, device: torch.device) -> dict[str, Any]
     return (store.stats().get("prefetch") or {}).get(str(dev)) or {}
 
 
-def measure_queue_bandwidth(store: tierstore.Store, cfg: ModelConfig, device: torch.device
-                            ) -> tuple[float, float]:
+def measure_queue_bandwidth(store: tierstore.Store, served: ServedModel,
+                            device: torch.device) -> tuple[float, float]:
     """Bytes per second of whole MoE layers' experts through the store's device prefetch
     queue (the ring's and expert mode's transfer path): four layers requested at once, each
     at its own priority, timed until the last has landed; and the fraction of those bytes
     the queue read from the backing tier (the rest were host-cache hits)."""
-    layers = cfg.moe_layers[:4]
-    names = {layer: [n for e in range(cfg.n_experts) for n in expert_names(layer, e)]
-             for layer in layers}
+    layers = served.moe_layers[:4]
+    names = {layer: layer_names(served, layer) for layer in layers}
     before = _queue_stats(store, device)
     t0 = time.perf_counter()
     futures = [f for i, layer in enumerate(layers)
@@ -327,33 +315,37 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
            ring_slots: Sequence[int], expert_budget: float, seed: int,
            echo: Callable[[str], Any], host_cache: int | None, repeats: int, tier: str
            ) -> dict[str, Any]:
-    model = load_model(store, dev)
-    cfg = model.cfg
-    n_moe = len(cfg.moe_layers)
-    layer_bytes = cfg.layer_expert_bytes(model.dtype)
+    model, loaded = build(store, False, device=dev, dtype=None)
+    served = loaded.served
+    n_moe = len(served.moe_layers)
+    one = served.expert_bytes()
+    layer_bytes = served.n_experts * one
+    vocab = int(model.config.get_text_config().vocab_size)
     total_expert_bytes = n_moe * layer_bytes
-    echo(f"model: {cfg.family}, {cfg.n_layers} layers ({n_moe} MoE) x {cfg.n_experts} experts "
-         f"of {tierstore.format_size(cfg.expert_bytes(model.dtype))}, "
+    echo(f"model: {loaded.stored.family} ({type(model).__name__}), {n_moe} MoE layers x "
+         f"{served.n_experts} experts of {tierstore.format_size(one)}, "
          f"{tierstore.format_size(total_expert_bytes)} of experts; device {dev}; "
          f"experts from the {tier} tier ({store.describe()})")
-    measure_bandwidth(store, cfg, dev, repeats=1)  # warms the host cache: one tier for all
+    measure_bandwidth(store, served, dev, repeats=1)  # warms the host cache: one tier for all
     # The ring and expert mode switch the CPU queue to views when they start; so does the
     # bench, so that the queue's bandwidth is measured on their path from the first round.
     if dev.type == "cpu":
         store.prefetch_views(dev)
     ks = sorted({k for k in ring_slots if 1 <= k < n_moe})
     expert_bytes_budget = max(int(expert_budget * total_expert_bytes),
-                              2 * cfg.n_experts * cfg.expert_bytes(model.dtype)
-                              + cfg.expert_bytes(model.dtype) * cfg.n_experts // 2)
+                              2 * served.n_experts * one + one * served.n_experts // 2)
     modes: list[tuple[str, str, Any, int | None]] = [("resident", "resident", "auto", None)]
     modes += [(f"ring K={k}", "ring", k, k * layer_bytes) for k in ks]
     modes += [("ring auto", "ring", "auto", max(ks, default=2) * layer_bytes)]
     modes += [("expert", "expert", "auto", expert_bytes_budget),
               ("on-demand", "on-demand", "auto", None)]
-    resident_src = make_source("resident", store, model)
+    resident_src = make_source("resident", store, served)
     results: dict[str, Any] = {
         "device": str(dev), "tier": tier, "backend": store.describe(),
-        "model": cfg.to_dict(), "host_cache": host_cache,
+        "model": {"family": loaded.stored.family, "class": type(model).__name__,
+                  "moe_layers": n_moe, "experts": served.n_experts, "top_k": served.top_k,
+                  "expert_bytes": one, "hf_config": loaded.stored.hf_config},
+        "host_cache": host_cache,
         "expert_bytes_total": total_expert_bytes, "layer_bytes": layer_bytes,
         "repeats": repeats, "ring_auto_budget_bytes": max(ks, default=2) * layer_bytes,
         "expert_mode_budget_bytes": expert_bytes_budget}
@@ -363,10 +355,10 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
     threads = torch.get_num_threads()
     for phase in ("prefill", "decode"):
         if phase == "prefill":
-            prompts = _prompts(cfg, prefill_batch, prefill_len, seed)
+            prompts = _prompts(vocab, prefill_batch, prefill_len, seed)
             new = 1
         else:
-            prompts = _prompts(cfg, decode_batch, 8, seed + 1)
+            prompts = _prompts(vocab, decode_batch, 8, seed + 1)
             new = decode_tokens
             if dev.type == "cpu":
                 # On the CPU the queue's threads share the cores with the compute threads,
@@ -375,25 +367,23 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
                 torch.set_num_threads(max(1, threads - 1))
         results.setdefault("compute_threads", {})[phase] = torch.get_num_threads()
         stats = {"prompt_tokens": sum(len(p) for p in prompts)}
-        generate(model, resident_src, prompts, min(new, 2))  # warm-up: thread pools, caches
+        _run(model, "resident", prompts, min(new, 2), source=resident_src)  # warm-up
         # The queue holds four layers at once where get_many holds one: unmeasured, once,
         # so that neither is timed faulting in memory the process has not touched yet.
-        measure_queue_bandwidth(store, cfg, dev)
+        measure_queue_bandwidth(store, served, dev)
         tries: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in modes}
         # Rounds interleave the modes, so that load from other work on a shared machine
         # falls on all of them alike; each mode reports its median round. The bandwidth is
         # measured in every round the same way.
         for _ in range(repeats):
-            bw_get.append(measure_bandwidth(store, cfg, dev, repeats=1)["bytes_per_s"])
-            rate, read_frac = measure_queue_bandwidth(store, cfg, dev)
+            bw_get.append(measure_bandwidth(store, served, dev, repeats=1)["bytes_per_s"])
+            rate, read_frac = measure_queue_bandwidth(store, served, dev)
             bw_queue.append(rate)
             queue_reads.append(read_frac)
             for name, mode, slots, budget in modes:
                 before = _tier_bytes(store)
-                if mode == "resident":
-                    res = generate(model, resident_src, prompts, new, eos_token_ids=())
-                else:
-                    res = _run(store, model, mode, prompts, new, slots=slots, budget=budget)[0]
+                res = _run(model, mode, prompts, new, slots=slots, budget=budget,
+                           source=resident_src if mode == "resident" else None)
                 tries[name].append(_row(name, res, phase, stats, _tier_bytes(store) - before))
         rows = []
         for name, *_ in modes:
@@ -403,6 +393,8 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
         results[phase] = {"prompts": len(prompts), "prompt_tokens": stats["prompt_tokens"],
                           "new_tokens": new, "rows": rows}
     torch.set_num_threads(threads)
+    resident_src.close()
+    loaded.close()
     # Bandwidths: medians of the rounds. The limit for reads from the backing tier is the
     # faster of get_many and the queue (a higher bandwidth makes a higher limit, so the
     # ratios against it are the conservative ones); on the host tier no byte is read and

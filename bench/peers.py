@@ -1,14 +1,22 @@
-"""tierstore's inference against a peer system: Hugging Face accelerate's disk offload.
+"""tierstore's inference against a peer system: Hugging Face accelerate's disk offload, or
+llama.cpp.
 
-One Hugging Face checkpoint, run by accelerate (``from_pretrained`` with a ``device_map``
-that puts every MoE layer's experts on ``"disk"`` and the rest on the CPU, then greedy
-``generate``) and, imported into a store, by every tierstore mode (``tierstore generate
---mode resident|ring|expert|on-demand``). Every run is a fresh process, started after the
-page cache was dropped (where permitted), and optionally in a memory cgroup whose limit
-counts the page cache (:mod:`tierstore.bench.memlimit`). Each reports its tokens, its
+One Hugging Face checkpoint, run by the peer and, imported into a store, by every tierstore
+mode (``tierstore generate --mode resident|ring|expert|on-demand``). accelerate:
+``from_pretrained`` with a ``device_map`` that puts every MoE layer's experts on ``"disk"``
+and the rest on the CPU, then greedy ``generate``. llama.cpp: the checkpoint converted to
+GGUF F32 once, before the runs, and memory-mapped (:mod:`tierstore.bench.llamacpp`); its
+runs and every other run then compute on one thread unless ``threads`` says otherwise.
+
+Every run is a fresh process, started after the page cache was dropped (where permitted),
+and optionally in a memory cgroup whose limit counts the page cache
+(:mod:`tierstore.bench.memlimit`). Each reports its tokens, its
 prefill (the prompt up to the first token's logits) and decode (every later token) times
 and its peak RSS. Rounds alternate the order of the runs; each system reports its median
-and its ratio to accelerate per round.
+and its ratio to the peer per round, and its cold start: the runner's wall clock of the
+process, start to exit, less its prefill and decode (imports, opening, loading, warm-up,
+tear-down). Tokens are held against the resident mode's (transformers' own model code, every
+expert in memory), or the peer's where resident did not complete.
 
 The ring's prefill is also held against its physical limit: a cold first pass reads every
 MoE layer's experts from the backing tier, so it can take no less than the longer of the
@@ -23,6 +31,8 @@ The modules' command line, one run per call, prints one line of JSON::
     python -m tierstore.bench.peers accelerate --model-dir D --offload-dir O \\
         --prompt-ids 1,2,3 --max-new-tokens 16
     python -m tierstore.bench.peers bandwidth --store S
+
+(llama.cpp's runs have a file of their own, ``llamacpp_run.py``, that does not import tierstore.)
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,108 +53,40 @@ import tierstore
 
 from .memlimit import LimitedRun, drop_page_cache, run_limited
 
-PEERS = ("accelerate",)
+PEERS = ("accelerate", "llamacpp")
 TIERSTORE_MODES = ("resident", "ring", "expert", "on-demand")
 MiB = 1 << 20
 
 
-# --- the peer's run (in its own process) -------------------------------------------------
-
-def offload_device_map(model: Any) -> dict[str, str]:
-    """A ``device_map`` for ``model`` (built on the meta device) with every module under an
-    ``experts`` module (Mixtral, Qwen-MoE, OLMoE: ``...mlp.experts`` or
-    ``...block_sparse_moe.experts``) on ``"disk"`` and everything else on ``"cpu"``."""
-    device_map = {}
-    for name, module in model.named_modules():
-        if next(module.parameters(recurse=False), None) is None and \
-                next(module.buffers(recurse=False), None) is None:
-            continue
-        device_map[name] = "disk" if "experts" in name.split(".") else "cpu"
-    if "disk" not in device_map.values():
-        raise tierstore.StoreError("the checkpoint's model has no `experts` modules to offload")
-    return device_map
-
-
-def run_accelerate(model_dir: str, offload_dir: str, prompt: Sequence[int],
-                   max_new_tokens: int, *, drop_after_load: bool = False,
-                   threads: int | None = None) -> dict[str, Any]:
-    """Greedy generation through accelerate's disk offload; what the runner prints."""
-    import resource
-
-    import accelerate
-    import torch
-    import transformers
-
-    if threads:
-        torch.set_num_threads(threads)
-    cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    with accelerate.init_empty_weights():
-        meta = transformers.AutoModelForCausalLM.from_config(cfg)
-    device_map = offload_device_map(meta)
-    del meta
-    t0 = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, device_map=device_map, offload_folder=offload_dir, dtype="auto")
-    model.eval()
-    load_s = time.perf_counter() - t0
-    # transformers re-saves fused experts into the offload folder while loading, which
-    # leaves them in the page cache: a cold run drops it again, so that generation reads
-    # the experts from the disk as a cold tierstore run does.
-    cache = drop_page_cache() if drop_after_load else None
-    marks: list[float] = []
-
-    class FirstLogits(transformers.LogitsProcessor):
-        """Notes when each step's logits are ready: the first after the prefill."""
-
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
-            marks.append(time.perf_counter())
-            return scores
-
-    ids = torch.tensor([list(prompt)], dtype=torch.long)
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_new_tokens, do_sample=False,
-                             logits_processor=transformers.LogitsProcessorList([FirstLogits()]))
-        end = time.perf_counter()
-    tokens = out[0, ids.shape[1]:].tolist()
-    prefill_s = marks[0] - start if marks else end - start
-    return {"tokens": [tokens], "prefill_s": prefill_s, "decode_s": end - start - prefill_s,
-            "load_s": load_s,
-            "cache_after_load": (cache or "dropped") if drop_after_load else "as loaded",
-            "self_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "accelerate": accelerate.__version__, "transformers": transformers.__version__,
-            "offloaded_modules": sum(v == "disk" for v in device_map.values()),
-            "threads": torch.get_num_threads()}
-
+# --- the store's bandwidth (in its own process) -----------------------------------------
 
 def run_bandwidth(store_path: str) -> dict[str, Any]:
     """Bytes per second of whole MoE layers' experts read from the store's backing tier
     (no host cache): by ``get_many`` one layer at a time (the median layer), two layers at a
     time on two threads, and through the prefetch queue (four layers requested at once)."""
     import torch
-    from tierstore.trainer.infer.loading import model_info
-    from tierstore.trainer.model import ModelConfig, expert_names
+    from tierstore.hf.loader import build
 
-    from .infer import measure_bandwidth, measure_queue_bandwidth
+    from .infer import layer_names, measure_bandwidth, measure_queue_bandwidth
 
     dev = torch.device("cpu")
     with tierstore.open(store_path, host_cache=0, device_budget="1TiB") as store:
-        cfg = ModelConfig.from_dict(model_info(store)["config"])
-        got = measure_bandwidth(store, cfg, dev, repeats=1)
-        layers = list(cfg.moe_layers)
+        model, loaded = build(store, False, device=dev, dtype=None)
+        served = loaded.served
+        got = measure_bandwidth(store, served, dev, repeats=1)
 
         def read(layer: int) -> int:
-            names = [n for e in range(cfg.n_experts) for n in expert_names(layer, e)]
+            names = layer_names(served, layer)
             return sum(t.numel() * t.element_size() for t in store.get_many(names).values())
 
         # Two layers in flight at once, as the ring's two borrowing threads keep them.
         t0 = time.perf_counter()
         with ThreadPoolExecutor(2) as pool:
-            nbytes = sum(pool.map(read, layers))
+            nbytes = sum(pool.map(read, served.moe_layers))
         two = nbytes / (time.perf_counter() - t0)
         store.prefetch_views(dev)
-        queue, _ = measure_queue_bandwidth(store, cfg, dev)
+        queue, _ = measure_queue_bandwidth(store, served, dev)
+        loaded.close()
     # The fastest way found sets the limit (the conservative choice: the higher the
     # bandwidth, the lower a run's ratio to it).
     return {"get_many_bytes_per_s": got["bytes_per_s"], "two_streams_bytes_per_s": two,
@@ -153,33 +96,21 @@ def run_bandwidth(store_path: str) -> dict[str, Any]:
 
 # --- the study ----------------------------------------------------------------------------
 
-def write_hf_mixtral(model_dir: str, *, layers: int, experts: int, hidden: int, ffn: int,
-                     vocab: int, seed: int = 0) -> None:
-    """A Mixtral-shaped ``transformers`` checkpoint with random fp32 weights (``save_pretrained``
-    in its default format). Weights are drawn with a standard deviation of 1/sqrt(fan-in),
-    norms near 1, so activations stay O(1) and greedy tokens are far from ties."""
-    import torch
-    import transformers
+def stored_shape(store_path: str) -> dict[str, Any]:
+    """What the study needs to know of a stored model: its family, MoE layers, experts per
+    layer, bytes of one layer's experts as stored, vocabulary."""
+    from tierstore.hf.layout import stored_model
+    from tierstore.hf.served import config_top_k
 
-    heads = max(1, hidden // 64)
-    cfg = transformers.MixtralConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-        num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        shell = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model = shell.to_empty(device="cpu")
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    model.eval()
-    model.save_pretrained(model_dir)
-    del model, shell
+    with tierstore.open(store_path, host_cache=0) as store:
+        sm = stored_model(store)
+        m = sm.experts[0]
+        one = sum(store.info(f"{m.prefix}.0.{p}").nbytes for _, parts in m.params for p in parts)
+        text = sm.hf_config.get("text_config") or sm.hf_config
+        top_k = config_top_k(types.SimpleNamespace(**text)) or 1
+        return {"family": sm.family, "moe_layers": len(sm.experts), "experts": m.num_experts,
+                "top_k": top_k, "expert_bytes": one, "layer_bytes": one * m.num_experts,
+                "vocab_size": int(text["vocab_size"]), "hf_config": sm.hf_config}
 
 
 def checkpoint_bytes(model_dir: str) -> int:
@@ -229,7 +160,7 @@ def _median_or_none(xs: Sequence[float]) -> float | None:
 
 
 def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
-                   layers: int = 8, experts: int = 8, hidden: int = 1024, ffn: int = 2048,
+                   shape: str = "mixtral", layers: int = 8, experts: int = 8, hidden: int = 1024, ffn: int = 2048,
                    vocab: int = 32000, prompt_len: int = 16, new_tokens: int = 16,
                    rounds: int = 3, memory_limit: str | float | int | None = None,
                    cold: bool = True, host_cache: int | None = None,
@@ -247,29 +178,45 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
     if rounds < 1 or prompt_len < 1 or new_tokens < 2:
         raise tierstore.StoreError("rounds and the prompt length must be at least 1, the new "
                                    "tokens at least 2 (a prefill and a decode step)")
-    try:
-        import accelerate  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise tierstore.StoreError(f"--peer accelerate needs accelerate and transformers "
-                                   f"(pip install 'tierstore[peers]'): {e}") from None
-    from tierstore.trainer.infer.hf_import import import_hf
-    from tierstore.trainer.model import ModelConfig
+    if peer == "llamacpp":
+        from .llamacpp import check_vocab, missing
+
+        why = missing()
+        if why:
+            raise tierstore.StoreError(why)
+        if model_dir is None:
+            check_vocab(vocab)
+        # One thread each unless told otherwise: the figures llama.cpp is known by.
+        threads = threads or 1
+    else:
+        try:
+            import accelerate  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as e:
+            raise tierstore.StoreError(f"--peer accelerate needs accelerate and transformers "
+                                       f"(pip install 'tierstore[peers]'): {e}") from None
+    from tierstore.hf import import_hf
+
+    from .hf_models import write_hf_checkpoint
 
     tmp = tempfile.mkdtemp(prefix="tierstore-peer-", dir=workdir)
     try:
         if model_dir is None:
             model_dir = os.path.join(tmp, "hf")
-            echo(f"writing a Mixtral-shaped checkpoint: {layers} layers x {experts} experts, "
+            echo(f"writing a {shape}-shaped checkpoint: {layers} layers x {experts} experts, "
                  f"hidden {hidden}, FFN {ffn}, vocab {vocab}, fp32")
-            write_hf_mixtral(model_dir, layers=layers, experts=experts, hidden=hidden,
-                             ffn=ffn, vocab=vocab, seed=seed)
+            write_hf_checkpoint(model_dir, shape, layers=layers, experts=experts, hidden=hidden,
+                                ffn=ffn, vocab=vocab, seed=seed)
         store = os.path.join(tmp, "store")
         echo("importing it into a store (tierstore import-hf)")
-        info = import_hf(model_dir, store, progress=True)
-        cfg = ModelConfig.from_dict(info["config"])
-        return _study(peer, model_dir, store, tmp, cfg, prompt_len=prompt_len,
-                      new_tokens=new_tokens, rounds=rounds, memory_limit=memory_limit,
+        import_hf(model_dir, store, progress=True)
+        gguf = None
+        if peer == "llamacpp":  # once per study, before the clock
+            from .llamacpp import converted
+
+            gguf = converted(model_dir, tmp, echo=echo)
+        return _study(peer, model_dir, store, tmp, stored_shape(store), gguf,
+                      prompt_len=prompt_len, new_tokens=new_tokens, rounds=rounds, memory_limit=memory_limit,
                       cold=cold, host_cache=host_cache, device_budget=device_budget,
                       modes=modes, timeout_s=timeout_s, seed=seed, threads=threads,
                       json_out=json_out, echo=echo)
@@ -277,14 +224,31 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_len: int,
+def _peer_command(peer: str, model_dir: str, tmp: str, gguf: dict[str, Any] | None,
+                  prompt: list[int], new_tokens: int, cold: bool, threads: int | None
+                  ) -> list[str]:
+    """The command of one run of the peer (it prints one line of JSON)."""
+    if peer == "llamacpp":
+        from .llamacpp import eos_ids, run_command
+
+        assert gguf is not None
+        return run_command(gguf["path"], prompt, new_tokens, threads or 1, eos_ids(model_dir))
+    return [sys.executable, "-m", "tierstore.bench.peers", "accelerate", "--model-dir",
+            model_dir, "--offload-dir", os.path.join(tmp, "offload"), "--prompt-ids",
+            ",".join(map(str, prompt)), "--max-new-tokens", str(new_tokens)] + (
+        ["--drop-cache-after-load"] if cold else []) + (
+        ["--threads", str(threads)] if threads else [])
+
+
+def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
+           gguf: dict[str, Any] | None, *, prompt_len: int,
            new_tokens: int, rounds: int, memory_limit: str | float | int | None, cold: bool,
            host_cache: int | None, device_budget: int | None, modes: Sequence[str],
            timeout_s: float, seed: int, threads: int | None, json_out: str | None,
            echo: Callable[[str], Any]) -> dict[str, Any]:
     model_bytes = checkpoint_bytes(model_dir)
-    n_moe = len(cfg.moe_layers)
-    layer_bytes = cfg.layer_expert_bytes()
+    n_moe = cfg["moe_layers"]
+    layer_bytes = cfg["layer_bytes"]
     limit = resolve_limit(memory_limit, model_bytes)
     if host_cache is None:
         # Under a limit the cache must fit in it; with memory to spare it holds every
@@ -292,14 +256,11 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
         host_cache = limit // 6 if limit else int(n_moe * layer_bytes * 1.25) + 64 * MiB
     if device_budget is None and limit:
         device_budget = limit // 4
-    prompt = _prompt(cfg.vocab_size, prompt_len, seed + 1)
+    prompt = _prompt(cfg["vocab_size"], prompt_len, seed + 1)
     py = sys.executable
-    offload = os.path.join(tmp, "offload")
-    runs_spec: list[tuple[str, list[str], bool]] = [(peer, [
-        py, "-m", "tierstore.bench.peers", "accelerate", "--model-dir", model_dir,
-        "--offload-dir", offload, "--prompt-ids", ",".join(map(str, prompt)),
-        "--max-new-tokens", str(new_tokens)] + (["--drop-cache-after-load"] if cold else [])
-        + (["--threads", str(threads)] if threads else []), True)]
+    runs_spec: list[tuple[str, list[str], bool]] = [
+        (peer, _peer_command(peer, model_dir, tmp, gguf, prompt, new_tokens, cold, threads),
+         True)]
     # The resident mode holds every expert by definition: it runs without the limit, with
     # a device budget for all of them (and room for the KV cache and activations), as the
     # compute reference.
@@ -316,15 +277,21 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
             cmd += ["--threads", str(threads)]
         runs_spec.append((mode, cmd, mode != "resident"))
     results: dict[str, Any] = {
-        "peer": peer, "model": {**cfg.to_dict(), "checkpoint_bytes": model_bytes,
+        "peer": peer, "model": {**cfg, "checkpoint_bytes": model_bytes,
                                 "expert_bytes_total": n_moe * layer_bytes,
                                 "layer_bytes": layer_bytes},
         "prompt": prompt, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
         "rounds": rounds, "host_cache": host_cache, "device_budget": device_budget,
         "threads": threads or "each system's default",
         "memory_limit_bytes": limit,
+        # What a token must read from the store at the least (its routed experts in every
+        # MoE layer), against what accelerate's hooks load: every expert of each fused layer.
+        "bytes_per_token": {"routed_minimum": n_moe * cfg["top_k"] * cfg["expert_bytes"],
+                            "accelerate_fused_layers": n_moe * layer_bytes},
         "memory_limit_fraction": limit / model_bytes if limit else None,
         "runs": [], "bandwidth_runs": []}
+    if gguf is not None:
+        results["gguf"] = gguf
     echo(f"checkpoint {model_bytes / 1e9:.2f} GB ({n_moe} MoE layers of "
          f"{layer_bytes / 1e6:.0f} MB of experts); prompt {prompt_len} tokens, "
          f"{new_tokens} greedy tokens; {rounds} rounds; host cache "
@@ -361,6 +328,7 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
                 f"prefill {row['prefill_tokens_per_s']:8.1f} tok/s  decode "
                 f"{row['decode_tokens_per_s']:6.2f} tok/s" if row["ok"] else
                 f"{row['outcome']}".ljust(43))
+                + (f"  cold start {row['cold_start_s']:5.2f} s" if row["ok"] else "")
                 + f"  peak RSS {row['peak_rss_bytes'] / 1e9:.2f} GB"
                 + (f", cgroup {row['cgroup_peak_bytes'] / 1e9:.2f} GB"
                    if row.get("cgroup_peak_bytes") else "")
@@ -377,6 +345,11 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any, *, prompt_
             f.write("\n")
         echo(f"wrote {json_out}")
     return results
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The index of the first token where two runs' tokens differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _fresh(res: LimitedRun) -> dict[str, Any]:
@@ -398,9 +371,13 @@ def _run_row(name: str, rnd: int, res: LimitedRun, prompt_len: int, cmd: list[st
     row.update(tokens=tokens, prefill_s=got["prefill_s"], decode_s=got["decode_s"],
                prefill_tokens_per_s=prompt_len / got["prefill_s"],
                decode_tokens_per_s=(len(tokens) - 1) / got["decode_s"]
-               if got["decode_s"] > 0 else 0.0)
-    for k in ("load_s", "prepare_s", "bytes_read", "hit_rate", "spec_accuracy", "stall_frac",
-              "accelerate", "transformers", "cache_after_load", "offloaded_modules", "threads"):
+               if got["decode_s"] > 0 else 0.0,
+               # the cold start: the process's wall clock (start to exit) outside the two
+               # timed phases
+               cold_start_s=res.wall_s - got["prefill_s"] - got["decode_s"])
+    for k in ("load_s", "prepare_s", "import_s", "bytes_read", "bytes_read_generating",
+              "hit_rate", "spec_accuracy", "stall_frac", "accelerate", "transformers",
+              "llama_cpp", "cache_after_load", "offloaded_modules", "threads"):
         if got.get(k) is not None:
             row[k] = got[k]
     return row
@@ -410,10 +387,13 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
                layer_bytes: int, echo: Callable[[str], Any]) -> None:
     runs = results["runs"]
     done = [r for r in runs if r["ok"]]
-    ref = next((r["tokens"] for r in done if r["system"] == peer), None)
-    if ref is None and done:
-        ref = done[0]["tokens"]
-    mismatches = [f"{r['system']} round {r['round'] + 1}" for r in done if r["tokens"] != ref]
+    base = (next((r for r in done if r["system"] == "resident"), None)
+            or next((r for r in done if r["system"] == peer), None)
+            or (done[0] if done else None))
+    ref = base["tokens"] if base else None
+    mismatches = [f"{r['system']} round {r['round'] + 1} from token "
+                  f"{_first_difference(r['tokens'], ref)}" for r in done if r["tokens"] != ref]
+    results["reference_system"] = base["system"] if base else None
     results["reference_tokens"] = ref
     results["tokens_equal"] = bool(done) and not mismatches
     results["token_mismatches"] = mismatches
@@ -429,10 +409,12 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
                                                    default=0),
                              "cgroup_peak_bytes": max((r["cgroup_peak_bytes"] or 0
                                                        for r in mine), default=0) or None}
-        # Setup outside the timed phases: loading (accelerate) and the memory a source
-        # takes before its first pass (tierstore, see ExpertSource.prepare).
-        for k in ("load_s", "prepare_s"):
-            s[k] = _median_or_none([r[k] for r in ok if k in r])
+        # Setup outside the timed phases: loading (accelerate, llama.cpp), the memory a
+        # source takes before its first pass (tierstore, see ExpertSource.prepare), all of
+        # it (the cold start). Bytes read: tierstore's from the store (its experts),
+        # llama.cpp's from storage by the whole process (/proc/self/io: the file's pages).
+        for k in ("load_s", "prepare_s", "cold_start_s", "bytes_read"):
+            s[k] = _median_or_none([r[k] for r in ok if r.get(k) is not None])
         for phase in ("prefill", "decode"):
             key = f"{phase}_tokens_per_s"
             rates = [r[key] for r in ok]
@@ -446,6 +428,10 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
             s[f"{phase}_vs_{peer}_of_medians"] = (s[key] / statistics.median(base)
                                                   if rates and base else None)
         systems[name] = s
+    for s in systems.values():
+        peer_out = systems[peer]["cold_start_s"] if peer in systems else None
+        s[f"cold_start_vs_{peer}"] = (s["cold_start_s"] / peer_out if peer_out and
+                                   s["cold_start_s"] is not None else None)
     results["systems"] = systems
     per_round: dict[int, float] = {}
     for b in results["bandwidth_runs"]:
@@ -505,8 +491,10 @@ def _summarise(results: dict[str, Any], names: list[str], peer: str, n_moe: int,
                if len(s[f"decode_vs_{peer}_runs"]) > 1 else "") + ")"
             if s[f"prefill_vs_{peer}"] is not None and s[f"decode_vs_{peer}"] is not None
             else "")
-        setup = "".join(f"; {k[:-2]} {s[k]:.2f} s" for k in ("load_s", "prepare_s")
-                        if s.get(k) is not None)
+        setup = "".join(f"; {k[:-2].replace('_', ' ')} {s[k]:.2f} s"
+                        for k in ("load_s", "prepare_s", "cold_start_s") if s.get(k) is not None)
+        if name != peer and s.get(f"cold_start_vs_{peer}") is not None:
+            setup += f" ({s[f'cold_start_vs_{peer}']:.2f} x {peer}'s)"
         echo(f"{name:10s} prefill {s['prefill_tokens_per_s']:8.1f} tok/s, decode "
              f"{s['decode_tokens_per_s']:6.2f} tok/s{vs}; {s['completed']}/{s['runs']} "
              f"completed; peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB{setup}")
@@ -549,6 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prompt = [int(x) for x in args.prompt_ids.split(",") if x]
             except ValueError:
                 p.error("--prompt-ids takes comma-separated integers")
+            from .accelerate_peer import run_accelerate
+
             out = run_accelerate(args.model_dir, args.offload_dir, prompt,
                                  args.max_new_tokens, drop_after_load=args.drop_cache_after_load,
                                  threads=args.threads)

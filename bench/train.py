@@ -11,13 +11,16 @@ median step times (1.0: the store costs nothing; the target is at most 1.15 when
 cache holds a step's working set).
 
 With ``model_dir`` the model is a Hugging Face checkpoint instead of a preset: the store side
-fine-tunes a fresh import of it (``tierstore import-hf``, not timed) and the resident side
-trains the same weights, config and tokenized text in memory.
+fine-tunes a fresh import of it (``tierstore import-hf``, not timed) through its own
+``transformers`` class, and the resident side fine-tunes the same ``transformers`` model with
+every weight in memory and ``torch.optim.AdamW`` on one parameter per expert
+(``trainer.train.hf_resident``), on the same tokenized text.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -27,12 +30,7 @@ from typing import Any
 
 import torch
 from tierstore.trainer import TrainConfig, model_size, train_resident, train_store
-from tierstore.trainer.train.finetune import (
-    finetune_config,
-    imported_model,
-    imported_state,
-    tokenize_corpus,
-)
+from tierstore.trainer.train.layout import preset_layout
 from tierstore.trainer.train.resident import corpus_for, resolve_model_config
 from tierstore.trainer.train.store_trainer import cuda_budget
 
@@ -89,12 +87,13 @@ def run_train_bench(
     scratch = store or tempfile.mkdtemp(prefix="tierstore-bench-train-", dir=".")
     os.makedirs(scratch, exist_ok=True)
     try:
+        cfg: Any = None
         if model_dir is not None:
             model = os.path.basename(os.path.normpath(model_dir))
-            cfg, init, corpus, state_bytes = _imported(model_dir, scratch, tc)
+            described, corpus, state_bytes, autocast = _imported(model_dir, scratch, tc)
         else:
-            cfg, init, corpus = resolve_model_config(model, tc), None, corpus_for(tc)
-            state_bytes = model_size(cfg).expert_state_bytes  # type: ignore[arg-type]
+            cfg, corpus = resolve_model_config(model, tc), corpus_for(tc)
+            described, state_bytes = cfg.to_dict(), model_size(cfg).expert_state_bytes
         resident: list[Metrics] = []
         stored: list[Metrics] = []
         backend = None
@@ -104,8 +103,10 @@ def run_train_bench(
         for r in range(rounds):
             for side in (("resident", "store") if r % 2 == 0 else ("store", "resident")):
                 if side == "resident":
-                    hist = train_resident(cfg, total, 0, tc, init_state=init, corpus=corpus,
-                                          device=device)
+                    if model_dir is not None:
+                        hist = _in_memory(model_dir, total, tc, corpus, device, autocast)
+                    else:
+                        hist = train_resident(cfg, total, 0, tc, corpus=corpus, device=device)
                     resident += _measured(hist, warmup)
                 else:
                     path = os.path.join(scratch, f"round-{r}")
@@ -115,7 +116,7 @@ def run_train_bench(
                     st = _open_store(path, host_cache, engine, cfg, tc, device)
                     try:
                         backend = st.describe()
-                        hist = train_store(None if model_dir else cfg, total, 0, tc,
+                        hist = train_store(cfg, total, 0, tc,
                                            store_path=path, host_cache=host_cache,
                                            corpus=corpus, device=device, store=st)
                     finally:
@@ -132,7 +133,7 @@ def run_train_bench(
     report = {
         "model": model,
         "model_dir": model_dir,
-        "config": cfg.to_dict(),
+        "config": described,
         "expert_state_bytes": state_bytes,
         "host_cache_bytes": tierstore.parse_size(host_cache),
         "device": str(device),
@@ -161,34 +162,56 @@ def run_train_bench(
 def _open_store(path: str, host_cache: int | str, engine: str, cfg: Any, tc: TrainConfig,
                 device: str) -> tierstore.Store:
     """The store ``train_store`` would open for itself (the same host cache, and on CUDA the
-    same device budget), opened here so that the I/O engine can be named."""
+    same device budget: a fine-tune's is set once its model is known), opened here so that
+    the I/O engine can be named."""
     dev = normalize_device(device)
-    budget = {str(dev): cuda_budget(cfg, tc, dev)} if dev.type == "cuda" else None
+    budget = ({str(dev): cuda_budget(preset_layout(cfg), tc, dev)}
+              if dev.type == "cuda" and cfg is not None else None)
     return tierstore.open(path, create=True, host_cache=host_cache, device_budget=budget,
                           engine=engine)
 
 
 def _import(model_dir: str, path: str) -> None:
-    from tierstore.trainer.infer.hf_import import import_hf
+    import tierstore.hf
 
-    import_hf(model_dir, path, progress=False)
+    tierstore.hf.import_hf(model_dir, path, progress=False)
 
 
 def _imported(model_dir: str, scratch: str, tc: TrainConfig
-              ) -> tuple[Any, dict[str, torch.Tensor], Any, int]:
-    """The fine-tune's config, the imported weights (fp32), the corpus in the model's
-    tokens and the bytes of its expert states (fp32 masters and two moments)."""
+              ) -> tuple[dict[str, Any], Any, int, bool]:
+    """The checkpoint described (``family``, ``hf_config``), the corpus in the model's
+    tokens, the bytes of its expert states (fp32 masters and two moments) and whether it
+    computes in bf16, from an import of it."""
+    from tierstore.hf.config import hf_config
+    from tierstore.hf.layout import stored_model
+    from tierstore.hf.tokenizer import load_tokenizer
+    from tierstore.trainer.train.hf_finetune import compute_dtype, model_corpus
+
     path = os.path.join(scratch, "imported")
     shutil.rmtree(path, ignore_errors=True)
     _import(model_dir, path)
     try:
         with tierstore.open(path, host_cache=0) as st:
-            model = imported_model(st)
-            assert model is not None
-            cfg = finetune_config(model, tc)
-            init = imported_state(st, cfg)
-            corpus = tokenize_corpus(corpus_for(tc), model.tokenizer(), cfg)
+            sm = stored_model(st)
+            tok = load_tokenizer(st)
+            if tok is None:
+                raise tierstore.StoreError(f"{model_dir} has no tokenizer.json to encode the "
+                                           "training text with")
+            corpus = model_corpus(corpus_for(tc), tok, hf_config(sm.hf_config, model_dir))
+            numel = sum(m.num_experts * math.prod(st.info(f"{m.prefix}.0.{part}").shape)
+                        for m in sm.experts for _, parts in m.params for part in parts)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    n_experts = len(cfg.moe_layers) * cfg.n_experts
-    return cfg, init, corpus, n_experts * 3 * cfg.expert_bytes("float32")
+    described = {"family": sm.family, "hf_config": sm.hf_config}
+    return described, corpus, 12 * numel, compute_dtype(sm.dtype, tc) == "bfloat16"
+
+
+def _in_memory(model_dir: str, steps: int, tc: TrainConfig, corpus: Any, device: str,
+               autocast: bool) -> list[Metrics]:
+    """The checkpoint fine-tuned in memory (``trainer.train.hf_resident``)."""
+    from tierstore.trainer.train.hf_resident import train_hf_resident
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return train_hf_resident(model, steps, 0, tc, corpus=corpus, device=device,
+                             autocast=autocast)[0]

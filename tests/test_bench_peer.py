@@ -13,8 +13,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from tierstore.bench.commands import bench
+from tierstore.bench.hf_models import write_hf_checkpoint
 from tierstore.bench.memlimit import cgroup_available, run_limited
-from tierstore.bench.peers import TIERSTORE_MODES, resolve_limit, write_hf_mixtral
+from tierstore.bench.peers import TIERSTORE_MODES, resolve_limit
 
 import tierstore
 
@@ -26,7 +27,8 @@ NEW = 5
 
 def test_every_mode_and_accelerate_give_transformers_tokens(tmp_path: Path) -> None:
     hf = tmp_path / "hf"
-    write_hf_mixtral(str(hf), layers=2, experts=4, hidden=64, ffn=128, vocab=200, seed=3)
+    write_hf_checkpoint(str(hf), "mixtral", layers=2, experts=4, hidden=64, ffn=128, vocab=200,
+                        seed=3)
     out = tmp_path / "peer.json"
     result = CliRunner().invoke(bench, [
         "infer", "--peer", "accelerate", "--model-dir", str(hf), "--prefill-len", "8",
@@ -72,6 +74,10 @@ def test_every_mode_and_accelerate_give_transformers_tokens(tmp_path: Path) -> N
     assert rp["bytes"] == res["model"]["expert_bytes_total"]
     assert rp["ring_vs_limit"] == pytest.approx(rp["limit_s"] / rp["ring_prefill_s"])
     assert not res["cold"] and res["cache"] == ["warm (--warm)"]
+    # accelerate's hooks bring every expert of a fused layer in; the routed ones are 2 of 4
+    per_token = res["bytes_per_token"]
+    assert per_token["accelerate_fused_layers"] == res["model"]["expert_bytes_total"]
+    assert per_token["routed_minimum"] == 2 * 2 * res["model"]["expert_bytes"]
     assert "tokens equal across every completed run: True" in result.output
 
 

@@ -12,18 +12,17 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from tierstore.trainer.infer.generate import generate, make_source
-from tierstore.trainer.infer.loading import load_model
+from tierstore.hf.strategies import make_source
 
 import tierstore
 from tierstore.cli import main
 from tierstore.lab import read_trace
 
 transformers = pytest.importorskip("transformers")
-from test_hf_models import imported_path  # noqa: E402 (the families' tiny HF models)
+from hf_models import generate_with, imported_path, load_bound, logits  # noqa: E402
 
 KEYS = {"tokens", "tokens_per_s", "stall_frac", "hit_rate", "spec_accuracy", "prefill_s",
-        "decode_s", "prepare_s", "bytes_read", "peak_rss_bytes"}
+        "decode_s", "prepare_s", "bytes_read", "peak_rss_bytes", "mode"}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +60,7 @@ def test_json_line_with_text_and_id_prompts(mixtral: Path, tmp_path: Path) -> No
     assert got["spec_accuracy"] is None  # the ring predicts nothing
     # The same prompts as ids, in expert mode, give the same tokens (and cache figures).
     with tierstore.open(mixtral) as store:
-        from tierstore.trainer.infer.loading import load_tokenizer
+        from tierstore.hf.tokenizer import load_tokenizer
 
         tok = load_tokenizer(store)
         assert tok is not None
@@ -87,7 +86,7 @@ def test_text_output_and_sampling_seed(mixtral: Path) -> None:
               "--max-new-tokens", "6", "--seed", "3", "--temperature", "1.3"]
     code, out = run(*common)
     assert code == 0, out
-    assert out.startswith("[0] ") and "tokens/s" in out and "mode ring" in out
+    assert out.startswith("mode auto: ") and "\n[0] " in out and "tokens/s" in out
     a = json_line(run(*common, "--json")[1])["tokens"]
     b = json_line(run(*common, "--json", "--mode", "expert")[1])["tokens"]
     assert a == b
@@ -117,8 +116,8 @@ def test_errors_are_one_line(mixtral: Path, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Mixtral imported into a store of 8 MiB slabs: cheap to copy and damage."""
-    from test_hf_models import make_hf_model
-    from tierstore.trainer.infer.hf_import import import_hf
+    from hf_models import make_hf_model
+    from tierstore.hf import import_hf
 
     root = tmp_path_factory.mktemp("small")
     make_hf_model("mixtral", root / "hf")
@@ -140,13 +139,13 @@ def _garbage_tokenizer(st: tierstore.Store) -> None:
 
 
 DAMAGED = [
-    ("nan-dense-greedy", lambda st: _nan(st, "dense.norm.weight"), ("--greedy",),
+    ("nan-dense-greedy", lambda st: _nan(st, "dense.model.norm.weight"), ("--greedy",),
      "computed NaN logits for prompt 0 after the prompt: its weights hold NaN"),
-    ("nan-expert-sampled", lambda st: [_nan(st, f"layers.{i}.experts.{e}.w2")
-                                       for i in range(3) for e in range(6)],
+    ("nan-expert-sampled", lambda st: [_nan(st, n) for n in st.names("model.layers.")
+                                       if n.endswith("down_proj")],
      ("--seed", "1"), "computed NaN logits for prompt 0"),
-    ("nan-expert-text", lambda st: [_nan(st, f"layers.{i}.experts.{e}.w2")
-                                    for i in range(3) for e in range(6)],
+    ("nan-expert-text", lambda st: [_nan(st, n) for n in st.names("model.layers.")
+                                    if n.endswith("down_proj")],
      ("--temperature", "0.7", "--top-p", "0.9"), "NaN logits"),
     ("garbage-tokenizer", _garbage_tokenizer, ("--prompt", "the store"),
      "its tokenizer.json does not load as a tokenizer"),
@@ -197,18 +196,18 @@ def test_trainer_checkpoint_generates(tmp_path: Path) -> None:
     got = json_line(out)["tokens"]
     assert [len(t) for t in got] == [6, 6]  # a byte-level model has no end-of-sequence id
     with tierstore.open(store) as st:
-        model = load_model(st, "cpu")
-        src = make_source("resident", st, model)
+        model = load_bound(st, "cpu")
+        src = make_source("resident", st, model.tierstore.served)
         prompts = [list(b"def "), list(b"import os")]
-        assert generate(model, src, prompts, 6).tokens == got
+        assert generate_with(model, src, prompts, 6, eos=None).tokens == got
 
 
 def test_decode_threads_take_over_after_the_prefill(mixtral: Path) -> None:
     """``generate(..., decode_threads=n)`` computes the prefill on the threads it was
     called with and every decode step on ``n``: the layers' expert calls see which."""
     with tierstore.open(mixtral) as st:
-        model = load_model(st, "cpu")
-        src = make_source("resident", st, model)
+        model = load_bound(st, "cpu")
+        src = make_source("resident", st, model.tierstore.served)
         threads: list[int] = []
         experts = src.experts
 
@@ -220,11 +219,11 @@ def test_decode_threads_take_over_after_the_prefill(mixtral: Path) -> None:
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            res = generate(model, src, [[1, 2, 3, 4]], 3, eos_token_ids=(), decode_threads=2)
+            res = generate_with(model, src, [[1, 2, 3, 4]], 3, decode_threads=2)
             assert torch.get_num_threads() == 2
         finally:
             torch.set_num_threads(before)
-    layers = len(model.cfg.moe_layers)
+    layers = len(model.tierstore.served.moe_layers)
     assert res.new_tokens == 3 and len(threads) == 3 * layers
     assert threads[:layers] == [1] * layers and threads[layers:] == [2] * (2 * layers)
 
@@ -237,45 +236,42 @@ def test_generate_warms_the_model_up_before_its_clock_without_the_source(
     the source's first pass is the timed prefill, and the tokens are the ones a model that
     was never warmed up gives."""
     with tierstore.open(mixtral) as st:
-        model = load_model(st, "cpu")
-        src = make_source("resident", st, model)
-        cold = model.decode(torch.tensor([[1, 2, 3, 4]]), src, last_only=True)
-        passes: list[object] = []
-        decode = model.decode
-
-        def watched(ids, experts, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-            passes.append(experts)
-            return decode(ids, experts, *a, **k)
-
-        model.decode = watched  # type: ignore[method-assign]
+        model = load_bound(st, "cpu")
+        src = make_source("resident", st, model.tierstore.served)
+        cold = logits(model, src, torch.tensor([[1, 2, 3, 4]]))
+        calls: list[object] = []  # the source of each experts call of the first layer
+        first = model.tierstore.served.moe_layers[0]
         begun: list[int] = []
         begin = src.begin_pass
+        experts = src.experts
 
         def counted(m, n):  # noqa: ANN001, ANN202
-            begun.append(len(passes))
+            begun.append(len(calls))
             return begin(m, n)
 
+        def seen(layer, ids, x):  # noqa: ANN001, ANN202
+            if layer == first:
+                calls.append(src)
+            return experts(layer, ids, x)
+
         src.begin_pass = counted  # type: ignore[method-assign]
-        res = generate(model, src, [[1, 2, 3, 4]], 2, eos_token_ids=(), warm=warm)
+        src.experts = seen  # type: ignore[method-assign]
+        narrow = model.tierstore.narrow
+        narrow_experts = narrow.experts
+
+        def seen_narrow(layer, ids, x):  # noqa: ANN001, ANN202
+            if layer == first:
+                calls.append(narrow)
+            return narrow_experts(layer, ids, x)
+
+        narrow.experts = seen_narrow
+        res = generate_with(model, src, [[1, 2, 3, 4]], 2, warm=warm)
     # The warm-up through experts of its own, then the prefill and one decode step.
     if warm:
-        assert len(passes) == 3 and passes[0] is not passes[1] and passes[1] is passes[2]
-        assert begun == [2, 3]
+        assert calls == [narrow, src, src] and begun == [1, 2]
     else:
-        assert len(passes) == 2 and passes[0] is passes[1] and begun == [1, 2]
+        assert calls == [src, src] and begun == [0, 1]
     assert res.tokens[0][0] == int(cold[0, -1].argmax())
-
-
-def test_a_prefill_projects_its_last_position_only(mixtral: Path) -> None:
-    """``decode(last_only=True)``, which generation uses, gives the last position's logits
-    of the full decode (the output projection of every other prompt token is skipped)."""
-    with tierstore.open(mixtral) as st:
-        model = load_model(st, "cpu")
-        ids = torch.tensor([list(range(3, 15)), list(range(20, 32))])
-        full = model.decode(ids, make_source("resident", st, model))
-        last = model.decode(ids, make_source("resident", st, model), last_only=True)
-    assert full.shape[1] == 12 and last.shape == (2, 1, full.shape[2])
-    torch.testing.assert_close(last, full[:, -1:], rtol=1e-4, atol=1e-4)
 
 
 def test_compute_threads_leave_a_core_only_while_experts_stream() -> None:

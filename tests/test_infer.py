@@ -1,8 +1,10 @@
-"""Offloaded inference against ``transformers``: tiny random models of every supported HF
-family, imported into a store whose host cache is far smaller than the experts, run with
-the ring (K below the number of MoE layers, the budget holding exactly K layers) and in
-expert mode; logits match ``transformers``' forward to 1e-4 and greedy generation yields
-exactly the tokens of its ``generate``. Also the ring-size chooser and the budgets."""
+"""The expert sources under ``transformers``' models: tiny random models imported into a
+store whose host cache is far smaller than the experts, run with the ring (K below the
+number of MoE layers, the budget holding exactly K layers) and in expert mode; logits match
+``transformers``' forward to 1e-4 and greedy generation, stopping rows at an end-of-sequence
+token, yields exactly the tokens of its ``generate``. Then what each source holds, reads,
+pins and gives back, the ring-size chooser and the budgets. (Every family in every mode:
+``test_hf_backend.py``.)"""
 
 # Over 600 lines: every inference mode against transformers over one set of tiny models.
 
@@ -19,17 +21,15 @@ from typing import Any
 
 import pytest
 import torch
+from tierstore.hf.strategies import make_source
 from tierstore.trainer.infer.expert_mode import ExpertModeSource
-from tierstore.trainer.infer.generate import generate, make_source, pad_left, responsive_interpreter
-from tierstore.trainer.infer.hf_config import HF_FAMILIES
-from tierstore.trainer.infer.loading import load_model
+from tierstore.trainer.infer.generate import pad_left, responsive_interpreter
 from tierstore.trainer.infer.ring import RingSource, choose_slots, max_slots
-from tierstore.trainer.model import expert_names
 
 import tierstore
 
 transformers = pytest.importorskip("transformers")
-from test_hf_models import imported_path  # noqa: E402 (the families' tiny HF models)
+from hf_models import generate_with, imported_path, load_bound, logits  # noqa: E402
 from test_store_corruption import flip_byte  # noqa: E402
 
 ATOL = 1e-4
@@ -38,7 +38,7 @@ HOST_CACHE = "16KiB"  # far smaller than one expert layer: reads go to the backi
 OVERRIDES: dict[str, dict[str, Any]] = {"qwen3_moe": {"num_hidden_layers": 4}}
 
 
-@pytest.fixture(scope="module", params=HF_FAMILIES)
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
 def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[tuple[str, Any, Path]]:
     family = request.param
@@ -55,8 +55,22 @@ def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)  # slab files are preallocated
 
 
-def layer_bytes(store: tierstore.Store, layer: int, n_experts: int) -> int:
-    return sum(store.info(n).nbytes for e in range(n_experts) for n in expert_names(layer, e))
+def layer_bytes(store: tierstore.Store, model: Any, layer: int) -> int:
+    served = model.tierstore.served
+    return sum(store.info(n).nbytes for e in range(served.n_experts)
+               for n in served.expert_names(layer, e))
+
+
+def names(model: Any, layer: int, e: int) -> tuple[str, ...]:
+    return model.tierstore.served.expert_names(layer, e)
+
+
+def served(model: Any) -> Any:
+    return model.tierstore.served
+
+
+def vocab(model: Any) -> int:
+    return int(model.config.vocab_size)
 
 
 def open_offloaded(path: Path, budget: int | None = None) -> tierstore.Store:
@@ -85,9 +99,9 @@ def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sources(store: tierstore.Store, model: Any) -> dict[str, Any]:
-    cfg = model.cfg
+    cfg = served(model)
     k = ring_k(len(cfg.moe_layers))
-    one = layer_bytes(store, cfg.moe_layers[0], cfg.n_experts)
+    one = layer_bytes(store, model, cfg.moe_layers[0])
     expert = one // cfg.n_experts
     # Expert mode: room for one layer's experts plus two more, so the cache is tiny and
     # evicts, and predictions compete with it for the budget.
@@ -99,15 +113,15 @@ def sources(store: tierstore.Store, model: Any) -> dict[str, Any]:
 def test_offloaded_logits_match_transformers(family_model: tuple[str, Any, Path]) -> None:
     family, hf, path = family_model
     with open_offloaded(path) as store:
-        model = load_model(store, "cpu", torch.float32)
-        assert ring_k(len(model.cfg.moe_layers)) < len(model.cfg.moe_layers)
-        ids, mask = batch(model.cfg.vocab_size)
+        model = load_bound(store, "cpu", torch.float32)
+        assert ring_k(len(served(model).moe_layers)) < len(served(model).moe_layers)
+        ids, mask = batch(vocab(model))
         with torch.no_grad():
             ref = hf(input_ids=ids, attention_mask=mask).logits
         real = mask.bool()
         for name, src in sources(store, model).items():
             for _ in range(2):  # a second pass runs on what the first left in the ring/cache
-                ours = model(ids, src, attention_mask=mask)
+                ours = logits(model, src, ids, mask)
                 err = (ours[real] - ref[real]).abs().max().item()
                 assert err < ATOL, f"{family} {name}: max |diff| {err}"
             stats = src.stats()
@@ -119,8 +133,8 @@ def test_offloaded_logits_match_transformers(family_model: tuple[str, Any, Path]
 def test_greedy_generation_matches_transformers(family_model: tuple[str, Any, Path]) -> None:
     family, hf, path = family_model
     with open_offloaded(path) as store:
-        model = load_model(store, "cpu", torch.float32)
-        ids, mask = batch(model.cfg.vocab_size)
+        model = load_bound(store, "cpu", torch.float32)
+        ids, mask = batch(vocab(model))
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
         n_new = 8
 
@@ -142,26 +156,26 @@ def test_greedy_generation_matches_transformers(family_model: tuple[str, Any, Pa
             want.append(row[:stop + 1])
         assert len(want[0]) < n_new
         for name, src in sources(store, model).items():
-            res = generate(model, src, prompts, n_new, eos_token_ids=[eos], pad_token_id=0)
+            res = generate_with(model, src, prompts, n_new, eos=[eos])
             src.close()
             assert res.tokens == want, f"{family} {name}"
             # Without the stop token every row runs to max_new_tokens.
         src = sources(store, model)["ring"]
-        res = generate(model, src, prompts, n_new, eos_token_ids=[])
+        res = generate_with(model, src, prompts, n_new, eos=[])
         src.close()
         assert res.tokens == free
 
 
 def test_sampling_repeats_with_a_seed(mixtral: Path) -> None:
     with open_offloaded(mixtral) as store:
-        model = load_model(store, "cpu", torch.float32)
+        model = load_bound(store, "cpu", torch.float32)
         prompts = [[5, 6, 7, 8], [9, 10]]
 
         def sample(seed: int, mode: str) -> list[list[int]]:
-            src = make_source(mode, store, model, ring_slots=1)
+            src = make_source(mode, store, served(model), ring_slots=1)
             try:
-                return generate(model, src, prompts, 10, greedy=False, temperature=1.5,
-                                top_p=0.95, seed=seed, eos_token_ids=[]).tokens
+                return generate_with(model, src, prompts, 10, greedy=False, temperature=1.5,
+                                top_p=0.95, seed=seed, eos=[]).tokens
             finally:
                 src.close()
 
@@ -182,8 +196,8 @@ def test_generation_switches_threads_quickly_and_puts_the_interval_back(mixtral:
     before = sys.getswitchinterval()
     seen: list[float] = []
     with open_offloaded(mixtral) as store:
-        model = load_model(store, "cpu", torch.float32)
-        src = make_source("ring", store, model, ring_slots=1)
+        model = load_bound(store, "cpu", torch.float32)
+        src = make_source("ring", store, served(model), ring_slots=1)
         inner = src.experts
 
         def experts(*args: Any) -> Any:
@@ -192,7 +206,7 @@ def test_generation_switches_threads_quickly_and_puts_the_interval_back(mixtral:
 
         src.experts = experts  # type: ignore[method-assign]
         try:
-            generate(model, src, [[5, 6, 7]], 2, eos_token_ids=[])
+            generate_with(model, src, [[5, 6, 7]], 2, eos=[])
         finally:
             src.close()
     assert seen and max(seen) <= 5e-4 < before
@@ -218,13 +232,14 @@ def test_generation_switches_threads_quickly_and_puts_the_interval_back(mixtral:
 def test_ring_holds_k_layers_within_the_budget(mixtral: Path) -> None:
     path = mixtral
     with tierstore.open(path, host_cache=HOST_CACHE) as probe:
-        cfg = load_model(probe, "cpu").cfg
-        one = layer_bytes(probe, cfg.moe_layers[0], cfg.n_experts)
+        model = load_bound(probe, "cpu")
+        cfg = served(model)
+        one = layer_bytes(probe, model, cfg.moe_layers[0])
     with open_offloaded(path, budget=2 * one) as store:
-        model = load_model(store, "cpu")
+        model = load_bound(store, "cpu")
         src = RingSource(store, "cpu", slots="auto")
-        ids, mask = batch(cfg.vocab_size)
-        generate(model, src, [ids[0].tolist()], 4, eos_token_ids=())  # 4 passes
+        ids, mask = batch(vocab(model))
+        generate_with(model, src, [ids[0].tolist()], 4, eos=())  # 4 passes
         st = src.stats()
         src.close()
         queue = store.stats()["prefetch"]["cpu"]
@@ -242,19 +257,19 @@ def test_ring_holds_k_layers_within_the_budget(mixtral: Path) -> None:
         # below an expert is a clear error naming the option and the bytes it needs.
         expert = one // cfg.n_experts
         with pytest.raises(tierstore.StoreError, match="--device-budget .* raise it to at least"):
-            RingSource(store, "cpu", budget=expert - 1).begin_pass(model, 1)
+            RingSource(store, "cpu", budget=expert - 1).begin_pass(served(model), 1)
 
 
 def test_ring_reads_nothing_past_the_last_pass(mixtral: Path) -> None:
     with open_offloaded(mixtral) as store:
-        model = load_model(store, "cpu")
-        n = len(model.cfg.moe_layers)
-        one = layer_bytes(store, model.cfg.moe_layers[0], model.cfg.n_experts)
+        model = load_bound(store, "cpu")
+        n = len(served(model).moe_layers)
+        one = layer_bytes(store, model, served(model).moe_layers[0])
         k = ring_k(n)
-        ids, _ = batch(model.cfg.vocab_size)
+        ids, _ = batch(vocab(model))
         for new, passes in ((1, 1), (3, 3)):
             src = RingSource(store, "cpu", slots=k, budget=k * one)
-            generate(model, src, [ids[0].tolist()], new, eos_token_ids=())
+            generate_with(model, src, [ids[0].tolist()], new, eos=())
             st = src.stats()
             src.close()
             # every layer moved once per pass, and no layer of a pass that never runs
@@ -267,9 +282,9 @@ def test_cpu_ring_computes_on_pinned_cache_slots_and_gives_them_back(mixtral: Pa
     layer computes its experts share the cache's memory and cannot be evicted; once the
     layer is done (K < layers) or the ring is closed, nothing stays pinned."""
     with tierstore.open(mixtral, host_cache="64MiB") as store:
-        model = load_model(store, "cpu")
-        cfg = model.cfg
-        one = layer_bytes(store, cfg.moe_layers[0], cfg.n_experts)
+        model = load_bound(store, "cpu")
+        cfg = served(model)
+        one = layer_bytes(store, model, cfg.moe_layers[0])
         arena = store._cache.arena  # type: ignore[union-attr]
         lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
         src = RingSource(store, "cpu", slots=1, budget=one)
@@ -281,13 +296,13 @@ def test_cpu_ring_computes_on_pinned_cache_slots_and_gives_them_back(mixtral: Pa
             w = next(iter(out.values()))[0]
             seen.append(lo <= w.data_ptr() < hi)
             cache = store._cache  # type: ignore[union-attr]
-            key = (expert_names(layer, next(iter(out)))[0], "param")
+            key = (names(model, layer, next(iter(out)))[0], "param")
             seen.append(cache._entries[key].pins > 0)
             return out
 
         src.experts = spy  # type: ignore[method-assign]
-        ids, _ = batch(cfg.vocab_size)
-        generate(model, src, [ids[0].tolist()], 3, eos_token_ids=())
+        ids, _ = batch(vocab(model))
+        generate_with(model, src, [ids[0].tolist()], 3, eos=())
         assert seen and all(seen)
         src.close()
         assert src.stats()["peak_bytes"] == one
@@ -297,7 +312,7 @@ def test_cpu_ring_computes_on_pinned_cache_slots_and_gives_them_back(mixtral: Pa
         pins = [e.pins for e in store._cache._entries.values()]  # type: ignore[union-attr]
         assert pins and not any(pins)
         # Its borrowing threads end with it; a closed ring that is used again starts anew.
-        generate(model, src, [ids[0].tolist()], 2, eos_token_ids=())
+        generate_with(model, src, [ids[0].tolist()], 2, eos=())
         src.close()
         assert _ring_threads_end()
 
@@ -342,10 +357,10 @@ def test_cpu_ring_renews_unchanged_layers_and_sees_rewritten_experts(mixtral: Pa
     borrows is not fixed; what holds on every schedule is that each layer is borrowed whole
     exactly once, and in parts at most once before that."""
     with tierstore.open(mixtral, host_cache="64MiB") as store:
-        model = load_model(store, "cpu")
-        cfg = model.cfg
-        one = layer_bytes(store, cfg.moe_layers[0], cfg.n_experts)
-        whole = {layer: [n for e in range(cfg.n_experts) for n in expert_names(layer, e)]
+        model = load_bound(store, "cpu")
+        cfg = served(model)
+        one = layer_bytes(store, model, cfg.moe_layers[0])
+        whole = {layer: [n for e in range(cfg.n_experts) for n in names(model, layer, e)]
                  for layer in cfg.moe_layers}
         owner = {n: layer for layer, names in whole.items() for n in names}
         borrows: list[list[str]] = []
@@ -378,11 +393,11 @@ def test_cpu_ring_renews_unchanged_layers_and_sees_rewritten_experts(mixtral: Pa
             return out
 
         src.experts = spy  # type: ignore[method-assign]
-        ids, _ = batch(cfg.vocab_size)
+        ids, _ = batch(vocab(model))
         prompt = [ids[0].tolist()]
         # 4 passes, each over every layer with one slot: without renewals every layer would
         # be borrowed 4 times.
-        generate(model, src, prompt, 4, eos_token_ids=())
+        generate_with(model, src, prompt, 4, eos=())
         first = by_layer()
         assert set(first) == set(cfg.moe_layers)
         for layer, got in first.items():
@@ -391,12 +406,12 @@ def test_cpu_ring_renews_unchanged_layers_and_sees_rewritten_experts(mixtral: Pa
         # tier in parts.
         assert len(first[cfg.moe_layers[0]]) > 1
         layer, e = next(iter(used))
-        w1 = expert_names(layer, e)[0]
+        w1 = names(model, layer, e)[0]
         store.put(w1, store.get(w1) * -2.0)
         with lock:
             borrows.clear()
         used.clear()
-        second = generate(model, src, prompt, 4, eos_token_ids=()).tokens
+        second = generate_with(model, src, prompt, 4, eos=()).tokens
         src.close()
         # Only the rewritten expert's layer is borrowed again (the others are renewed),
         # once whole after at most one round of parts, so the ring computes with the new
@@ -405,8 +420,8 @@ def test_cpu_ring_renews_unchanged_layers_and_sees_rewritten_experts(mixtral: Pa
         assert set(again) == {layer}
         _borrowed_once_whole(again[layer], layer, whole[layer])
         assert torch.equal(used[(layer, e)], store.get(w1))
-        resident = make_source("resident", store, model)
-        assert second == generate(model, resident, prompt, 4, eos_token_ids=()).tokens
+        resident = make_source("resident", store, served(model))
+        assert second == generate_with(model, resident, prompt, 4, eos=()).tokens
 
 
 def _gated_borrows(store: tierstore.Store, gated: str, gate: threading.Event,
@@ -428,22 +443,22 @@ def test_ring_streams_a_layer_read_from_the_backing_tier(mixtral: Path) -> None:
     """A layer read from the backing tier is lent in parts: its first experts can be used
     while a later part is still being read, and each expert is the stored one."""
     with tierstore.open(mixtral, host_cache="64MiB") as store:
-        model = load_model(store, "cpu")
-        cfg = model.cfg
+        model = load_bound(store, "cpu")
+        cfg = served(model)
         layer, last = cfg.moe_layers[0], cfg.n_experts - 1
         gate, waited = threading.Event(), []
-        _gated_borrows(store, expert_names(layer, last)[0], gate, waited)
+        _gated_borrows(store, names(model, layer, last)[0], gate, waited)
         src = RingSource(store, "cpu", slots=1,
-                         budget=layer_bytes(store, layer, cfg.n_experts))
-        src.begin_pass(model, 1)
+                         budget=layer_bytes(store, model, layer))
+        src.begin_pass(served(model), 1)
         ids = list(range(cfg.n_experts))
-        got = src.experts(layer, ids, torch.zeros(1, cfg.hidden_size))
+        got = src.experts(layer, ids, torch.zeros(1, model.config.hidden_size))
         first = got[0]  # lands while the last part is held back
         assert not gate.is_set() and not waited
-        assert torch.equal(first[0], store.get(expert_names(layer, 0)[0]))
+        assert torch.equal(first[0], store.get(names(model, layer, 0)[0]))
         gate.set()
         for e in ids:
-            assert all(torch.equal(t, store.get(n)) for t, n in zip(got[e], expert_names(layer, e)))
+            assert all(torch.equal(t, store.get(n)) for t, n in zip(got[e], names(model, layer, e)))
         assert waited == [False]
         src.layer_done(layer)
         src.close()
@@ -455,18 +470,18 @@ def test_ring_raises_a_parts_read_error_where_its_expert_is_used(mixtral: Path) 
     """A corrupt entry in a later part fails the lookup of its own expert with the store's
     error (not a routing KeyError); the parts that were read are still given back."""
     with tierstore.open(mixtral, host_cache="64MiB") as store:
-        model = load_model(store, "cpu")
-        cfg = model.cfg
+        model = load_bound(store, "cpu")
+        cfg = served(model)
         layer, last = cfg.moe_layers[0], cfg.n_experts - 1
-        bad = expert_names(layer, last)[2]
+        bad = names(model, layer, last)[-1]
         flip_byte(store.info(bad), 0)
         try:
             src = RingSource(store, "cpu", slots=1,
-                             budget=layer_bytes(store, layer, cfg.n_experts))
-            src.begin_pass(model, 1)
+                             budget=layer_bytes(store, model, layer))
+            src.begin_pass(served(model), 1)
             got = src.experts(layer, list(range(cfg.n_experts)),
-                              torch.zeros(1, cfg.hidden_size))
-            assert torch.equal(got[0][0], store.get(expert_names(layer, 0)[0]))
+                              torch.zeros(1, model.config.hidden_size))
+            assert torch.equal(got[0][0], store.get(names(model, layer, 0)[0]))
             with pytest.raises(tierstore.CorruptEntryError, match=bad):
                 got[last]
             src.end_pass()
@@ -501,11 +516,11 @@ def test_expert_mode_guesses_while_guessing_pays(mixtral: Path) -> None:
     from tierstore.trainer.infer import expert_mode
 
     with open_offloaded(mixtral) as store:
-        model = load_model(store, "cpu")
-        cfg = model.cfg
-        prompt = [batch(cfg.vocab_size)[0][0].tolist()]
+        model = load_bound(store, "cpu")
+        cfg = served(model)
+        prompt = [batch(vocab(model))[0][0].tolist()]
         new = 16
-        resident = make_source("resident", store, model)
+        resident = make_source("resident", store, served(model))
         routed: list[tuple[int, list[int]]] = []
         inner_resident = resident.experts
 
@@ -514,8 +529,8 @@ def test_expert_mode_guesses_while_guessing_pays(mixtral: Path) -> None:
             return inner_resident(layer, ids, x)
 
         resident.experts = record  # type: ignore[method-assign]
-        want = generate(model, resident, prompt, new, eos_token_ids=()).tokens
-        one = layer_bytes(store, cfg.moe_layers[0], cfg.n_experts)
+        want = generate_with(model, resident, prompt, new, eos=()).tokens
+        one = layer_bytes(store, model, cfg.moe_layers[0])
         expert = one // cfg.n_experts
 
         def run(oracle: bool) -> dict[str, Any]:
@@ -536,7 +551,7 @@ def test_expert_mode_guesses_while_guessing_pays(mixtral: Path) -> None:
 
             src.experts = counted  # type: ignore[method-assign]
             src.predict = predict  # type: ignore[method-assign]
-            got = generate(model, src, prompt, new, eos_token_ids=())
+            got = generate_with(model, src, prompt, new, eos=())
             src.close()
             assert got.tokens == want
             return src.stats()
@@ -584,22 +599,23 @@ def test_zero_copy_sources_leave_the_cached_experts_untouched(mixtral: Path) -> 
     # Every expert fits the host cache: on the CPU the ring and expert mode compute on views
     # of the pinned cache slots, converted (float64) or not (float32).
     with tierstore.open(mixtral, host_cache="64MiB") as store:
-        cfg = load_model(store, "cpu").cfg
-        names = [n for layer in cfg.moe_layers for e in range(cfg.n_experts)
-                 for n in expert_names(layer, e)]
-        before = {n: store.get(n).clone() for n in names}
+        model = load_bound(store, "cpu")
+        cfg = served(model)
+        every = [n for layer in cfg.moe_layers for e in range(cfg.n_experts)
+                 for n in names(model, layer, e)]
+        before = {n: store.get(n).clone() for n in every}
         for dtype in (torch.float32, torch.float64):
-            model = load_model(store, "cpu", dtype)
-            ids, mask = batch(model.cfg.vocab_size)
-            ref = model(ids, make_source("resident", store, model), attention_mask=mask)
+            model = load_bound(store, "cpu", dtype)
+            ids, mask = batch(vocab(model))
+            ref = logits(model, make_source("resident", store, served(model)), ids, mask)
             k = ring_k(len(cfg.moe_layers))
-            one = layer_bytes(store, cfg.moe_layers[0], cfg.n_experts)
+            one = layer_bytes(store, model, cfg.moe_layers[0])
             for name, src in {
                     "ring": RingSource(store, "cpu", slots=k, budget=k * one, dtype=dtype),
                     "expert": ExpertModeSource(store, "cpu", budget=one + 2 * one // 8,
                                                dtype=dtype)}.items():
                 for _ in range(2):
-                    ours = model(ids, src, attention_mask=mask)
+                    ours = logits(model, src, ids, mask)
                     err = (ours - ref).abs().max().item()
                     assert err < ATOL, f"{name} {dtype}: max |diff| {err}"
                 src.close()
@@ -647,14 +663,14 @@ def test_bench_infer_reports_every_mode_against_its_tier(tmp_path: Path) -> None
 @pytest.mark.gpu
 def test_ring_and_expert_mode_on_cuda(mixtral: Path) -> None:
     with open_offloaded(mixtral) as store:
-        model = load_model(store, "cuda", torch.float32)
-        ids, mask = batch(model.cfg.vocab_size)
+        model = load_bound(store, "cuda", torch.float32)
+        ids, mask = batch(vocab(model))
         ids, mask = ids.cuda(), mask.cuda()
-        ref = model(ids, make_source("resident", store, model), attention_mask=mask)
+        ref = logits(model, make_source("resident", store, served(model)), ids, mask)
         for name, src in sources(store, model).items():
             assert src.device.type == "cuda"
             for _ in range(2):
-                ours = model(ids, src, attention_mask=mask)
+                ours = logits(model, src, ids, mask)
                 err = (ours - ref).abs().max().item()
                 assert err < ATOL, f"{name}: max |diff| {err}"
             src.close()

@@ -37,20 +37,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# Repository folder -> the package it installs as.
-PACKAGE_DIRS = {
-    "tierstore": "tierstore",
-    "cache": "tierstore.cache",
-    "nvme": "tierstore.nvme",
-    "pmem": "tierstore.pmem",
-    "trainer": "tierstore.trainer",
-    "bench": "tierstore.bench",
-}
-MAPPED = ("cache", "nvme", "pmem", "trainer", "bench")
+
+
+def _package_dirs() -> dict[str, str]:
+    """Repository folder -> the package it installs as, from pyproject.toml's package-dir."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    return {folder: package for package, folder in mapping.items()}
+
+
+PACKAGE_DIRS = _package_dirs()
+MAPPED = tuple(f for f in PACKAGE_DIRS if f != "tierstore")
 LEAVES = ("tierstore.cache", "tierstore.nvme", "tierstore.pmem")
-APPS = ("tierstore.trainer", "tierstore.bench")
+APPS = ("tierstore.trainer", "tierstore.hf", "tierstore.bench")
 CORE = "tierstore"
-BARE = set(MAPPED)
+BARE = {f for f in MAPPED if "/" not in f}
+INSTALLED = {p for p in PACKAGE_DIRS.values() if p != CORE}  # tierstore.cache, tierstore.hf, ...
 MAX_LINES = 600
 REASON = re.compile(r"^\s*#\s*Over 600 lines:\s*\S.{8,}")
 DOC_REASON = re.compile(r"^\s*Over 600 lines:\s*\S.{8,}", re.MULTILINE)
@@ -88,7 +92,9 @@ def package_modules() -> list[Module]:
             rel = path.relative_to(base)
             if "__pycache__" in rel.parts:
                 continue
-            if folder == "tierstore" and rel.parts[0] in MAPPED:
+            if any(str(Path(folder) / rel).startswith(other + "/") for other in MAPPED
+                   if other != folder and other.startswith(folder + "/")) or (
+                    folder == "tierstore" and rel.parts[0] in MAPPED):
                 continue  # a mapped folder is its own package, scanned from its own folder
             parts = list(rel.with_suffix("").parts)
             is_package = parts[-1] == "__init__"
@@ -159,7 +165,7 @@ def owner(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] != "tierstore":
         return None
-    if len(parts) > 1 and parts[1] in MAPPED:
+    if len(parts) > 1 and f"tierstore.{parts[1]}" in INSTALLED:
         return f"tierstore.{parts[1]}"
     return CORE
 

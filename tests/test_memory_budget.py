@@ -18,22 +18,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from tierstore.hf.strategies import make_source
+from tierstore.hf.warmup import cache_bytes
 from tierstore.trainer.infer.budget import (
     FIXED_OVERHEAD_BYTES,
     GenerationBudget,
+    PassShape,
     generation_budget,
     pooled_host_cache,
 )
-from tierstore.trainer.infer.generate import generate, make_source
-from tierstore.trainer.infer.loading import load_model
-from tierstore.trainer.model import MoEModel, expert_names
+from tierstore.trainer.model import MoEModel
 from tierstore.trainer.presets import PRESETS
 from tierstore.trainer.train.budget import dense_state_bytes
 
 import tierstore
 
 transformers = pytest.importorskip("transformers")
-from test_hf_models import imported_path, make_hf_model  # noqa: E402 (random HF models)
+from hf_models import generate_with, imported_path, load_bound, make_hf_model  # noqa: E402
 
 MiB = 1 << 20
 HOST_CACHE = 16 * MiB
@@ -84,8 +85,9 @@ def baseline() -> int:
     torch warmed up as a run warms it (building a module on the meta device, or a first
     optimizer, makes it import its symbolic-shape machinery): what every child starts from."""
     return imports_peak(
-        "import torch, tierstore, tierstore.trainer.infer.generate, "
+        "import torch, tierstore, tierstore.hf, tierstore.trainer.infer.generate, "
         "tierstore.trainer.train.store_trainer\n"
+        "import transformers.models.mixtral.modeling_mixtral\n"
         "with torch.device('meta'):\n    torch.nn.Embedding(2, 2)\n"
         "torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])")
 
@@ -95,7 +97,7 @@ def model_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
     """The imported model's store and its dense weights' bytes."""
     root = tmp_path_factory.mktemp("budget-model")
     make_hf_model("mixtral", root / "hf", **SHAPE)
-    from tierstore.trainer.infer.hf_import import import_hf
+    from tierstore.hf import import_hf
 
     import_hf(root / "hf", root / "store", progress=False)
     shutil.rmtree(root / "hf")
@@ -180,16 +182,16 @@ def test_small_budgets_give_the_resident_tokens(tiny: Path) -> None:
     mode serves a layer's routed experts in groups, on demand reads them in groups; every
     mode generates exactly the resident model's tokens."""
     with tierstore.open(tiny, host_cache="16KiB") as store:
-        model = load_model(store, "cpu")
-        cfg = model.cfg
-        one = sum(store.info(n).nbytes for n in expert_names(cfg.moe_layers[0], 0))
+        model = load_bound(store, "cpu")
+        cfg = model.tierstore.served
+        one = sum(store.info(n).nbytes for n in cfg.expert_names(cfg.moe_layers[0], 0))
         prompts = [list(range(3, 19)), list(range(40, 50))]  # a prefill routes to them all
-        want = generate(model, make_source("resident", store, model), prompts, 5).tokens
+        want = generate_with(model, make_source("resident", store, model.tierstore.served), prompts, 5, eos=None).tokens
         for mode, budget in (("ring", 2 * one), ("ring", one), ("expert", 3 * one),
                              ("on-demand", 2 * one)):
-            src = make_source(mode, store, model, budget=budget)
+            src = make_source(mode, store, model.tierstore.served, budget=budget)
             try:
-                got = generate(model, src, prompts, 5)
+                got = generate_with(model, src, prompts, 5, eos=None)
             finally:
                 src.close()
             assert got.tokens == want, (mode, budget)
@@ -198,7 +200,7 @@ def test_small_budgets_give_the_resident_tokens(tiny: Path) -> None:
                 assert st["own_slots"] and st["experts_per_part"] == 1
                 assert st["part_slots"] == budget // one and st["peak_bytes"] <= budget
         with pytest.raises(tierstore.StoreError, match="raise it to at least"):
-            make_source("ring", store, model, budget=one - 1).begin_pass(model, 1)
+            make_source("ring", store, model.tierstore.served, budget=one - 1).begin_pass(model.tierstore.served, 1)
 
 
 def test_the_ring_takes_its_slots_before_the_first_pass(tiny: Path) -> None:
@@ -206,23 +208,24 @@ def test_the_ring_takes_its_slots_before_the_first_pass(tiny: Path) -> None:
     slots and reads nothing, so every read of the first pass is timed with it; the pass
     then makes no slot of its own, and the tokens are the resident model's."""
     with tierstore.open(tiny, host_cache="16KiB") as store:
-        model = load_model(store, "cpu")
-        one = sum(store.info(n).nbytes for n in expert_names(model.cfg.moe_layers[0], 0))
+        model = load_bound(store, "cpu")
+        served = model.tierstore.served
+        one = sum(store.info(n).nbytes for n in served.expert_names(served.moe_layers[0], 0))
         prompt = [list(range(3, 19))]
-        want = generate(model, make_source("resident", store, model), prompt, 3).tokens
+        want = generate_with(model, make_source("resident", store, model.tierstore.served), prompt, 3, eos=None).tokens
 
         def read() -> int:
             return sum(t["bytes_read"] for t in store.stats()["tiers"].values())
 
-        src = make_source("ring", store, model, budget=2 * one)
+        src = make_source("ring", store, model.tierstore.served, budget=2 * one)
         try:
             before = read()
-            src.prepare(model)
+            src.prepare(model.tierstore.served)
             assert read() == before
             made = src.stats()
             assert made["own_slots"] and made["part_slots"] == 2
             assert made["peak_bytes"] >= 2 * one  # both slots exist before any pass
-            got = generate(model, src, prompt, 3)
+            got = generate_with(model, src, prompt, 3, eos=None)
             assert got.tokens == want
             assert got.source["peak_bytes"] == made["peak_bytes"]  # no slot made in a pass
             assert got.source["bytes_read"] > 0
@@ -236,30 +239,35 @@ def test_an_auto_ring_over_the_host_cache_reads_nothing_before_its_first_pass(
     ring times a layer's transfer as its first pass begins, inside that pass's time."""
     prompt = [list(range(3, 19))]
     with tierstore.open(tiny) as store:
-        model = load_model(store, "cpu")
-        want = generate(model, make_source("resident", store, model), prompt, 3).tokens
+        model = load_bound(store, "cpu")
+        want = generate_with(model, make_source("resident", store, model.tierstore.served), prompt, 3, eos=None).tokens
     with tierstore.open(tiny, host_cache="64MiB") as store:  # a cold cache
-        model = load_model(store, "cpu")
+        model = load_bound(store, "cpu")
 
         def read() -> int:
             return sum(t["bytes_read"] for t in store.stats()["tiers"].values())
 
-        src = make_source("ring", store, model)
+        src = make_source("ring", store, model.tierstore.served)
         try:
             before = read()
-            src.prepare(model)
+            src.prepare(model.tierstore.served)
             assert read() == before and not src.stats()["own_slots"]
-            got = generate(model, src, prompt, 3)
+            got = generate_with(model, src, prompt, 3, eos=None)
             assert got.tokens == want and read() > before
         finally:
             src.close()
+
+
+def _expert(store: tierstore.Store, e: int) -> list[str]:
+    """The entries of expert ``e`` of the first MoE layer."""
+    return sorted(n for n in store.names(f"model.layers.0.mlp.experts.{e}."))
 
 
 def test_get_many_without_caching_reads_into_out(tiny: Path) -> None:
     """``cache=False``: a miss lands in the caller's page-aligned tensor itself and takes
     no cache slot; an entry the cache holds is copied out of it."""
     with tierstore.open(tiny, host_cache="1MiB") as store:
-        names = [n for e in range(2) for n in expert_names(0, e)]
+        names = [n for e in range(2) for n in _expert(store, e)]
         want = {n: store.get(n) for n in names}
         hit = names[0]
         store.get(hit)  # cached now (the others too: a plain get caches)
@@ -282,7 +290,7 @@ def test_get_many_without_caching_reads_into_out(tiny: Path) -> None:
 
 def test_prefetch_budget_is_lowered_after_opening(tiny: Path) -> None:
     with tierstore.open(tiny, host_cache="1MiB", device_budget="1MiB") as store:
-        name = expert_names(0, 0)[0]
+        name = _expert(store, 0)[0]
         size = store.info(name).nbytes
         assert store.prefetch_budget("cpu") == 1 << 20
         assert store.prefetch_budget("cpu", size - 1) == size - 1
@@ -303,11 +311,13 @@ def test_expert_mode_and_on_demand_pool_their_share_with_the_host_cache(tiny: Pa
     resident model's."""
     prompt = [list(range(3, 19))]  # a prefill routes to more experts than the queue holds
     with tierstore.open(tiny, host_cache="16KiB") as probe:
-        model = load_model(probe, "cpu")
-        cfg = model.cfg
-        one = sum(probe.info(n).nbytes for n in expert_names(cfg.moe_layers[0], 0))
-        want = generate(model, make_source("resident", probe, model), prompt, 5).tokens
-    sized = generation_budget(cfg, 0, 1, len(prompt[0]), 5, model.dtype)
+        model = load_bound(probe, "cpu")
+        cfg = model.tierstore.served
+        one = sum(probe.info(n).nbytes for n in cfg.expert_names(cfg.moe_layers[0], 0))
+        want = generate_with(model, make_source("resident", probe, model.tierstore.served), prompt, 5, eos=None).tokens
+    per_token, fixed = cache_bytes(model, cfg, model.tierstore.narrow)
+    sized = generation_budget(PassShape.of(model.config, cfg.top_k), per_token, fixed, 0, 1,
+                              len(prompt[0]), 5, cfg.dtype)
     plan = GenerationBudget(device=sized.reserved + 5 * one, kv_cache=sized.kv_cache,
                             activations=sized.activations)
     host = 2 * one  # far below the experts: they stream
@@ -318,9 +328,9 @@ def test_expert_mode_and_on_demand_pool_their_share_with_the_host_cache(tiny: Pa
         with tierstore.open(tiny, host_cache=arena) as store:
             assert store.stats()["cache"]["capacity_bytes"] <= arena  # rounded to slots
             store.prefetch_budget("cpu", working)
-            src = make_source(mode, store, model, budget=working, host_pool=True)
+            src = make_source(mode, store, model.tierstore.served, budget=working, host_pool=True)
             try:
-                got = generate(model, src, prompt, 5)
+                got = generate_with(model, src, prompt, 5, eos=None)
             finally:
                 src.close()
             assert got.tokens == want, mode

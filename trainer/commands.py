@@ -44,27 +44,47 @@ def _preset(ctx: click.Context, _param: Any, value: str | None) -> str | None:
 @click.option("--resume", is_flag=True,
               help="Continue an interrupted import of the same checkpoint into STORE: experts "
                    "and tensors already stored as the checkpoint has them are kept.")
+@click.option("--list", "list_", is_flag=True, is_eager=True, expose_value=False,
+              callback=lambda ctx, _p, v: _list_families(ctx, v),
+              help="List the families the installed transformers serves through the backend "
+                   "and exit.")
 def import_hf_(model_dir: str, store: str, resume: bool) -> None:
     """Import the Hugging Face MoE model in MODEL_DIR (config.json, single or sharded
-    safetensors, tokenizer files) for `tierstore generate`: each expert becomes one entry
-    group (layers.{i}.experts.{e}.w1|w2|w3), the dense weights, config and tokenizer are
-    kept beside them. Supported: Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE.
+    safetensors, tokenizer files) for `tierstore generate` and `tierstore.hf.load`: each
+    expert's slice of each fused expert parameter becomes one entry
+    ({module}.{expert}.{param}), mapped with transformers' own conversion mapping; the dense
+    weights, config, generation config and tokenizer are kept beside them. Any family whose
+    experts transformers computes through its experts interface is served; `tierstore
+    import-hf --list` names those of the installed transformers.
 
     \b
-    tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral
-    tierstore import-hf ./Mixtral-8x7B-v0.1 --store mixtral --resume   # after an interruption
+    tierstore import-hf ./DeepSeek-V3-tiny --store dsv3
+    tierstore import-hf ./DeepSeek-V3-tiny --store dsv3 --resume   # after an interruption
     """
-    from tierstore.trainer.infer.hf_import import import_hf
+    from tierstore.hf import import_hf
 
     def go() -> None:
         info = import_hf(model_dir, store, progress=True, resume=resume)
-        cfg = info["config"]
-        click.echo(f"imported {info['family']}: {cfg['n_layers']} layers, "
-                   f"{len(cfg['moe_layers'])}x{cfg['n_experts']} experts, "
+        experts = info["experts"]
+        n = experts[0]["num_experts"] if experts else 0
+        click.echo(f"imported {info['family']}: {len(experts)}x{n} experts, "
+                   f"{len(info['dense'])} dense tensors, "
                    f"tokenizer {'yes' if 'tokenizer.json' in info['tokenizer'] else 'no'}"
                    f" -> {store}")
 
     _run(go)
+
+
+def _list_families(ctx: click.Context, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from tierstore.hf.families import causal_lm_families
+
+    fams = causal_lm_families()
+    click.echo(f"{len(fams)} causal-LM families whose experts transformers dispatches through "
+               "its experts interface:")
+    click.echo(" ".join(fams))
+    ctx.exit(0)
 
 
 @click.command(name="export-hf")
@@ -81,23 +101,26 @@ def import_hf_(model_dir: str, store: str, resume: bool) -> None:
 def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, force: bool) -> None:
     """Write the model in STORE to OUT_DIR as a Hugging Face checkpoint that
     transformers' AutoModelForCausalLM.from_pretrained loads: config.json, sharded
-    safetensors with model.safetensors.index.json, and the tokenizer files. An imported
-    model goes back in its checkpoint's own layout (tensor names, per-expert or fused
-    experts) with its original config, and after a fine-tune with its trained fp32 masters
-    cast to --dtype; a `tierstore train` run becomes Mixtral (every layer MoE) or Qwen2-MoE
-    (dense layers in between), checked to compute what the run computes.
+    safetensors with model.safetensors.index.json, generation config and tokenizer files.
+    The weights are in the family's own checkpoint layout, the one save_pretrained writes,
+    made with transformers' reverse conversion mapping one expert at a time; an imported
+    model keeps its original config (dtype set to --dtype); a `tierstore train` run becomes
+    Mixtral (every layer MoE) or Qwen2-MoE (dense layers in between) with a byte-level
+    tokenizer. Leftovers of killed exports to OUT_DIR are removed first.
 
     \b
     tierstore export-hf ./mixtral-tuned --store mixtral
     tierstore export-hf ./run-hf --store run --dtype bf16 --shard-size 2GB
     """
-    from tierstore.trainer.infer.hf_export import export_hf as export
+    from tierstore.hf.exporter import export_hf as export
 
     from tierstore import format_size
 
     def go() -> None:
         s = export(store, out_dir, dtype=dtype, shard_size=shard_size, force=force,
                    progress=True)
+        for path in s["removed"]:
+            click.echo(f"removed {path}, left by an export that was killed")
         click.echo(f"exported {s['source']} as {s['family']}: {s['tensors']} tensors in "
                    f"{s['shards']} shard{'s' if s['shards'] != 1 else ''}, {s['dtype']}, "
                    f"{format_size(s['bytes'])} -> {out_dir}")
@@ -258,9 +281,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
     """Train an MoE model whose experts live in a store: dense parameters on the device,
     expert weights and AdamW moments in STORE, fetched per step for the experts the routers
     picked and written back through the host cache. With --resident, the same model held in
-    memory. A STORE filled by `tierstore import-hf` (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE)
-    is fine-tuned in full: its experts become fp32 masters in the store, the losses are the
-    family's as transformers computes them, and `tierstore export-hf` writes the result.
+    memory. A STORE filled by `tierstore import-hf` (any family `tierstore import-hf
+    --list` names) is fine-tuned in full as its own transformers model: its experts become
+    fp32 masters in the store and the loss is transformers' own.
 
     \b
     tierstore train --store run --model tiny --steps 200 --metrics m.jsonl
@@ -373,12 +396,13 @@ def _given(source: Any, name: str, value: Any) -> Any:
 @click.option("--ring-slots", default="auto", show_default=True,
               help="Ring mode: K layers of experts on the device, or auto (from the budget and "
                    "the measured transfer and compute times).")
-@click.option("--mode", type=click.Choice(["ring", "expert", "resident", "on-demand"]),
-              default="ring", show_default=True,
-              help="ring: K slots of whole layers refilled behind the compute; expert: routed "
-                   "experts only, predicted one layer ahead, with a device expert cache; "
-                   "resident: every expert loaded first; on-demand: routed experts read when "
-                   "needed, nothing kept.")
+@click.option("--mode", type=click.Choice(["auto", "ring", "expert", "resident", "on-demand"]),
+              default="auto", show_default=True,
+              help="auto: resident where the budget holds every expert, else expert (it says "
+                   "which and why); ring: K slots of whole layers refilled behind the compute; "
+                   "expert: routed experts only, predicted one layer ahead, with a device "
+                   "expert cache; resident: every expert loaded first; on-demand: routed "
+                   "experts read when needed, nothing kept.")
 @click.option("--device", type=DEVICE, default="auto", show_default=True,
               help="cpu, cuda, cuda:N (auto: cuda if available).")
 @click.option("--host-cache", type=CACHE_SIZE,
@@ -400,16 +424,17 @@ def _given(source: Any, name: str, value: Any) -> Any:
 @click.option("--json", "as_json", is_flag=True,
               help='Print one line: {"tokens": [[...]] per prompt, "tokens_per_s", "stall_frac", '
                    '"hit_rate", "spec_accuracy", "prefill_s", "decode_s", "prepare_s", '
-                   '"bytes_read", "peak_rss_bytes"}.')
+                   '"bytes_read", "peak_rss_bytes", "mode"}.')
 def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
              prompt_ids: tuple[str, ...],
              max_new_tokens: int, greedy: bool, temperature: float, top_p: float,
              seed: int | None, device_budget: int | None, ring_slots: str, mode: str,
              device: str, host_cache: int | None, threads: int | None, trace: str | None,
              warm_up: bool, as_json: bool) -> None:
-    """Generate text from the model in STORE with its experts offloaded: a batch of prompts
-    (left-padded), a KV cache, one token per step until max-new-tokens or every prompt's
-    end-of-sequence token.
+    """Generate text from the model in STORE with its experts offloaded, through the
+    family's own transformers model and its generate: a batch of prompts (left-padded), a
+    KV cache, one token per step until max-new-tokens or every prompt's end-of-sequence
+    token.
 
     \b
     tierstore generate --store mixtral --prompt "The store" --max-new-tokens 32 --greedy

@@ -1,34 +1,31 @@
-"""A decoder-only Mixture-of-Experts transformer in one file: the model tierstore trains and
-the one it runs Hugging Face checkpoints with.
+"""A decoder-only Mixture-of-Experts transformer in one file: the model of the trainer's
+presets.
 
-Pre-norm blocks: RMSNorm -> causal rotary attention -> RMSNorm -> FFN, where the FFN of an
-MoE layer is a top-k routed bank of SwiGLU experts (plus, in Qwen2-MoE, a sigmoid-gated
-shared expert) and that of the other layers one dense SwiGLU. :class:`ModelConfig` holds
-every way the families differ (grouped-query attention, q/k norms, biases, sliding windows,
-router renormalisation, tied embeddings); the trainer's presets (:mod:`trainer.presets`) and
-Hugging Face configs (:mod:`trainer.infer.hf_config`) both produce one.
+Pre-norm blocks: RMSNorm -> causal rotary attention (grouped-query where ``n_kv_heads`` is
+below ``n_heads``) -> RMSNorm -> FFN, where the FFN of an MoE layer is a top-k routed bank
+of SwiGLU experts with Mixtral's renormalised routing and that of the other layers one dense
+SwiGLU. The trainer's presets (:mod:`trainer.presets`) produce its :class:`ModelConfig`.
+Hugging Face checkpoints run (and fine-tune) as their own ``transformers`` classes through
+the :mod:`tierstore.hf` experts backend, not through this model.
 
 Expert weights never have to be module parameters. An MoE layer routes its tokens, asks an
 :class:`ExpertSource` for exactly the experts it routed to, and :func:`moe_combine` runs the
 tokens through whatever weights come back (``expert_id -> (w1, w2, w3)``). Training, the
 source is the resident banks (:class:`ExpertBank`, parameters named like the store's entries,
-``layers.{i}.experts.{e}.w1|w2|w3``) or a store-backed trainer's provider; inference, a
-resident copy, on-demand reads, a ring of layers or an expert cache (:mod:`trainer.infer`).
-Every path runs the same code, so they agree bit for bit.
+``layers.{i}.experts.{e}.w1|w2|w3``), a store-backed trainer's provider, or an expert-parallel
+source. Every path runs the same code, so they agree bit for bit.
 
 :meth:`MoEModel.forward` trains: causal attention over whole sequences, the Switch
 load-balancing loss and the ST-MoE router z-loss, fp32 master weights computing in ``dtype``
-through autocast. :meth:`MoEModel.decode` runs inference: a KV cache, left padding by
-attention mask, positions as ``transformers``' generate counts them. :class:`MoEDecoder` is
-the model whose call is ``decode``. One precision rule serves both: rotary tables and router
-logits are computed in the weights' dtype, so fp32 masters under autocast keep both in fp32
-and bf16 weights (inference, as ``transformers`` runs them) compute them in bf16.
+through autocast (rotary tables and router logits in the weights' dtype, so fp32). Serving a
+trained model is ``transformers``': a run loads as the Mixtral or Qwen2-MoE that computes
+what this model does (:mod:`tierstore.hf.trainer_runs`).
 
 Weight layouts follow ``nn.Linear`` (and Mixtral): ``w1``/``w3`` are ``[ffn, hidden]``
 (gate and up projections), ``w2`` is ``[hidden, ffn]`` (down projection).
 """
 
-# Over 600 lines: the one model that training and inference both run, read best whole.
+# Over 600 lines: the presets' one model and its training pass, read best whole.
 from __future__ import annotations
 
 import abc
@@ -47,14 +44,11 @@ if TYPE_CHECKING:
     from .presets import MoEConfig
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
-QK_NORMS = ("none", "full", "head")  # OLMoE: over the whole projection; Qwen3: per head
-# "per_layer": the mean over MoE layers of each layer's Switch loss (tierstore's own runs);
-# "transformers": one Switch loss over every MoE layer's tokens at once, top-k slots summed,
-# as transformers' ``load_balancing_loss_func`` computes it for the Hugging Face families.
-AUX_FORMS = ("per_layer", "transformers")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-ExpertWeights = tuple[Tensor, Tensor, Tensor]  # (w1 gate, w2 down, w3 up)
+# One expert's tensors: (w1 gate, w2 down, w3 up) in this model; an experts module's entries,
+# in the order its ExpertLayer names them, under tierstore.hf.
+ExpertWeights = tuple[Tensor, ...]
 # provider(layer_index, sorted expert ids) -> {expert_id: (w1, w2, w3)}
 ExpertProvider = Callable[[int, list[int]], Mapping[int, ExpertWeights]]
 CountReducer = Callable[[Tensor], Tensor]  # sums per-expert counts over data-parallel ranks
@@ -94,7 +88,7 @@ class ModelConfig:
     stored dtype), training holds fp32 master weights and computes in it through autocast.
     """
 
-    family: str  # "tierstore" (trained by tierstore) or the HF model_type
+    family: str  # "tierstore"
     vocab_size: int
     hidden_size: int
     n_layers: int
@@ -106,17 +100,8 @@ class ModelConfig:
     moe_ffn: int  # hidden size of one routed expert
     moe_layers: tuple[int, ...]
     dense_ffn: int  # hidden size of the dense FFN of non-MoE layers
-    shared_ffn: int = 0  # 0: no shared expert (Qwen2-MoE has one, gated by a sigmoid)
     rope_theta: float = 10000.0
-    rope_scale: float = 1.0  # linear position scaling ("linear" rope type)
     norm_eps: float = 1e-5
-    qk_norm: str = "none"  # "none" | "full" (OLMoE) | "head" (Qwen3-MoE)
-    qkv_bias: bool = False
-    o_bias: bool = False
-    clip_qkv: float | None = None  # OLMoE's optional clamp of q, k, v
-    norm_topk_prob: bool = True  # renormalise the top-k softmax weights to sum to 1
-    tie_embeddings: bool = False
-    sliding_windows: tuple[int, ...] = ()  # per layer, 0: full attention; empty: all full
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -124,15 +109,9 @@ class ModelConfig:
     dtype: str = "float32"
     router_aux_coef: float = 0.01  # training: Switch load-balancing loss weight
     router_z_coef: float = 0.001  # training: ST-MoE router z-loss weight
-    router_aux_form: str = "per_layer"  # training: how the load-balancing loss is taken
     init_std: float = 0.02  # training: std of the initial weights
 
     def __post_init__(self) -> None:
-        if self.qk_norm not in QK_NORMS:
-            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
-        if self.router_aux_form not in AUX_FORMS:
-            raise ValueError(f"router_aux_form must be one of {AUX_FORMS}, "
-                             f"got {self.router_aux_form!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads "
                              f"{self.n_kv_heads}")
@@ -142,29 +121,14 @@ class ModelConfig:
             raise ValueError(f"top_k must be in 1..n_experts, got {self.top_k}")
         if any(not 0 <= i < self.n_layers for i in self.moe_layers):
             raise ValueError(f"moe_layers {self.moe_layers} outside 0..{self.n_layers - 1}")
-        if self.sliding_windows and len(self.sliding_windows) != self.n_layers:
-            raise ValueError("sliding_windows needs one entry per layer")
         dtype_of(self.dtype)
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
 
-    def window(self, layer: int) -> int:
-        return self.sliding_windows[layer] if self.sliding_windows else 0
-
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
         return {"w1": (self.moe_ffn, self.hidden_size), "w2": (self.hidden_size, self.moe_ffn),
                 "w3": (self.moe_ffn, self.hidden_size)}
-
-    def expert_bytes(self, dtype: torch.dtype | str | None = None) -> int:
-        """Bytes of one expert's three tensors in ``dtype`` (default: :attr:`dtype`)."""
-        dt = dtype_of(dtype) or dtype_of(self.dtype)
-        assert dt is not None
-        return 3 * self.hidden_size * self.moe_ffn * torch.empty((), dtype=dt).element_size()
-
-    def layer_expert_bytes(self, dtype: torch.dtype | str | None = None) -> int:
-        """Bytes of every expert of one MoE layer."""
-        return self.n_experts * self.expert_bytes(dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -212,7 +176,7 @@ def _init_dense_(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(("attn.wo.weight", "mlp.w2", "shared.w2")):
+            elif name.endswith(("attn.wo.weight", "mlp.w2")):
                 p.normal_(0.0, out_std, generator=g)
             else:
                 p.normal_(0.0, cfg.init_std, generator=g)
@@ -234,14 +198,12 @@ class RMSNorm(nn.Module):
         return (y * self.weight).to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scale: float = 1.0
-                 ) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos/sin ``[B, T, head_dim]`` fp32 for integer ``positions`` ``[B, T]``, in the
     rotate-half layout (Llama, Mixtral: their weights need no permutation), computed the
     way ``transformers``' default rotary embedding does."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.int64).float() / head_dim))
-    inv_freq = inv_freq / scale
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -254,100 +216,33 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
-class KVCache:
-    """Keys and values of every layer, preallocated ``[batch, n_kv_heads, max_len,
-    head_dim]``, plus which cached slots are real tokens (``mask``, from the attention
-    masks the forward passes were given). ``length`` is the number of slots filled."""
-
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int,
-                 device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        dt = dtype or torch.float32
-        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dt) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dt) for _ in range(cfg.n_layers)]
-        self.mask = torch.zeros(batch, max_len, device=device, dtype=torch.bool)
-        self.batch, self.max_len = batch, max_len
-        self.length = 0
-
-    def reset(self) -> None:
-        self.length = 0
-        self.mask.zero_()
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-
 class Attention(nn.Module):
-    """Grouped-query rotary attention with the families' optional q/k norms and biases."""
+    """Grouped-query rotary attention."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.wq = nn.Linear(h, cfg.n_heads * hd, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * hd, h, bias=cfg.o_bias)
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
-        if cfg.qk_norm == "full":
-            self.q_norm = RMSNorm(cfg.n_heads * hd, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.n_kv_heads * hd, cfg.norm_eps)
-        elif cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(hd, cfg.norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.norm_eps)
+        self.wq = nn.Linear(h, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(h, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(h, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, h, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor | None = None,
-                cache: KVCache | None = None, layer: int = 0, start: int = 0) -> Tensor:
-        """``allowed`` ``[B, 1, T, L]`` says which keys each query sees; ``None``: causal
-        over ``x`` alone. With a ``cache``, the new keys and values go to slots ``start``
-        onwards of ``layer``'s and the queries see every slot up to theirs."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Causal attention over ``x``."""
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        if cfg.qk_norm == "full":
-            assert self.q_norm is not None and self.k_norm is not None
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.clip_qkv is not None:
-            c = float(cfg.clip_qkv)
-            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(b, t, cfg.n_heads, cfg.head_dim)
         k = k.view(b, t, cfg.n_kv_heads, cfg.head_dim)
         v = v.view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        if cfg.qk_norm == "head":
-            assert self.q_norm is not None and self.k_norm is not None
-            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is not None:
-            ck, cv = cache.k[layer], cache.v[layer]
-            ck[:, :, start:start + t] = k.to(ck.dtype)
-            cv[:, :, start:start + t] = v.to(cv.dtype)
-            k, v = ck[:, :, :start + t].to(q.dtype), cv[:, :, :start + t].to(q.dtype)
         rep = cfg.n_heads // cfg.n_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if allowed is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, cfg.n_heads * cfg.head_dim))
-
-
-def _allowed(mask: Tensor, start: int, t: int, window: int) -> Tensor:
-    """Boolean ``[B, 1, T, L]``: causal, real keys only (``mask`` ``[B, L]``), within the
-    sliding window. A query may always see itself, so a padding row never becomes all
-    -inf (NaN)."""
-    total = mask.shape[1]
-    q = torch.arange(start, start + t, device=mask.device)[:, None]
-    kpos = torch.arange(total, device=mask.device)[None, :]
-    ok = kpos <= q
-    if window:
-        ok = ok & (kpos > q - window)
-    allowed = ok[None] & mask[:, None, :]
-    allowed = allowed | (kpos == q)[None]
-    return allowed[:, None]
 
 
 # --------------------------------------------------------------------------- experts
@@ -359,7 +254,7 @@ def expert_forward(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
 
 
 class SwiGLU(nn.Module):
-    """The dense FFN of non-MoE layers and the shared expert (an expert's function)."""
+    """The dense FFN of non-MoE layers (an expert's function)."""
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
@@ -409,20 +304,18 @@ class Routing(NamedTuple):
     topk_weight: Tensor  # [T, k] fp32 mixing weights (rows sum to 1 when renormalised)
     aux_loss: Tensor | None  # Switch load-balancing loss (1.0 when perfectly balanced)
     z_loss: Tensor | None  # mean squared log-sum-exp of the router logits
-    probs: Tensor | None = None  # [T, n_experts] fp32 softmax over every expert (with losses)
 
 
-def route(x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = True,
-          losses: bool = True, reduce: CountReducer | None = None) -> Routing:
+def route(x: Tensor, router_weight: Tensor, top_k: int, losses: bool = True,
+          reduce: CountReducer | None = None) -> Routing:
     """Top-k softmax routing of tokens ``x`` ``[T, D]``; ``losses=False`` leaves the
     router losses out (``None``). ``reduce`` sums the expert assignment counts over every
     data-parallel rank (see :attr:`ExpertSource.count_reducer`).
 
     Logits are computed in the router weight's dtype outside autocast (fp32 for a trainer's
     master weights: small logit differences decide which experts a token gets, and bf16
-    would turn ties into noise), the softmax over all experts in fp32. With
-    ``norm_topk_prob`` the top-k weights are renormalised over the chosen k (Mixtral), i.e.
-    a softmax over the top-k logits.
+    would turn ties into noise), the softmax over all experts in fp32. The top-k weights
+    are renormalised over the chosen k (Mixtral), i.e. a softmax over the top-k logits.
     """
     n_experts = router_weight.shape[0]
     dev = x.device.type
@@ -431,8 +324,7 @@ def route(x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = T
         logits = F.linear(x.to(router_weight.dtype), router_weight).float()
         probs = logits.softmax(dim=-1)
         topk_weight, topk_idx = probs.topk(top_k, dim=-1)
-        if norm_topk_prob:
-            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
         if not losses:
             return Routing(topk_idx, topk_weight, None, None)
         # Switch loss: n_experts * sum_e f_e * P_e, with f_e the share of the T*k assignments
@@ -447,31 +339,7 @@ def route(x: Tensor, router_weight: Tensor, top_k: int, norm_topk_prob: bool = T
             frac = counts / counts.sum()
         aux = n_experts * torch.sum(frac * probs.mean(dim=0))
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-    return Routing(topk_idx, topk_weight, aux, z, probs)
-
-
-def load_balancing_loss(routings: Sequence[Routing], n_experts: int,
-                        reduce: CountReducer | None = None) -> Tensor:
-    """transformers' ``load_balancing_loss_func`` over the MoE layers' routings (no padding):
-    ``n_experts * sum_e f_e * P_e`` with ``f_e`` the top-k assignments to expert ``e`` over
-    every layer's tokens divided by the number of token rows (so the k slots add up, unlike
-    the per-layer form) and ``P_e`` its mean router probability over those rows."""
-    first = routings[0].probs
-    assert first is not None, "routing without losses"
-    counts = torch.zeros(n_experts, device=first.device, dtype=torch.float32)
-    prob_sum = torch.zeros(n_experts, device=first.device, dtype=torch.float32)
-    rows = 0
-    for r in routings:
-        assert r.probs is not None
-        counts = counts + torch.bincount(r.topk_idx.reshape(-1), minlength=n_experts).float()
-        prob_sum = prob_sum + r.probs.sum(dim=0)
-        rows += r.probs.shape[0]
-    if reduce is None:
-        return n_experts * torch.sum((counts / rows) * (prob_sum / rows))
-    # Over ranks: f_e from the global counts and rows; P_e stays this rank's own mean, so
-    # that the mean of the ranks' losses is the global batch's loss.
-    all_rows = reduce(torch.tensor([float(rows)], device=first.device))
-    return n_experts * torch.sum((reduce(counts) / all_rows) * (prob_sum / rows))
+    return Routing(topk_idx, topk_weight, aux, z)
 
 
 def moe_combine(x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
@@ -599,8 +467,8 @@ class _TrainingExperts(ExpertSource):
 
 
 class Block(nn.Module):
-    """One transformer layer. MoE layers carry ``router``, (when resident) ``experts`` and
-    (Qwen2-MoE) ``shared`` and ``shared_gate``; dense layers carry ``mlp``."""
+    """One transformer layer. MoE layers carry ``router`` and (when resident) ``experts``;
+    dense layers carry ``mlp``."""
 
     def __init__(self, cfg: ModelConfig, layer: int, seed: int | None = None,
                  resident_experts: bool = False) -> None:
@@ -613,15 +481,10 @@ class Block(nn.Module):
         self.router: nn.Linear | None = None
         self.experts: ExpertBank | None = None
         self.mlp: SwiGLU | None = None
-        self.shared: SwiGLU | None = None
-        self.shared_gate: nn.Linear | None = None
         if self.is_moe:
             self.router = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
             if resident_experts:
                 self.experts = ExpertBank(cfg, seed, layer)
-            if cfg.shared_ffn:
-                self.shared = SwiGLU(cfg.hidden_size, cfg.shared_ffn)
-                self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_ffn)
 
@@ -630,8 +493,7 @@ class Block(nn.Module):
         """Routing of tokens ``x`` ``[T, D]`` (already normalised by ``ffn_norm``)."""
         if self.router is None:
             raise RuntimeError(f"layer {self.layer} is a dense layer and has no router")
-        return route(x, self.router.weight, self.cfg.top_k, self.cfg.norm_topk_prob, losses,
-                     reduce)
+        return route(x, self.router.weight, self.cfg.top_k, losses, reduce)
 
     def moe(self, h: Tensor, experts: ExpertSource, losses: bool = True
             ) -> tuple[Tensor, Routing]:
@@ -640,15 +502,11 @@ class Block(nn.Module):
         r = self.route(flat, losses, experts.count_reducer)
         y = experts.moe(self.layer, flat, r)
         experts.layer_done(self.layer)
-        if self.shared is not None:
-            assert self.shared_gate is not None
-            y = y + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
         return y.view_as(h), r
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, experts: ExpertSource,
-                allowed: Tensor | None = None, cache: KVCache | None = None, start: int = 0,
                 losses: bool = True) -> tuple[Tensor, Routing | None]:
-        x = x + self.attn(self.attn_norm(x), cos, sin, allowed, cache, self.layer, start)
+        x = x + self.attn(self.attn_norm(x), cos, sin)
         h = self.ffn_norm(x)
         if self.mlp is not None:
             return x + self.mlp(h), None
@@ -668,16 +526,13 @@ class MoEModel(nn.Module):
         cfg = model_config(cfg)
         self.cfg = cfg
         self.moe_layers: list[int] = list(cfg.moe_layers)
-        self.windows = sorted({cfg.window(i) for i in range(cfg.n_layers)})
         # Training's rotary tables, kept while the sequence length, device and dtype hold.
         self._causal_rope: tuple[Any, tuple[Tensor, Tensor]] | None = None
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             Block(cfg, i, seed, resident_experts) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head: nn.Linear | None = None
-        if not cfg.tie_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if seed is not None:
             _init_dense_(self, cfg, seed)
 
@@ -701,39 +556,18 @@ class MoEModel(nn.Module):
         """The state dict without resident experts (what a store keeps under ``dense.``)."""
         return {k: v for k, v in self.state_dict().items() if ".experts." not in k}
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """A KV cache on the model's device and in its dtype."""
-        return KVCache(self.cfg, batch, max_len, self.device, self.dtype)
-
-    def next_moe_layer(self, layer: int) -> int | None:
-        """The first MoE layer after ``layer``, or ``None``."""
-        return next((i for i in self.moe_layers if i > layer), None)
-
-    @torch.no_grad()
-    def router_topk(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(ids [N, k] int64, weights [N, k] fp32)`` of MoE layer ``layer`` for normalised
-        hidden states ``x`` ``[N, hidden]`` (see :func:`route`)."""
-        router = self.layers[layer].router
-        if router is None:
-            raise ValueError(f"layer {layer} is not an MoE layer")
-        r = route(x, router.weight, self.cfg.top_k, self.cfg.norm_topk_prob, losses=False)
-        return r.topk_idx, r.topk_weight
-
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta,
-                                self.cfg.rope_scale)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         return cos.unsqueeze(1).to(self.dtype), sin.unsqueeze(1).to(self.dtype)
 
     def _run(self, idx: Tensor, experts: ExpertSource, cos: Tensor, sin: Tensor,
-             masks: Mapping[int, Tensor | None], cache: KVCache | None, start: int,
              losses: bool) -> tuple[Tensor, dict[int, Routing]]:
         """Every layer over ``idx`` within a pass of ``experts`` (see :meth:`_pass`): the
         last hidden states, and the routing of each MoE layer."""
         routing: dict[int, Routing] = {}
         x = self.tok_emb(idx)
         for block in self.layers:
-            x, r = block(x, cos, sin, experts, masks[self.cfg.window(block.layer)], cache,
-                         start, losses)
+            x, r = block(x, cos, sin, experts, losses)
             if r is not None:
                 routing[block.layer] = r
         return x, routing
@@ -748,8 +582,7 @@ class MoEModel(nn.Module):
             experts.end_pass()
 
     def _head(self, x: Tensor) -> Tensor:
-        head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(x), head).float()
+        return F.linear(self.norm(x), self.lm_head.weight).float()
 
     def forward(self, idx: Tensor, targets: Tensor | None = None,
                 experts: ExpertProvider | ExpertSource | None = None
@@ -757,15 +590,14 @@ class MoEModel(nn.Module):
         """Training: ``idx`` ``[B, T]`` int64 -> ``(logits [B, T, V] fp32, loss, aux)``.
 
         ``loss`` (when ``targets`` is given) is cross-entropy + ``router_aux_coef`` x the
-        load-balancing loss (the mean over MoE layers, or with ``router_aux_form``
-        ``transformers`` :func:`load_balancing_loss`) + ``router_z_coef`` x mean z-loss over
-        MoE layers. ``aux`` holds
+        mean load-balancing loss over MoE layers + ``router_z_coef`` x mean z-loss over MoE
+        layers. ``aux`` holds
         the detached parts (``ce``, ``aux_loss``, ``z_loss``) and ``routing``: ``{layer:
         topk_idx [B*T, k]}``. ``experts``, when given, supplies expert weights for every MoE
         layer instead of the resident banks.
         """
         cfg = self.cfg
-        b, t = idx.shape
+        t = idx.shape[1]
         if t > cfg.max_position:
             raise ValueError(f"sequence length {t} exceeds the {cfg.max_position} positions")
         source = experts if isinstance(experts, ExpertSource) else _TrainingExperts(self, experts)
@@ -773,24 +605,16 @@ class MoEModel(nn.Module):
         if self._causal_rope is None or self._causal_rope[0] != key:
             self._causal_rope = key, self._rope(torch.arange(t, device=idx.device)[None])
         cos, sin = self._causal_rope[1]
-        masks: dict[int, Tensor | None] = {0: None}  # full attention: SDPA's causal kernel
-        for w in self.windows:
-            if w:
-                masks[w] = _allowed(torch.ones(b, t, dtype=torch.bool, device=idx.device), 0, t, w)
         ctx = (torch.autocast(device_type=idx.device.type, dtype=torch.bfloat16)
                if cfg.dtype == "bfloat16" else nullcontext())
         with ctx:
             with self._pass(source, idx.numel()):
-                x, routed = self._run(idx, source, cos, sin, masks, None, 0, losses=True)
+                x, routed = self._run(idx, source, cos, sin, losses=True)
             logits = self._head(x)
         zero = logits.new_zeros(())
         aux_terms = [r.aux_loss for r in routed.values() if r.aux_loss is not None]
         z_terms = [r.z_loss for r in routed.values() if r.z_loss is not None]
-        if cfg.router_aux_form == "transformers" and routed:
-            aux_loss = load_balancing_loss(list(routed.values()), cfg.n_experts,
-                                           source.count_reducer)
-        else:
-            aux_loss = torch.stack(aux_terms).mean() if aux_terms else zero
+        aux_loss = torch.stack(aux_terms).mean() if aux_terms else zero
         z_loss = torch.stack(z_terms).mean() if z_terms else zero
         info: dict[str, Any] = {"aux_loss": aux_loss.detach(), "z_loss": z_loss.detach(),
                                 "routing": {i: r.topk_idx.detach() for i, r in routed.items()},
@@ -801,68 +625,3 @@ class MoEModel(nn.Module):
             loss = ce + cfg.router_aux_coef * aux_loss + cfg.router_z_coef * z_loss
             info["ce"] = ce.detach()
         return logits, loss, info
-
-    @torch.no_grad()
-    def decode(self, ids: Tensor, experts: ExpertSource, cache: KVCache | None = None,
-               attention_mask: Tensor | None = None, *, last_only: bool = False) -> Tensor:
-        """Inference: ``ids`` ``[B, T]`` -> logits ``[B, T, V]`` fp32 (``[B, 1, V]``, the
-        last position's, with ``last_only``: all a generation's prefill needs, and the
-        output projection over every prompt token would be most of a short prefill's
-        compute after its last expert has landed).
-
-        ``attention_mask`` ``[B, cache.length + T]`` marks real tokens with 1 and left
-        padding with 0 (``[B, T]`` is taken as the new tokens' part, the cached ones keeping
-        theirs); positions and the attention pattern follow from it. Without it, every
-        token is real, or, with a cache, the new tokens are real and the cached ones keep
-        the mask they were given. With a cache, the new keys and values are appended and
-        ``cache.length`` advances by T.
-        """
-        b, t = ids.shape
-        start = cache.length if cache is not None else 0
-        dev = ids.device
-        if cache is not None:
-            if cache.batch != b:
-                raise ValueError(f"cache holds batch {cache.batch}, ids have {b}")
-            if start + t > cache.max_len:
-                raise ValueError(f"cache of {cache.max_len} tokens cannot take {start + t}")
-        # (b, t) with a cache: the new tokens' part only, the cached ones keeping theirs.
-        shapes = {(b, start + t)} | ({(b, t)} if cache is not None and start else set())
-        if attention_mask is not None and tuple(attention_mask.shape) not in shapes:
-            raise ValueError(f"attention_mask must be [{b}, {start + t}], got "
-                             f"{list(attention_mask.shape)}")
-        # The pass begins before the masks and positions are made, so a source's first
-        # reads start that much sooner (in a fresh process those first tensor operations
-        # take tens of milliseconds).
-        with self._pass(experts, ids.numel()):
-            if attention_mask is not None:
-                am = attention_mask.to(device=dev).bool()
-                if am.shape == (b, t) and cache is not None and start:
-                    am = torch.cat([cache.mask[:, :start], am], dim=1)
-            elif cache is not None:
-                am = torch.cat([cache.mask[:, :start],
-                                torch.ones(b, t, dtype=torch.bool, device=dev)], dim=1)
-            else:
-                am = torch.ones(b, t, dtype=torch.bool, device=dev)
-            if cache is not None:
-                cache.mask[:, :start + t] = am
-            # transformers' generate: a token's position is the number of real tokens
-            # before it.
-            pos = (am.long().cumsum(-1) - 1).masked_fill(~am, 0)[:, -t:]
-            cos, sin = self._rope(pos)
-            masks = {w: _allowed(am, start, t, w) for w in self.windows}
-            x, _ = self._run(ids, experts, cos, sin, masks, cache, start, losses=False)
-        if cache is not None:
-            cache.length = start + t
-        return self._head(x[:, -1:] if last_only else x)
-
-
-class MoEDecoder(MoEModel):
-    """The model as inference holds it: no experts of its own, weights left for loading,
-    and calling it runs :meth:`MoEModel.decode` with an :class:`ExpertSource`."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg, seed=None, resident_experts=False)
-
-    def forward(self, ids: Tensor, experts: ExpertSource,  # type: ignore[override]
-                cache: KVCache | None = None, attention_mask: Tensor | None = None) -> Tensor:
-        return self.decode(ids, experts, cache, attention_mask)

@@ -90,7 +90,7 @@ class MoEConfig:
             n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_heads,
             head_dim=self.head_dim, n_experts=self.n_experts, top_k=self.top_k,
             moe_ffn=self.d_ff, moe_layers=tuple(self.moe_layers), dense_ffn=self.dense_ff,
-            rope_theta=self.rope_theta, norm_eps=self.norm_eps, norm_topk_prob=True,
+            rope_theta=self.rope_theta, norm_eps=self.norm_eps,
             max_position=self.max_seq_len, dtype=self.dtype,
             router_aux_coef=self.router_aux_coef, router_z_coef=self.router_z_coef,
             init_std=self.init_std)
@@ -119,9 +119,9 @@ PRESETS: dict[str, MoEConfig] = {
 }
 
 
-# What a trainer trains: a preset's shape, or (fine-tuning an imported Hugging Face model)
-# the model's own config.
-TrainModel = MoEConfig | ModelConfig
+# What a trainer builds its model from: a preset's shape. (An imported Hugging Face model
+# is fine-tuned as its own transformers class: trainer.train.hf_finetune.)
+TrainModel = MoEConfig
 
 
 def with_dtype(cfg: TrainModel, dtype: str | None) -> TrainModel:
@@ -130,9 +130,8 @@ def with_dtype(cfg: TrainModel, dtype: str | None) -> TrainModel:
 
 
 def config_from_dict(d: Mapping[str, Any]) -> TrainModel:
-    """The config a run record holds: a :class:`ModelConfig` (it names a ``family``: a
-    fine-tuned import) or a :class:`MoEConfig` (a preset's shape)."""
-    return ModelConfig.from_dict(d) if "family" in d else MoEConfig.from_dict(d)
+    """The model config a preset run's record holds."""
+    return MoEConfig.from_dict(d)
 
 
 # --------------------------------------------------------------------------- sizes

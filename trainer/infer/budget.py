@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 import tierstore
-
-from ..model import ModelConfig
 
 DEVICE_BUDGET = "--device-budget"
 # What a process holds besides the interpreter with torch, the dense weights and the two
@@ -67,14 +66,42 @@ def check_budget_fits(device_budget: int | None, device: torch.device) -> None:
                           f"{fmt(memory)} of memory; lower it", DEVICE_BUDGET)
 
 
-def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of :class:`trainer.model.KVCache` for ``batch`` sequences of ``max_len``."""
-    per = torch.empty(0, dtype=dtype).element_size()
-    kv = 2 * cfg.n_layers * batch * cfg.n_kv_heads * max_len * cfg.head_dim * per
-    return kv + batch * max_len  # and its mask
+@dataclass(frozen=True)
+class PassShape:
+    """The sizes one pass's activations are bounded by, read off a ``transformers`` config:
+    hidden size, attention heads (query and key/value) and their width, the widest FFN,
+    experts per token and vocabulary."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    top_k: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any, top_k: int) -> PassShape:
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+        def first(*names: str, default: int = 0) -> int:
+            for n in names:
+                v = getattr(c, n, None)
+                if isinstance(v, int) and v > 0:
+                    return v
+            return default
+
+        hidden = first("hidden_size", default=1)
+        heads = first("num_attention_heads", default=1)
+        head_dim = max(first("head_dim", default=hidden // heads), first("qk_head_dim"),
+                       first("v_head_dim"))
+        ffn = max(first("intermediate_size"), first("moe_intermediate_size"),
+                  first("shared_expert_intermediate_size"), 1)
+        return cls(hidden, heads, first("num_key_value_heads", default=heads), head_dim, ffn,
+                   top_k, first("vocab_size", default=1))
 
 
-def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, context: int,
+def activation_bytes(shape: PassShape, batch: int, tokens: int, context: int,
                      dtype: torch.dtype) -> int:
     """A bound on the tensors one pass of ``tokens`` new tokens per sequence (over
     ``context`` positions in all) holds at once, besides weights and the KV cache: the
@@ -85,14 +112,13 @@ def activation_bytes(cfg: ModelConfig, batch: int, tokens: int, context: int,
     fp32 logits, of each sequence's last position only (generation projects no other)."""
     per = torch.empty(0, dtype=dtype).element_size()
     n = batch * tokens
-    h, k = cfg.hidden_size, cfg.top_k
+    h, k = shape.hidden, shape.top_k
     residual = 2 * n * h * per
-    attention = (3 * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * per
-                 + 2 * batch * cfg.n_heads * context * cfg.head_dim * per
-                 + 2 * batch * cfg.n_heads * tokens * context * 4)
-    ffn = max(cfg.moe_ffn, cfg.dense_ffn, cfg.shared_ffn)
-    moe = n * (3 * ffn + 4 * k * h + h) * 4
-    head = batch * (cfg.vocab_size * 2 + h) * 4
+    attention = (3 * n * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * per
+                 + 2 * batch * shape.heads * context * shape.head_dim * per
+                 + 2 * batch * shape.heads * tokens * context * 4)
+    moe = n * (3 * shape.ffn + 4 * k * h + h) * 4
+    head = batch * (shape.vocab * 2 + h) * 4
     return residual + max(attention, moe, head)
 
 
@@ -131,15 +157,18 @@ class GenerationBudget:
                 "activation_bytes": self.activations, "expert_budget_bytes": self.experts}
 
 
-def generation_budget(cfg: ModelConfig, device_budget: int, batch: int, prompt_len: int,
-                      max_new_tokens: int, dtype: torch.dtype) -> GenerationBudget:
+def generation_budget(shape: PassShape, kv_per_token: int, kv_fixed: int, device_budget: int,
+                      batch: int, prompt_len: int, max_new_tokens: int,
+                      dtype: torch.dtype) -> GenerationBudget:
     """The split of ``device_budget`` for generating ``max_new_tokens`` after prompts
-    padded to ``prompt_len`` (the prefill is the larger pass)."""
+    padded to ``prompt_len`` (the prefill is the larger pass). ``kv_per_token`` and
+    ``kv_fixed``: the model's cache bytes per sequence, per position and besides (measured
+    on the model itself: :func:`tierstore.hf.warmup.cache_bytes`)."""
     context = prompt_len + max_new_tokens
+    kv = batch * (kv_fixed + kv_per_token * context) + batch * context  # and the mask
     return GenerationBudget(
-        device=int(device_budget),
-        kv_cache=kv_cache_bytes(cfg, batch, context, dtype) if max_new_tokens else 0,
-        activations=activation_bytes(cfg, batch, prompt_len, context, dtype))
+        device=int(device_budget), kv_cache=kv if max_new_tokens else 0,
+        activations=activation_bytes(shape, batch, prompt_len, context, dtype))
 
 
 def pooled_host_cache(plan: GenerationBudget, host_cache: int, expert_bytes: int,

@@ -51,7 +51,7 @@ from torch import Tensor
 import tierstore
 from tierstore.lab import make_policy
 
-from ..model import ExpertSource, ExpertWeights, RoutedExperts, expert_names
+from ..model import ExpertSource, ExpertWeights, RoutedExperts
 from .budget import too_small
 from .device_queue import lend_views, queue_budget, queue_bytes_moved
 from .sources import OnDemandSource
@@ -135,13 +135,13 @@ class ExpertModeSource(ExpertSource):
         if not layers:
             raise tierstore.StoreError("the model has no MoE layers")
         self._index = {layer: i for i, layer in enumerate(layers)}
-        self.n_experts = int(model.cfg.n_experts)
+        self.n_experts = int(model.n_experts)
         self.expert_bytes = sum(self.store.info(n).nbytes
-                                for n in expert_names(layers[0], 0))
-        if self.budget < self.expert_bytes * model.cfg.top_k:
-            raise too_small(f"the {model.cfg.top_k} experts one token routes to",
-                            self.expert_bytes * model.cfg.top_k, self.budget)
-        self.top_k = int(model.cfg.top_k)
+                                for n in model.expert_names(layers[0], 0))
+        if self.budget < self.expert_bytes * model.top_k:
+            raise too_small(f"the {model.top_k} experts one token routes to",
+                            self.expert_bytes * model.top_k, self.budget)
+        self.top_k = int(model.top_k)
         self._size_cache(1)
         self.policy.attach(self.cache_bytes)
         self._moved_start = queue_bytes_moved(self.store, self.device)
@@ -169,8 +169,8 @@ class ExpertModeSource(ExpertSource):
         reserve = 2 * per_layer * self.expert_bytes
         self.cache_bytes = max(self.budget - reserve, self.budget // 4)
 
-    def _names(self, key: Key) -> tuple[str, str, str]:
-        return expert_names(*key)
+    def _names(self, key: Key) -> tuple[str, ...]:
+        return tuple(self.model.expert_names(*key))
 
     def _held_bytes(self) -> int:
         return len(self._state) * self.expert_bytes

@@ -1,16 +1,17 @@
-"""Text generation with a :class:`trainer.model.MoEDecoder` whose experts live in a store.
+"""``tierstore generate``: text from a stored model, through ``transformers``' ``generate``.
 
-A batch of prompts is left-padded into one ``[B, T]`` tensor with an attention mask, run
-through the model once (prefill) to fill the KV cache, then extended one token per step.
-Like ``transformers``' ``generate``: a sequence that produced one of the model's
-end-of-sequence tokens is finished (its later positions get the pad token and are not
-returned), and generation stops when every sequence has finished or after
-``max_new_tokens``. Greedy decoding takes the arg-max; sampling divides the logits by the
-temperature, keeps the smallest set of tokens whose probability reaches ``top_p`` and
-draws from a generator seeded with ``seed``, so a seed reproduces its tokens.
+The model is the checkpoint's own ``transformers`` class with its experts in the store
+(:func:`tierstore.hf.load`); attention, caches, sampling and stopping are ``transformers``'.
+What this module adds is what a run over a store needs around that call: the device budget
+split between the KV cache, a pass's activations and the experts (:mod:`.budget`), the
+mode's source (``auto`` picks one and says which), a warm-up pass before the clock, the
+compute threads, and what the run measured (tokens/s, prefill and decode apart, the stall,
+bytes read, peak RSS), with a routing trace on request.
 
-Which expert source the model uses (resident, on demand, ring, expert mode) is the
-caller's choice; :func:`make_source` builds one by name.
+Greedy decoding and sampling are ``transformers``' (``do_sample``, ``temperature``,
+``top_p``; ``top_k`` off); a ``seed`` seeds torch's generator before the call, so a seed
+repeats its tokens and equals ``transformers`` sampling the resident model with the same
+seed.
 """
 
 from __future__ import annotations
@@ -29,19 +30,16 @@ from torch import Tensor
 
 import tierstore
 
-from ..model import ExpertSource, ExpertWeights, MoEModel, expert_names
+from ..model import ExpertSource, ExpertWeights
 from .budget import (
     BudgetError,
+    PassShape,
     check_budget_fits,
     generation_budget,
     peak_rss_bytes,
     pooled_host_cache,
 )
 from .device_queue import DeviceClock, host_cache_bytes, queue_budget
-from .loading import stop_tokens
-from .sources import OnDemandSource, ResidentSource
-
-MODES = ("ring", "expert", "resident", "on-demand")
 
 # While a source streams experts, its read threads and the compute thread share the
 # interpreter. The compute thread lets go of it inside every torch op and needs it back to
@@ -89,8 +87,10 @@ class GenerationResult:
     source: dict[str, Any] = field(default_factory=dict)  # the source's own statistics
     peak_rss_bytes: int = 0  # the process's peak resident memory when generation ended
     # Before the clock: the source taking the memory its first pass reads into (see
-    # ExpertSource.prepare), reported apart so that it shows and neither timed phase hides it.
+    # ExpertSource.prepare) and the warm-up pass, reported apart so that neither timed
+    # phase hides them.
     prepare_s: float = 0.0
+    mode: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -108,24 +108,27 @@ class GenerationResult:
                 # the phases apart, for benchmarks that run `tierstore generate` per process
                 "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                 "prepare_s": self.prepare_s, "bytes_read": self.source.get("bytes_read"),
-                "peak_rss_bytes": self.peak_rss_bytes}
+                "peak_rss_bytes": self.peak_rss_bytes, "mode": self.mode}
 
 
-class _Instrumented(ExpertSource):
-    """Wraps a source: times its ``experts`` calls (the stall, for sources that do not
-    measure their own) and records the routing trace."""
+class Instrumented(ExpertSource):
+    """Wraps a source for one generation: times its ``experts`` calls (the stall, for
+    sources that do not measure their own), records the routing trace (step 0 the prefill,
+    step n the n-th decode step), tells the source before the last pass, and notes when the
+    first pass (the prefill) ends."""
 
-    def __init__(self, inner: ExpertSource, recorder: Any = None, nbytes: int = 0) -> None:
+    def __init__(self, inner: Any, passes: int, recorder: Any = None, nbytes: int = 0,
+                 clock: DeviceClock | None = None, decode_threads: int | None = None) -> None:
         self.inner, self.recorder, self.nbytes = inner, recorder, nbytes
+        self.passes = passes
         self.step = 0
         self.waited = 0.0
-        self.last = False  # the coming pass is the generation's last
+        self.clock = clock
+        self.prefill_end: Any = None
+        self.decode_threads = decode_threads
 
-    def prepare(self, model: MoEModel) -> None:
-        self.inner.prepare(model)
-
-    def begin_pass(self, model: MoEModel, n_tokens: int) -> None:
-        if self.last:
+    def begin_pass(self, model: Any, n_tokens: int) -> None:
+        if self.step == self.passes - 1:
             self.inner.final_pass()  # a ring reads nothing for a pass that will not run
         self.inner.begin_pass(model, n_tokens)
 
@@ -143,33 +146,57 @@ class _Instrumented(ExpertSource):
 
     def end_pass(self) -> None:
         self.inner.end_pass()
+        if self.step == 0 and self.clock is not None:
+            self.prefill_end = self.clock.mark()
+            if self.decode_threads is not None:
+                torch.set_num_threads(self.decode_threads)
+        self.step += 1
+
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
 
 
-def make_source(mode: str, store: tierstore.Store, model: MoEModel, *,
-                ring_slots: int | str = "auto", budget: int | None = None,
-                policy_args: Mapping[str, Any] | None = None,
-                host_pool: bool = False) -> ExpertSource:
-    """An expert source by name: ``ring`` (``ring_slots`` K or ``"auto"``), ``expert``
-    (routed experts, speculative prefetch, device expert cache), ``resident`` (every expert
-    loaded first) or ``on-demand`` (synchronous reads of the routed experts). ``budget``:
-    bytes of experts the source may hold (resident mode holds them all). ``host_pool``
-    (expert mode): the store's host cache is the expert cache (see
-    :class:`~trainer.infer.expert_mode.ExpertModeSource`)."""
-    if mode == "ring":
-        from .ring import RingSource
+class NonFiniteLogitsError(tierstore.StoreError):
+    """The model computed NaN or infinite logits: no token can be chosen from them."""
 
-        return RingSource(store, model.device, slots=ring_slots, budget=budget,
-                          dtype=model.dtype)
-    if mode == "expert":
-        from .expert_mode import ExpertModeSource
 
-        return ExpertModeSource(store, model.device, budget=budget, policy_args=policy_args,
-                                dtype=model.dtype, host_pool=host_pool)
-    if mode == "resident":
-        return ResidentSource(store, model)
-    if mode == "on-demand":
-        return OnDemandSource(store, model, budget=budget)
-    raise tierstore.StoreError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+# Below this a temperature divides the logits into overflow (infinities, then NaN
+# probabilities in fp32): what sampling at it is, is greedy.
+GREEDY_BELOW_TEMPERATURE = 1e-20
+
+
+def check_logits(logits: Tensor, step: int) -> None:
+    """Refuse logits ``[B, V]`` holding NaN or +inf, or a row of nothing but -inf, naming
+    the first such row: they come from weights holding NaN or infinite values (or a
+    computation they overflow), and a token chosen from them would be noise, or a sampler's
+    failure, never an answer. (-inf alone is a mask: a processor's suppressed tokens.)"""
+    bad = (logits.isnan() | (logits == math.inf)).any(dim=-1) | (logits == -math.inf).all(dim=-1)
+    if not bool(bad.any()):
+        return
+    row = int(bad.nonzero()[0, 0])
+    what = "NaN" if bool(logits[row].isnan().any()) else "infinite"
+    at = "the prompt" if step == 0 else f"generated token {step}"
+    raise NonFiniteLogitsError(
+        f"the model computed {what} logits for prompt {row} after {at}: its weights hold "
+        "NaN or infinite values (a diverged training run, or a damaged import); generate "
+        "from a sound checkpoint")
+
+
+def _finite_logits() -> Any:
+    """A ``transformers`` logits processor that checks each step's logits as they come out
+    of the model (:func:`check_logits`), before anything chooses from them."""
+    import transformers
+
+    class FiniteLogits(transformers.LogitsProcessor):
+        def __init__(self) -> None:
+            self.step = 0
+
+        def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+            check_logits(scores, self.step)
+            self.step += 1
+            return scores
+
+    return FiniteLogits()
 
 
 def pad_left(prompts: Sequence[Sequence[int]], pad_id: int,
@@ -186,174 +213,103 @@ def pad_left(prompts: Sequence[Sequence[int]], pad_id: int,
     return ids.to(device), mask.to(device)
 
 
-class NonFiniteLogitsError(tierstore.StoreError):
-    """The model computed NaN or infinite logits: no token can be chosen from them."""
+def _ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in (v if isinstance(v, list | tuple) else [v]))
 
 
-def check_logits(logits: Tensor, step: int) -> None:
-    """Refuse logits ``[B, V]`` that are not all finite, naming the first such row: they
-    come from weights holding NaN or infinite values (or a computation they overflow), and
-    a token chosen from them would be noise, or a sampler's failure, never an answer."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    if bool(finite.all()):
-        return
-    row = int((~finite).nonzero()[0, 0])
-    what = "NaN" if bool(logits[row].isnan().any()) else "infinite"
-    at = "the prompt" if step == 0 else f"generated token {step}"
-    raise NonFiniteLogitsError(
-        f"the model computed {what} logits for prompt {row} after {at}: its weights hold "
-        "NaN or infinite values (a diverged training run, or a damaged import); generate "
-        "from a sound checkpoint")
+def stop_and_pad(model: Any) -> tuple[tuple[int, ...], int]:
+    """The model's end-of-sequence ids (its generation config's, else its config's) and the
+    pad id ``transformers`` fills finished sequences with (pad, else the first end id, else
+    0)."""
+    gen = getattr(model, "generation_config", None)
+    cfg = model.config.get_text_config()
+    eos = _ids(getattr(gen, "eos_token_id", None)) or _ids(getattr(cfg, "eos_token_id", None))
+    pad = getattr(gen, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(cfg, "pad_token_id", None)
+    if isinstance(pad, list):
+        pad = pad[0] if pad else None
+    return eos, int(pad) if pad is not None else (eos[0] if eos else 0)
 
 
-def next_tokens(logits: Tensor, *, greedy: bool, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> Tensor:
-    """One token per row of ``logits`` ``[B, V]`` (finite: see :func:`check_logits`)."""
-    if greedy:
-        return logits.argmax(dim=-1)
-    if not 0 < temperature < math.inf:
-        raise tierstore.StoreError(f"temperature must be a finite number above 0, "
-                                   f"got {temperature}")
-    if not 0 < top_p <= 1:
-        raise tierstore.StoreError(f"top_p must be in (0, 1], got {top_p}")
-    # Shifted so that the largest score is 0 before the division, and divided by no less
-    # than fp32's smallest normal number (a smaller temperature is 0 in fp32, and 0/0 is
-    # NaN): a temperature so small that the scores overflow leaves the most likely tokens
-    # at 0 and the rest at -inf, which is what sampling at it is, greedy.
-    scores = logits.float()
-    tiny = torch.finfo(scores.dtype).tiny
-    scores = (scores - scores.amax(dim=-1, keepdim=True)) / max(temperature, tiny)
-    if top_p < 1.0:
-        # transformers' top-p: drop the least likely tokens whose total probability is at
-        # most 1 - top_p, always keeping the most likely one.
-        sorted_scores, order = scores.sort(dim=-1)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= 1 - top_p
-        remove[..., -1] = False
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-# The experts a warm-up pass computes with: the model's shapes but this wide (see warm_up).
-WARM_UP_FFN = 64
-
-
-class _NarrowExperts(ExpertSource):
-    """Zero experts ``WARM_UP_FFN`` wide for every id: a pass through every kernel a real
-    one runs, at a fraction of its compute, reading nothing from any store."""
-
-    def __init__(self, model: MoEModel) -> None:
-        cfg = model.cfg
-        f, h = min(WARM_UP_FFN, cfg.moe_ffn), cfg.hidden_size
-        kw = {"dtype": model.dtype, "device": model.device}
-        self.weights = (torch.zeros(f, h, **kw), torch.zeros(h, f, **kw),
-                        torch.zeros(f, h, **kw))
-
-    def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, ExpertWeights]:
-        return {e: self.weights for e in ids}
-
-
-def warm_up(model: MoEModel, ids: Tensor, mask: Tensor) -> None:
-    """Run the prompt through the model once with narrow zero experts, as part of loading
-    (llama.cpp warms up the same way). A process's first pass otherwise pages in the code
-    of every operation it runs, and with a cold page cache each page is a read queued
-    behind the experts' 8 MiB requests: on the development VM, 31 such faults held a
-    ring's first MoE layer 140 ms behind its reads, its slots filled, and the disk sat idle
-    35 ms. Warmed up (45 ms here, before the clock), the layer's experts were asked for 5
-    ms into the pass and the reads never stopped. The faults are paid either way; taken
-    here they do not stall a pass that streams (docs/inference.md)."""
-    b, t = ids.shape
-    model.decode(ids, _NarrowExperts(model), model.new_cache(b, t), mask, last_only=True)
-
-
-def generate(model: MoEModel, source: ExpertSource, prompts: Sequence[Sequence[int]],
-             max_new_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
-             top_p: float = 1.0, seed: int | None = None,
-             eos_token_ids: Sequence[int] | None = None, pad_token_id: int | None = None,
-             trace: Any = None, trace_nbytes: int | None = None,
+def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+             seed: int | None = None, trace: Any = None, trace_nbytes: int | None = None,
              decode_threads: int | None = None, warm: bool = True) -> GenerationResult:
-    """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids).
-    Sampling (``greedy=False``) with a ``seed`` repeats its tokens; without one it does not.
+    """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids) with a
+    model :func:`tierstore.hf.load` returned, through its own ``generate``.
 
-    ``eos_token_ids`` default to the model's; ``pad_token_id`` to the model's, else its
-    first end-of-sequence id, else 0. ``trace``: a ``tierstore.lab.TraceRecorder`` that
-    receives every MoE layer's routed experts per step (step 0 is the prefill, step n the
-    n-th decode step), each access ``trace_nbytes`` long (default: one expert's bytes).
-    ``decode_threads``: torch's thread count from the first decode step on (default: as
-    it is). ``warm``: run the prompts through the model once before the clock starts
-    (:func:`warm_up`), counted in ``prepare_s``.
-    """
+    ``trace``: a ``tierstore.lab.TraceRecorder`` that receives every MoE layer's routed
+    experts per step, each access ``trace_nbytes`` long (default: one expert's bytes).
+    ``decode_threads``: torch's thread count from the first decode step on (default: as it
+    is). ``warm``: run the prompts through the model once before the clock starts, with
+    zero experts (:mod:`tierstore.hf.warmup`), counted in ``prepare_s``."""
+    from tierstore.hf.warmup import warm_up
+
     if max_new_tokens < 0:
         raise tierstore.StoreError("max_new_tokens must be >= 0")
-    cfg = model.cfg
-    eos = tuple(stop_tokens(cfg) if eos_token_ids is None else eos_token_ids)
-    pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
-    if pad is None:
-        pad = eos[0] if eos else 0
+    loaded = model.tierstore
+    served = loaded.served
+    vocab = int(model.config.get_text_config().vocab_size)
     for p in prompts:
-        bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+        bad = [t for t in p if not 0 <= int(t) < vocab]
         if bad:
             raise tierstore.StoreError(f"token ids {bad[:5]} outside the vocabulary "
-                                       f"(0..{cfg.vocab_size - 1})")
-    dev = model.device
-    ids, mask = pad_left(prompts, pad, dev)
-    b, t = ids.shape
-    wrapped = _Instrumented(source, trace, trace_nbytes if trace_nbytes is not None
-                            else cfg.expert_bytes(model.dtype))
-    generator = None
+                                       f"(0..{vocab - 1})")
     if not greedy:
-        generator = torch.Generator(device=dev)
-        if seed is None:
-            generator.seed()  # a fresh, unrepeatable draw
-        else:
-            generator.manual_seed(int(seed))
-    out = torch.full((b, max_new_tokens), pad, dtype=torch.long, device=dev)
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    eos_t = torch.tensor(eos, dtype=torch.long, device=dev)
-    n = 0
+        if not 0 < temperature < math.inf:
+            raise tierstore.StoreError(f"temperature must be a finite number above 0, got "
+                                       f"{temperature}")
+        if not 0 < top_p <= 1:
+            raise tierstore.StoreError(f"top_p must be in (0, 1], got {top_p}")
+        greedy = temperature < GREEDY_BELOW_TEMPERATURE
+    eos, pad = stop_and_pad(model)
+    dev = served.device
+    ids, mask = pad_left(prompts, pad, dev)
+    clock = DeviceClock(torch.device(dev))
+    wrapped = Instrumented(loaded.source, max_new_tokens, trace,
+                           trace_nbytes if trace_nbytes is not None else served.expert_bytes(),
+                           clock, decode_threads)
     t_prepare = time.perf_counter()
-    wrapped.prepare(model)
     if warm and max_new_tokens:
-        warm_up(model, ids, mask)
+        warm_up(model, served, loaded.narrow, ids, mask)
     prepare_s = time.perf_counter() - t_prepare
-    clock = DeviceClock(torch.device(dev))  # device time: CUDA kernels are only queued
+    from transformers import LogitsProcessorList
+
+    # The check comes first among the processors, as the model's logits come out.
+    kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": not greedy,
+                          "pad_token_id": pad, "attention_mask": mask,
+                          "logits_processor": LogitsProcessorList([_finite_logits()])}
+    if eos:
+        kw["eos_token_id"] = list(eos)
+    if not greedy:
+        kw.update(temperature=float(temperature), top_p=float(top_p), top_k=0)
+    else:  # a generation config that samples would warn about its unused settings
+        kw.update(temperature=None, top_p=None, top_k=None)
+    if seed is not None:
+        torch.manual_seed(int(seed))
+    inner = loaded.source
+    loaded.swap_source(wrapped)
     start = time.perf_counter()
     first = clock.mark()
-    prefill_s = 0.0
-    with responsive_interpreter():
-        if max_new_tokens:
-            cache = model.new_cache(b, t + max_new_tokens)
-            wrapped.last = max_new_tokens == 1
-            logits = model.decode(ids, wrapped, cache, mask, last_only=True)[:, -1]
-            prefill_s = clock.seconds(first, clock.mark())
-            if decode_threads is not None:
-                torch.set_num_threads(decode_threads)
-            while True:
-                check_logits(logits, n)
-                tok = next_tokens(logits, greedy=greedy, temperature=temperature, top_p=top_p,
-                                  generator=generator)
-                tok = torch.where(done, torch.full_like(tok, pad), tok)
-                out[:, n] = tok
-                n += 1
-                if eos:
-                    done |= torch.isin(tok, eos_t)
-                if n == max_new_tokens or bool(done.all()):
-                    break
-                # transformers extends every row's mask, finished or not.
-                mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
-                wrapped.step += 1
-                wrapped.last = n + 1 == max_new_tokens
-                logits = model.decode(tok[:, None], wrapped, cache, mask, last_only=True)[:, -1]
+    try:
+        with responsive_interpreter():
+            out = model.generate(ids, **kw) if max_new_tokens else ids
+    finally:
+        loaded.swap_source(inner)
     seconds = time.perf_counter() - start
-    tokens = _trim(out[:, :n].tolist(), set(eos))
-    stats = dict(source.stats())
+    prefill_s = clock.seconds(first, wrapped.prefill_end) if wrapped.prefill_end else 0.0
+    new = out[:, ids.shape[1]:].tolist()
+    tokens = _trim(new, set(eos))
+    stats = dict(inner.stats())
     stall = float(stats.get("stall_s", wrapped.waited))
     return GenerationResult(tokens=tokens, seconds=seconds, prefill_s=prefill_s,
                             decode_s=seconds - prefill_s,
                             new_tokens=sum(len(s) for s in tokens), stall_s=stall,
                             source=stats, peak_rss_bytes=peak_rss_bytes(),
-                            prepare_s=prepare_s)
+                            prepare_s=prepare_s, mode=loaded.mode)
 
 
 def _trim(rows: list[list[int]], eos: set[int]) -> list[list[int]]:
@@ -363,21 +319,6 @@ def _trim(rows: list[list[int]], eos: set[int]) -> list[list[int]]:
         end = next((i for i, tok in enumerate(row) if tok in eos), len(row) - 1)
         trimmed.append(row[:end + 1])
     return trimmed
-
-
-def encode_prompts(store: tierstore.Store, family: str, texts: Sequence[str]) -> tuple[
-        list[list[int]], Any]:
-    """Token ids of text prompts through the store's tokenizer (a trainer model, which has
-    none, reads UTF-8 bytes), and the tokenizer (None for bytes)."""
-    from .loading import load_tokenizer
-
-    tok = load_tokenizer(store)
-    if tok is not None:
-        return [tok.encode(t).ids for t in texts], tok
-    if family == "tierstore":
-        return [list(t.encode("utf-8")) for t in texts], None
-    raise tierstore.StoreError(f"store {store.path} holds no tokenizer: pass token ids with "
-                               "--prompt-ids")
 
 
 def decode_tokens(tok: Any, ids: Sequence[int]) -> str:
@@ -406,19 +347,26 @@ def compute_threads(mode: str, device: torch.device, default: int, host_cache: i
     return fewer, (default if host_cache >= expert_bytes else fewer)
 
 
-def _least(mode: str, model: MoEModel, resident_bounded: bool) -> tuple[str, int]:
+def least(mode: str, served: Any, resident_bounded: bool) -> tuple[str, int]:
     """What ``mode`` must hold at the least, and its bytes: the ring streams a layer one
     expert at a time at the least, expert mode needs the experts one token routes to, on
     demand one expert at a time; resident mode holds every expert (under a budget only
     where one was given)."""
-    cfg = model.cfg
-    one = cfg.expert_bytes(model.dtype)
+    one = served.expert_bytes()
     if mode == "expert":
-        return f"the {cfg.top_k} experts one token routes to", cfg.top_k * one
+        return f"the {served.top_k} experts one token routes to", served.top_k * one
     if mode == "resident":
-        every = len(cfg.moe_layers) * cfg.layer_expert_bytes(model.dtype)
+        every = len(served.moe_layers) * served.n_experts * one
         return "every expert (resident mode)", every if resident_bounded else 0
     return f"one expert ({mode} mode)", one
+
+
+def _parse_prompt_ids(prompt_ids: Sequence[str]) -> list[list[int]]:
+    try:
+        return [[int(x) for x in p.replace(" ", "").split(",") if x] for p in prompt_ids]
+    except ValueError:
+        raise tierstore.StoreError("--prompt-ids takes comma-separated integers, e.g. "
+                                   "1,2,3") from None
 
 
 def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Sequence[str],
@@ -430,9 +378,12 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
     """What ``tierstore generate`` runs (see its --help)."""
     import json
 
-    from tierstore.lab import TraceRecorder
+    from tierstore.hf.loader import build, open_store
+    from tierstore.hf.strategies import every_expert_bytes, make_source, resolve_mode
+    from tierstore.hf.tokenizer import encode_prompts, load_tokenizer
+    from tierstore.hf.warmup import cache_bytes
 
-    from .loading import load_model, model_info
+    from tierstore.lab import TraceRecorder
 
     if bool(prompts) == bool(prompt_ids):
         raise tierstore.StoreError("give prompts with --prompt or with --prompt-ids (not both)")
@@ -443,76 +394,65 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
         except ValueError:
             raise tierstore.StoreError(f"--ring-slots must be auto or a positive integer, "
                                        f"got {ring_slots!r}") from None
-    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    cpu = torch.device(dev).type == "cpu"
-    check_budget_fits(device_budget, torch.device(dev))
+    dev = torch.device(device if device != "auto" else
+                       ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu = dev.type == "cpu"
+    check_budget_fits(device_budget, dev)
     before = torch.get_num_threads()
-
-    def open_store(host: int | None) -> tierstore.Store:
-        if connect is not None:  # the daemon's store and host cache
-            return tierstore.connect(connect, device_budget=device_budget)
-        kw: dict[str, Any] = {}
-        if host is not None:
-            kw["host_cache"] = host
-        if device_budget is not None:
-            kw["device_budget"] = device_budget
-        return tierstore.open(store, **kw)
-
-    st = open_store(host_cache)
+    where = connect if connect is not None else store
+    assert where is not None
+    st, _ = open_store(where, host_cache=host_cache if connect is None else None,
+                       device_budget=device_budget)
+    model = None
     try:
-        family = model_info(st)["family"]
+        model, loaded = build(st, True, device=dev, dtype=None)
+        served = loaded.served
+        tok = None
         if prompt_ids:
-            try:
-                ids = [[int(x) for x in p.replace(" ", "").split(",") if x] for p in prompt_ids]
-            except ValueError:
-                raise tierstore.StoreError("--prompt-ids takes comma-separated integers, e.g. "
-                                           "1,2,3") from None
-            tok = None
+            ids = _parse_prompt_ids(prompt_ids)
             if not as_json:
-                from .loading import load_tokenizer
-
                 tok = load_tokenizer(st)
         else:
-            ids, tok = encode_prompts(st, family, prompts)
-        model = load_model(st, dev)
-        plan = generation_budget(
-            model.cfg, device_budget if device_budget is not None
-            else queue_budget(st, torch.device(dev)), len(ids),
-            max((len(p) for p in ids), default=0), max_new_tokens, model.dtype)
-        plan.check(*_least(mode, model, device_budget is not None))
+            ids, tok = encode_prompts(st, loaded.stored, prompts)
+        per_token, fixed = cache_bytes(model, served, loaded.narrow)
+        budget = device_budget if device_budget is not None else queue_budget(st, dev)
+        shape = PassShape.of(model.config, served.top_k)
+        plan = generation_budget(shape, per_token, fixed, budget, len(ids),
+                                 max((len(p) for p in ids), default=0), max_new_tokens,
+                                 served.dtype)
+        chosen, why = resolve_mode(mode, st, served, max(plan.experts, 0))
+        plan.check(*least(chosen, served, device_budget is not None))
         experts_budget = plan.experts
-        cfg = model.cfg
-        every_expert = len(cfg.moe_layers) * cfg.layer_expert_bytes(model.dtype)
-        pooled = (mode in ("expert", "on-demand") and cpu and connect is None
-                  and 0 < host_cache_bytes(st) < every_expert)
+        every = every_expert_bytes(served)
+        pooled = (chosen in ("expert", "on-demand") and cpu and connect is None
+                  and 0 < host_cache_bytes(st) < every)
         if pooled:
             # One cache instead of two overlapping ones (budget.pooled_host_cache): the
             # store is opened again with the experts' share of the device budget, less one
             # layer's routed experts, added to its host cache. The dense weights are the
-            # model's own tensors, read already. (On demand borrows from the host cache
-            # and keeps nothing across layers: its share beyond a layer held nothing.)
-            one = sum(st.info(n).nbytes for n in expert_names(cfg.moe_layers[0], 0))
+            # model's own tensors, read already.
+            one = sum(st.info(n).nbytes for n in served.expert_names(served.moe_layers[0], 0))
             arena, experts_budget = pooled_host_cache(
-                plan, host_cache_bytes(st), one, min(cfg.n_experts, cfg.top_k * len(ids)))
+                plan, host_cache_bytes(st), one, min(served.n_experts, served.top_k * len(ids)))
             st.close()
-            st = open_store(arena)
+            st, _ = open_store(where, host_cache=arena, device_budget=device_budget)
+            loaded.store = st
         decode_threads = threads
         if threads is None:
-            threads, decode_threads = compute_threads(
-                mode, torch.device(dev), before, host_cache_bytes(st), every_expert,
-                pooled=pooled)
+            threads, decode_threads = compute_threads(chosen, dev, before, host_cache_bytes(st),
+                                                      every, pooled=pooled)
         torch.set_num_threads(threads)
         # What the queue holds (transfers cancelled in flight included) is the experts'.
-        st.prefetch_budget(torch.device(dev), experts_budget)
-        source = make_source(mode, st, model, ring_slots=slots, budget=experts_budget,
-                             host_pool=pooled and mode == "expert")
+        st.prefetch_budget(dev, experts_budget)
+        loaded.attach(make_source(chosen, st, served, budget=experts_budget, ring_slots=slots,
+                                  host_pool=pooled and chosen == "expert"), chosen)
         recorder = None
         if trace is not None:
-            recorder = TraceRecorder(trace, comment=f"tierstore generate --mode {mode}: "
+            recorder = TraceRecorder(trace, comment=f"tierstore generate --mode {chosen}: "
                                      "step 0 is the prefill, then one step per token")
         try:
-            res = generate(model, source, ids, max_new_tokens, greedy=greedy,
-                           temperature=temperature, top_p=top_p, seed=seed, trace=recorder,
+            res = generate(model, ids, max_new_tokens, greedy=greedy, temperature=temperature,
+                           top_p=top_p, seed=seed, trace=recorder,
                            decode_threads=decode_threads, warm=warm)
         except BudgetError as e:  # the source's share was too small: name the whole
             plan.check(e.what, e.need)
@@ -520,19 +460,24 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
         finally:
             if recorder is not None:
                 recorder.close()
-            source.close()
     finally:
-        st.close()
+        if model is not None:
+            model.tierstore.close()
+        else:
+            st.close()
         torch.set_num_threads(before)
     if as_json:
         echo(json.dumps(res.summary()))
         return
+    if why:
+        echo(f"mode auto: {chosen}, as {why}")
+    byte_level = loaded.stored.step is not None
     for i, toks in enumerate(res.tokens):
-        shown = decode_tokens(tok, toks) if tok is not None or family == "tierstore" else toks
+        shown = decode_tokens(tok, toks) if tok is not None or byte_level else toks
         echo(f"[{i}] {shown}")
     s = res.summary()
     rate = f"{s['tokens_per_s']:.1f} tokens/s"
-    parts = [f"{res.new_tokens} tokens in {res.seconds:.2f} s ({rate})", f"mode {mode}",
+    parts = [f"{res.new_tokens} tokens in {res.seconds:.2f} s ({rate})", f"mode {chosen}",
              f"stall {s['stall_frac']:.1%}"]
     if res.source.get("own_slots"):
         parts.append(f"ring slots {res.source['part_slots']} parts of "

@@ -42,7 +42,7 @@ from torch import Tensor
 
 import tierstore
 
-from ..model import ExpertSource, ExpertWeights, expert_names
+from ..model import ExpertSource, ExpertWeights
 from .budget import BudgetError
 from .device_queue import (
     DeviceClock,
@@ -63,9 +63,9 @@ STREAM_PARTS = 4  # a layer read from the backing tier is borrowed in this many 
 OWN_PART_MIN_BYTES = 64 << 20
 
 
-def layer_entry_bytes(store: tierstore.Store, layer: int, n_experts: int) -> int:
-    """Bytes of every expert of MoE layer ``layer`` as stored."""
-    return sum(store.info(n).nbytes for e in range(n_experts) for n in expert_names(layer, e))
+def layer_entry_bytes(store: tierstore.Store, names: Sequence[Sequence[str]]) -> int:
+    """Bytes of a layer's experts as stored (``names``: each expert's entries)."""
+    return sum(store.info(n).nbytes for one in names for n in one)
 
 
 def max_slots(layer_bytes: int, budget: int, n_layers: int) -> int:
@@ -178,14 +178,16 @@ class RingSource(ExpertSource):
         self.layers = list(model.moe_layers)
         if not self.layers:
             raise tierstore.StoreError("the model has no MoE layers to put in a ring")
-        self.n_experts = int(model.cfg.n_experts)
-        self.layer_bytes = layer_entry_bytes(self.store, self.layers[0], self.n_experts)
-        self._names = {layer: [expert_names(layer, e) for e in range(self.n_experts)]
+        self.n_experts = int(model.n_experts)
+        self._expert_names = model.expert_names
+        self._names = {layer: [tuple(model.expert_names(layer, e)) for e in range(self.n_experts)]
                        for layer in self.layers}
-        self._flat = {layer: [n for trio in trios for n in trio]
-                      for layer, trios in self._names.items()}
+        self.layer_bytes = layer_entry_bytes(self.store, self._names[self.layers[0]])
+        self._flat = {layer: [n for one in experts for n in one]
+                      for layer, experts in self._names.items()}
         self._per_part = -(-self.n_experts // STREAM_PARTS)
-        self._parts = {layer: [self._flat[layer][3 * e:3 * (e + self._per_part)]
+        per = len(self._names[self.layers[0]][0])  # entries of one expert
+        self._parts = {layer: [self._flat[layer][per * e:per * (e + self._per_part)]
                                for e in range(0, self.n_experts, self._per_part)]
                        for layer in self.layers}
         self._moved_start = queue_bytes_moved(self.store, self.device)
@@ -213,14 +215,14 @@ class RingSource(ExpertSource):
         """Slots of the ring's own, as many parts as the budget holds (after room for one
         layer's experts converted to the model's dtype, where they are stored in another)."""
         budget = self.budget
-        stored = self.store.info(expert_names(self.layers[0], 0)[0]).dtype
+        stored = self.store.info(self._names[self.layers[0]][0][0]).dtype
         if self.dtype is not None and stored != self.dtype:
             per = torch.empty(0, dtype=self.dtype).element_size()
             budget -= self.layer_bytes // torch.empty(0, dtype=stored).element_size() * per
         expert = max(1, self.layer_bytes // self.n_experts)
         per_part = max(self._per_part, -(-OWN_PART_MIN_BYTES // expert))
         parts = PartRing(self.store, self.layers, self.n_experts, max(budget, 0),
-                         per_part=per_part, layers_held=self.fixed)
+                         per_part=per_part, names=self._expert_names, layers_held=self.fixed)
         self._parts_ring = parts
         self.slots = parts.slots // parts.n_parts
 
@@ -439,12 +441,11 @@ class RingSource(ExpertSource):
             out[e] = weights
         return out
 
-    def _weights(self, tensors: Mapping[str, Tensor], trio: tuple[str, str, str]
-                 ) -> ExpertWeights:
-        w1, w2, w3 = (tensors[n] for n in trio)
+    def _weights(self, tensors: Mapping[str, Tensor], names: tuple[str, ...]) -> ExpertWeights:
+        got = tuple(tensors[n] for n in names)
         if self.dtype is None:
-            return w1, w2, w3
-        return self._convert(w1), self._convert(w2), self._convert(w3)
+            return got
+        return tuple(self._convert(t) for t in got)
 
     def _stalled(self, future: Any) -> Any:
         """The borrow ``future`` holds, counting the wait for it as stall."""
@@ -487,7 +488,7 @@ class RingSource(ExpertSource):
             self._unlend(layer)
         elif self.slots < len(self.layers):
             self._held.pop(layer, None)
-            self.store.cancel([n for trio in self._names[layer] for n in trio],
+            self.store.cancel(self._flat[layer],
                               device=self.device)
             # Requests for this layer's next turn, made while K was larger, were cancelled
             # with it: forget them so that the turn asks again.
@@ -521,7 +522,7 @@ class RingSource(ExpertSource):
             self._parts_ring.close()
             self._held.clear()
             return
-        names = [n for layer in self.layers for trio in self._names[layer] for n in trio]
+        names = [n for layer in self.layers for n in self._flat[layer]]
         if names and not self._layerwise:
             self.store.cancel(names, device=self.device)
         for futures in self._requested.values():

@@ -63,7 +63,7 @@ class Landing(RoutedExperts):
     (:meth:`_tensors`)."""
 
     def __init__(self, ring: Any, held: dict[int, ExpertWeights],
-                 names: list[tuple[str, str, str]], ids: Sequence[int]) -> None:
+                 names: list[tuple[str, ...]], ids: Sequence[int]) -> None:
         self._ring, self._held, self._names = ring, held, names
         super().__init__(ids)
 
@@ -94,7 +94,7 @@ class Streamed(Landing):
     """A layer's routed experts from the parts of a :class:`Loan` (host-cache borrows)."""
 
     def __init__(self, ring: Any, loan: Loan, held: dict[int, ExpertWeights],
-                 names: list[tuple[str, str, str]], ids: Sequence[int]) -> None:
+                 names: list[tuple[str, ...]], ids: Sequence[int]) -> None:
         self._loan = loan
         super().__init__(ring, held, names, ids)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
@@ -34,7 +34,7 @@ from torch import Tensor
 
 import tierstore
 
-from ..model import ExpertWeights, expert_names
+from ..model import ExpertWeights
 from .budget import too_small
 from .ring_loans import Landing
 
@@ -101,24 +101,25 @@ class PartRing:
     at once (None: as many parts as the budget holds)."""
 
     def __init__(self, store: tierstore.Store, layers: Sequence[int], n_experts: int,
-                 budget: int, *, per_part: int, layers_held: int | None = None) -> None:
+                 budget: int, *, per_part: int, names: Callable[[int, int], Sequence[str]],
+                 layers_held: int | None = None) -> None:
         self.store = store
         self.layers = list(layers)
         self.n_experts = n_experts
-        infos = {layer: [[store.info(n) for n in expert_names(layer, e)]
+        infos = {layer: [[store.info(n) for n in names(layer, e)]
                          for e in range(n_experts)] for layer in self.layers}
 
         def part_of(k: int) -> int:
-            return max(PartLayout([i for trio in trios[s:s + k] for i in trio]).nbytes
-                       for trios in infos.values() for s in range(0, n_experts, k))
+            return max(PartLayout([i for one in experts[s:s + k] for i in one]).nbytes
+                       for experts in infos.values() for s in range(0, n_experts, k))
 
         self.per_part, cap = plan_parts(part_of, n_experts, budget, per_part)
         self.n_parts = -(-n_experts // self.per_part)
         total = len(self.layers) * self.n_parts
         held = cap if layers_held is None else layers_held * self.n_parts
         self.slots = max(1, min(cap, held, total))
-        self.layouts = {(layer, p): PartLayout([i for trio in infos[layer][s:s + self.per_part]
-                                                for i in trio])
+        self.layouts = {(layer, p): PartLayout([i for one in infos[layer][s:s + self.per_part]
+                                                for i in one])
                         for layer in self.layers
                         for p, s in enumerate(range(0, n_experts, self.per_part))}
         self.part_bytes = max(lay.nbytes for lay in self.layouts.values())
@@ -249,7 +250,7 @@ class PartsOfLayer(Landing):
     """A layer's routed experts from the ring's own slots: looking an expert up gives the
     parts of the layer before its own back to the ring and waits for its own part only."""
 
-    def __init__(self, ring: Any, base: int, names: list[tuple[str, str, str]],
+    def __init__(self, ring: Any, base: int, names: list[tuple[str, ...]],
                  ids: Sequence[int], held: dict[int, ExpertWeights]) -> None:
         self._base = base
         super().__init__(ring, held, names, ids)

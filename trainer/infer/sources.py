@@ -13,27 +13,26 @@ from torch import Tensor
 
 import tierstore
 
-from ..model import ExpertSource, ExpertWeights, MoEModel, RoutedExperts, expert_names
+from ..model import ExpertSource, ExpertWeights, RoutedExperts
 from .budget import too_small
 
 
-def _expert_tensors(got: Mapping[Any, Tensor], layer: int, e: int, device: torch.device,
+def _expert_tensors(got: Mapping[Any, Tensor], names: Sequence[str], device: torch.device,
                     dtype: torch.dtype) -> ExpertWeights:
-    w1, w2, w3 = (got[n].to(device=device, dtype=dtype) for n in expert_names(layer, e))
-    return w1, w2, w3
+    return tuple(got[n].to(device=device, dtype=dtype) for n in names)
 
 
 class ResidentSource(ExpertSource):
     """Every expert loaded once onto the model's device (the fully resident model)."""
 
-    def __init__(self, store: tierstore.Store, model: MoEModel) -> None:
+    def __init__(self, store: tierstore.Store, model: Any) -> None:
         self.weights: dict[int, dict[int, ExpertWeights]] = {}
         dev, dt = model.device, model.dtype
         for layer in model.moe_layers:
-            names = [n for e in range(model.cfg.n_experts) for n in expert_names(layer, e)]
-            got = store.get_many(names)
-            self.weights[layer] = {e: _expert_tensors(got, layer, e, dev, dt)
-                                   for e in range(model.cfg.n_experts)}
+            per = {e: model.expert_names(layer, e) for e in range(model.n_experts)}
+            got = store.get_many([n for names in per.values() for n in names])
+            self.weights[layer] = {e: _expert_tensors(got, names, dev, dt)
+                                   for e, names in per.items()}
 
     def nbytes(self) -> int:
         return sum(w.numel() * w.element_size() for layer in self.weights.values()
@@ -55,7 +54,7 @@ class OnDemandSource(ExpertSource):
     fit, each when the model reaches its first expert (experts are applied in ascending
     id order), the group before it let go first."""
 
-    def __init__(self, store: tierstore.Store, model: MoEModel | None = None, *,
+    def __init__(self, store: tierstore.Store, model: Any = None, *,
                  budget: int | None = None) -> None:
         self.store = store
         self.model = model
@@ -66,14 +65,15 @@ class OnDemandSource(ExpertSource):
         self._expert_bytes: int | None = None
         self._lent: tierstore.Borrowed | None = None
 
-    def begin_pass(self, model: MoEModel, n_tokens: int) -> None:
+    def begin_pass(self, model: Any, n_tokens: int) -> None:
         self.model = model
 
     def _load(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
         assert self.model is not None, "begin_pass was not called"
         t0 = time.perf_counter()
         dev, dt = self.model.device, self.model.dtype
-        names = [n for e in ids for n in expert_names(layer, e)]
+        per = {e: self.model.expert_names(layer, e) for e in ids}
+        names = [n for one in per.values() for n in one]
         self._give_back()  # the layer or group before is done with
         got: Mapping[Any, Tensor]
         if dev.type == "cpu" and self.store.capabilities.zero_copy:
@@ -81,7 +81,7 @@ class OnDemandSource(ExpertSource):
             got = self._lent.tensors  # .to() below keeps them as they are where it can
         else:
             got = self.store.get_many(names)
-        out = {e: _expert_tensors(got, layer, e, dev, dt) for e in ids}
+        out = {e: _expert_tensors(got, per[e], dev, dt) for e in ids}
         self.loads += len(ids)
         self.loaded_bytes += sum(t.numel() * t.element_size() for t in got.values())
         self.load_s += time.perf_counter() - t0
@@ -111,8 +111,8 @@ class OnDemandSource(ExpertSource):
             return self._load(layer, ids)
         if self._expert_bytes is None:
             assert self.model is not None, "begin_pass was not called"
-            one = self.model.cfg.expert_bytes(self.model.dtype)
-            stored = sum(self.store.info(n).nbytes for n in expert_names(layer, 0))
+            one = self.model.expert_bytes()
+            stored = sum(self.store.info(n).nbytes for n in self.model.expert_names(layer, 0))
             self._expert_bytes = max(one, stored)  # a converted copy is the larger
             if self.budget < self._expert_bytes:
                 raise too_small("one expert (on-demand mode)", self._expert_bytes,

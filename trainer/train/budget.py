@@ -15,10 +15,6 @@ fixed overhead. The device budget bounds the step's working set:
 The first two are known before the first step and come off the budget first; a budget
 that then cannot hold one token's experts is an error before anything runs, and a step
 whose routing touches more experts than the rest holds fails with the budget it needs.
-
-With a budget or without one, the same working set (and the dense states, and on a CPU the
-host cache) must fit the memory of the machine or device: :func:`check_step_fits` refuses a
-batch that cannot, naming the batch size that would, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -29,10 +25,10 @@ import torch
 
 import tierstore
 
-from ..infer.budget import device_memory
-from ..model import MoEModel, model_config
-from ..presets import TrainModel
+from ..model import model_config
+from ..presets import MoEConfig
 from .checkpoint import TrainerError
+from .layout import ExpertLayout
 from .resident import TrainConfig
 
 # Dense parameters' fp32 bytes, times this: weights, gradients and two AdamW moments, and
@@ -44,31 +40,45 @@ def _fmt(n: int) -> str:
     return tierstore.format_size(n)
 
 
-def expert_bytes(cfg: TrainModel) -> int:
-    """One expert's fp32 weights (w1, w2, w3)."""
-    return sum(4 * a * b for a, b in cfg.expert_shapes().values())
+@dataclass(frozen=True)
+class TrainShape:
+    """The sizes a micro-batch's activations are bounded by: layers, hidden size, attention
+    heads, the widest per-token FFN intermediate (``top_k`` routed experts, a dense FFN or a
+    shared expert), experts per layer and vocabulary."""
+
+    n_layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    top_k: int
+    n_experts: int
+    vocab: int
+
+    @classmethod
+    def of_preset(cls, cfg: MoEConfig) -> TrainShape:
+        mc = model_config(cfg)
+        return cls(mc.n_layers, mc.hidden_size, mc.n_heads,
+                   max(mc.moe_ffn * mc.top_k, mc.dense_ffn), mc.top_k,
+                   mc.n_experts, mc.vocab_size)
 
 
-def activation_bytes(cfg: TrainModel, tc: TrainConfig) -> int:
+def activation_bytes(shape: TrainShape, tc: TrainConfig) -> int:
     """A bound on what one micro-batch's forward keeps for its backward pass: per layer the
     hidden states, attention projections and scores, the routed tokens' copies and the
     experts' intermediates; then the logits and their gradient."""
-    mc = model_config(cfg)
     n = tc.batch_size * tc.seq_len
-    h, k = mc.hidden_size, mc.top_k
-    ffn = max(mc.moe_ffn * k, mc.dense_ffn, mc.shared_ffn)
-    per_layer = n * (14 * h + 4 * k * h + 4 * ffn + 2 * mc.n_experts) * 4
-    scores = 2 * tc.batch_size * mc.n_heads * tc.seq_len * tc.seq_len * 4
-    head = 3 * n * mc.vocab_size * 4
-    return mc.n_layers * (per_layer + scores) + head
+    h, k = shape.hidden, shape.top_k
+    per_layer = n * (14 * h + 4 * k * h + 4 * shape.ffn + 2 * shape.n_experts) * 4
+    scores = 2 * tc.batch_size * shape.heads * tc.seq_len * tc.seq_len * 4
+    head = 3 * n * shape.vocab * 4
+    return shape.n_layers * (per_layer + scores) + head
 
 
-def moment_bytes(cfg: TrainModel, tc: TrainConfig, read_ahead: bool) -> int:
+def moment_bytes(layout: ExpertLayout, tc: TrainConfig, read_ahead: bool) -> int:
     """The moments of the experts one MoE layer can touch in a step, for one layer (two
     with moments read ahead)."""
     tokens = tc.grad_accum * tc.batch_size * tc.seq_len
-    per_layer = min(cfg.n_experts, tokens * cfg.top_k)
-    return (2 if read_ahead else 1) * 2 * per_layer * expert_bytes(cfg)
+    return (2 if read_ahead else 1) * 2 * layout.per_step_experts(tokens) * layout.expert_bytes
 
 
 @dataclass
@@ -107,48 +117,44 @@ class TrainBudget:
                             f"{_fmt(self.need_for(worst))})")
 
 
-def train_budget(cfg: TrainModel, tc: TrainConfig, device_budget: int | str | None,
-                 read_ahead: bool) -> TrainBudget | None:
-    """The split of ``device_budget`` (None: no budget) for training ``cfg`` with ``tc``;
-    raises :class:`TrainerError` where it cannot hold even one token's experts."""
+def train_budget(shape: TrainShape, layout: ExpertLayout, tc: TrainConfig,
+                 device_budget: int | str | None, read_ahead: bool) -> TrainBudget | None:
+    """The split of ``device_budget`` (None: no budget) for training a model of ``shape``
+    whose experts are ``layout`` with ``tc``; raises :class:`TrainerError` where it cannot
+    hold even one token's experts."""
     if device_budget is None:
         return None
     plan = TrainBudget(device=tierstore.parse_size(device_budget),
-                       activations=activation_bytes(cfg, tc),
-                       moments=moment_bytes(cfg, tc, read_ahead))
-    least = least_expert_bytes(cfg)
+                       activations=activation_bytes(shape, tc),
+                       moments=moment_bytes(layout, tc, read_ahead))
+    least = len(layout.keys) * layout.top_k * layout.expert_bytes
     if plan.fetch_bytes < least:
-        raise plan.too_small(f"a step of one token ({cfg.top_k} experts in every MoE layer)",
-                             least)
+        raise plan.too_small(f"a step of one token ({layout.top_k} experts in every MoE "
+                             "layer)", least)
     return plan
 
 
-def least_expert_bytes(cfg: TrainModel) -> int:
-    """The expert weights a step of one token touches: ``top_k`` experts in every MoE
-    layer."""
-    return len(cfg.moe_layers) * cfg.top_k * expert_bytes(cfg)
-
-
-def check_step_fits(cfg: TrainModel, tc: TrainConfig, device: torch.device, *,
-                    host_cache: int = 0, resident: bool = False,
+def check_step_fits(shape: TrainShape, tc: TrainConfig, device: torch.device, *,
+                    dense_params: int, layout: ExpertLayout | None, host_cache: int = 0,
                     read_ahead: bool = False) -> None:
     """Refuse a step that cannot fit ``device``'s memory before anything is allocated: its
-    activations, with the store trainer also one layer's AdamW moments and one token's
-    experts (the least any step holds), beside the dense states (every weight's with
-    ``resident``) and, on a CPU, the host cache. The error names the batch size that fits,
-    or the sequence length when not even one sequence does."""
-    with torch.device("meta"):
-        net = MoEModel(cfg, seed=None, resident_experts=resident)
-    states = dense_state_bytes(net)
+    activations, with the store trainer (``layout``: the experts in the store) also one
+    layer's AdamW moments and one token's experts (the least any step holds), beside the
+    dense states of ``dense_params`` parameters (every weight, resident) and, on a CPU, the
+    host cache. The error names the batch size that fits, or the sequence length when not
+    even one sequence does."""
+    from ..infer.budget import device_memory
+
+    states = DENSE_STATE_FACTOR * 4 * dense_params
     memory = device_memory(device)
     cache = host_cache if device.type == "cpu" else 0
     room = memory - states - cache
-    acts = activation_bytes(cfg, tc)
-    rest = 0 if resident else (moment_bytes(cfg, tc, read_ahead)
-                               + 2 * least_expert_bytes(cfg))
+    acts = activation_bytes(shape, tc)
+    rest = 0 if layout is None else (moment_bytes(layout, tc, read_ahead)
+                                     + 2 * len(layout.keys) * layout.top_k * layout.expert_bytes)
     if acts + rest <= room:
         return
-    most = (room - rest) // activation_bytes(cfg, replace(tc, batch_size=1))
+    most = (room - rest) // activation_bytes(shape, replace(tc, batch_size=1))
     spare = room + cache - rest - acts  # what the batch would leave without a host cache
     if most >= 1:
         fix = f"lower --batch-size to at most {most}"
@@ -157,7 +163,7 @@ def check_step_fits(cfg: TrainModel, tc: TrainConfig, device: torch.device, *,
     else:
         fix = "lower --seq-len"
     what = f"{_fmt(acts)} of activations" + (
-        "" if resident else f" + {_fmt(rest)} of AdamW moments and expert weights")
+        "" if layout is None else f" + {_fmt(rest)} of AdamW moments and expert weights")
     beside = f"{_fmt(states)} of dense states" + (f" and the {_fmt(cache)} host cache"
                                                    if cache else "")
     place = "this machine" if device.type == "cpu" else str(device)

@@ -2,11 +2,13 @@
 the reading and writing of run records and checkpoints. Nothing else builds these names.
 
 Layout
-- ``layers.{l}.experts.{e}.{w1,w2,w3}`` (:func:`trainer.model.expert_name`), kinds ``param``
+- every expert entry the model's :class:`~.layout.ExpertLayout` names (a preset's
+  ``layers.{l}.experts.{e}.{w1,w2,w3}``, :func:`trainer.model.expert_name`), kinds ``param``
   and :data:`MOMENTS` (``exp_avg``, ``exp_avg_sq``): every expert weight's fp32 master copy
   and its two AdamW moments.
-- ``layers.{l}.experts`` (:func:`step_counts_name`), kind :data:`STEP_KIND`: the per-expert
-  AdamW step counts of MoE layer ``l``, one int64 ``[n_experts]`` entry.
+- each MoE layer's prefix (a preset's ``layers.{l}.experts``, :func:`step_counts_name`),
+  kind :data:`STEP_KIND`: the layer's per-expert AdamW step counts, one int64
+  ``[n_experts]`` entry.
 - :data:`RUN_ENTRY` (``trainer.run``, kind ``meta``): the model and training configs and the
   seed, as JSON.
 - :data:`DENSE_ENTRY` (``trainer.dense``, kind ``checkpoint``): the dense part of the latest
@@ -15,15 +17,16 @@ Layout
 
 Fine-tuning an imported model
 A store that ``tierstore import-hf`` filled keeps the import's layout (``model.json``,
-``dense.{name}``, ``tokenizer.{file}``: :mod:`trainer.infer.loading`), and a fine-tune
-(:mod:`trainer.train.finetune`; its run record holds a :class:`trainer.model.ModelConfig`)
-makes its entries the trained model's:
+``dense.{name}``, ``{module}.{e}.{param}``, ``tokenizer.{file}``: :mod:`tierstore.hf.layout`),
+and a fine-tune (:mod:`trainer.train.hf_finetune`; its run record's ``model_config`` is
+``{"finetune": family, "hf_config": config.json}``) makes its entries the trained model's:
 
-- ``layers.{l}.experts.{e}.{w1,w2,w3}`` kind ``param`` become the experts' fp32 master
-  weights when the run starts (:func:`initialise_imported`: bf16 or fp16 imports are cast
-  up, exactly), with ``exp_avg``/``exp_avg_sq`` beside them; every step updates them in
-  place, as in a run of a preset.
-- ``dense.{name}`` kind ``param``, the model's own state-dict names, hold the dense weights
+- every expert entry (``model.layers.3.mlp.experts.5.gate_up_proj``, kind ``param``)
+  becomes its expert's fp32 master weight when the run starts (:func:`initialise_imported`:
+  bf16 or fp16 imports are cast up, exactly), with ``exp_avg``/``exp_avg_sq`` beside it and
+  the layer's step counts under the experts module's name (kind ``step``); every step
+  updates them in place, as in a run of a preset.
+- ``dense.{name}`` kind ``param``, the model's own parameter names, hold the dense weights
   as fp32 masters, rewritten at every checkpoint right before its snapshot. The dense
   entry (:data:`DENSE_ENTRY`) then holds the optimizer state, sampler and RNG states but no
   weights (``"dense": "entries"`` in it says so).
@@ -33,13 +36,13 @@ makes its entries the trained model's:
   masters, so that resuming a run that never reached a checkpoint of its own starts over
   from the imported weights, not from experts a lost step already updated.
 
-So the trained model is always: every ``layers.*.experts.*.w*`` and ``dense.*`` entry of
-kind ``param`` (fp32; the ``exp_avg``/``exp_avg_sq`` and ``step`` kinds beside them are
-optimizer state). A run that finished leaves the live entries equal to its last checkpoint
-(the last step always takes one). After an interruption the live expert entries may be some
-steps ahead of the live dense ones (those of the latest checkpoint); restoring that
-checkpoint's snapshot (``tierstore restore STORE step-{n}``) or resuming the run to its end
-makes them one model again.
+So the trained model is always: every expert and ``dense.*`` entry of kind ``param`` (fp32;
+the ``exp_avg``/``exp_avg_sq`` and ``step`` kinds beside them are optimizer state). A run
+that finished leaves the live entries equal to its last checkpoint (the last step always
+takes one). After an interruption the live expert entries may be some steps ahead of the
+live dense ones (those of the latest checkpoint); restoring that checkpoint's snapshot
+(``tierstore restore STORE step-{n}``) or resuming the run to its end makes them one model
+again.
 
 Checkpoints
 A checkpoint is one store snapshot, ``step-{n}``. The dense part (model and optimizer state,
@@ -54,8 +57,8 @@ commits (a crash in between only leaves an extra snapshot, dropped by the next c
 Resuming restores the latest snapshot and loads the dense state from it.
 
 Reusing a store
-The first run writes :data:`RUN_ENTRY` and initialises every expert from
-:func:`trainer.model.init_expert`. A store that already holds a run is only used again to
+The first run writes :data:`RUN_ENTRY` and initialises every expert (a preset's from
+:func:`trainer.model.init_expert`, an import's from its imported weights). A store that already holds a run is only used again to
 resume it, with the same configs and seed; otherwise :class:`TrainerError` says so and
 nothing is touched. Resuming a run that never reached a checkpoint starts it over from the
 initial weights.
@@ -69,7 +72,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -77,11 +80,14 @@ from torch import Tensor
 import tierstore
 from tierstore import StoreError
 
-from ..infer.loading import DENSE_PREFIX, MODEL_ENTRY
-from ..model import EXPERT_WEIGHTS, ModelConfig, MoEModel, expert_name, init_expert
-from ..presets import TrainModel, config_from_dict
+from ..model import init_expert
+from ..presets import MoEConfig
 from .data import BatchSampler
+from .layout import ExpertLayout
 from .resident import Metrics, TrainConfig, rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from .nets import TrainNet
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STEP_KIND = "step"
@@ -145,13 +151,14 @@ def _read_entry(store: tierstore.Store, entry: tuple[str, str]) -> Tensor | None
 # --------------------------------------------------------------------------- the run record
 
 
-def is_finetune(cfg: TrainModel) -> bool:
-    """Whether a run trains an imported model (its config is the model's own)."""
-    return isinstance(cfg, ModelConfig)
+def is_finetune(record: dict[str, Any]) -> bool:
+    """Whether a run record's ``model_config`` is a fine-tune of an imported model (not a
+    preset's shape)."""
+    return "finetune" in record
 
 
-def _run_identity(cfg: TrainModel, tc: TrainConfig, seed: int) -> dict[str, Any]:
-    return {"version": CHECKPOINT_VERSION, "model_config": cfg.to_dict(),
+def _run_identity(record: dict[str, Any], tc: TrainConfig, seed: int) -> dict[str, Any]:
+    return {"version": CHECKPOINT_VERSION, "model_config": record,
             "train_config": tc.to_dict(), "seed": seed}
 
 
@@ -160,17 +167,23 @@ def _differences(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
             for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
 
 
-def _check_identity(saved: dict[str, Any], cfg: TrainModel, tc: TrainConfig, seed: int,
+def _as_json(obj: Any) -> Any:
+    return json.loads(json.dumps(obj))
+
+
+def _check_identity(saved: dict[str, Any], record: dict[str, Any], tc: TrainConfig, seed: int,
                     where: str) -> None:
-    """Refuse to continue a run with other configs or another seed than it started with."""
+    """Refuse to continue a run with another model, configs or seed than it started with."""
     if saved.get("version") != CHECKPOINT_VERSION:
         raise TrainerError(f"{where} holds a training run of format {saved.get('version')!r}, "
                            f"this trainer writes {CHECKPOINT_VERSION}")
-    if config_from_dict(saved["model_config"]) != cfg:
-        diff = _differences(saved["model_config"], cfg.to_dict())
-        raise TrainerError(f"{where} holds a run of a different model: {', '.join(diff)}")
-    saved_tc = json.loads(json.dumps(saved["train_config"]))
-    mine_tc = json.loads(json.dumps(tc.to_dict()))
+    if _as_json(saved["model_config"]) != _as_json(record):
+        if is_finetune(saved["model_config"]) != is_finetune(record):
+            raise TrainerError(f"{where} holds a run of a different model")
+        diff = _differences(saved["model_config"], record)
+        raise TrainerError(f"{where} holds a run of a different model: {', '.join(diff)[:300]}")
+    saved_tc = _as_json(saved["train_config"])
+    mine_tc = _as_json(tc.to_dict())
     if saved_tc != mine_tc:
         diff = _differences(saved_tc, mine_tc)
         raise TrainerError(f"{where} holds a run with different training hyperparameters: "
@@ -195,42 +208,43 @@ def saved_run(store_path: PathLike | tierstore.Store) -> dict[str, Any] | None:
     return None if raw is None else json.loads(raw.numpy().tobytes())
 
 
-def initialise_experts(store: tierstore.Store, cfg: TrainModel, seed: int) -> None:
-    """Write every expert's initial weights, zero moments and zero step counts."""
-    zeros = {w: torch.zeros(shape) for w, shape in cfg.expert_shapes().items()}
+def initialise_experts(store: tierstore.Store, layout: ExpertLayout, cfg: MoEConfig,
+                       seed: int) -> None:
+    """Write every expert's initial weights (:func:`trainer.model.init_expert`), zero
+    moments and zero step counts."""
 
     def states(layer: int, e: int) -> list[tuple[str, str, Tensor]]:
         items: list[tuple[str, str, Tensor]] = []
-        for w, t in zip(EXPERT_WEIGHTS, init_expert(cfg, seed, layer, e)):
-            name = expert_name(layer, e, w)
-            items += [(name, "param", t), (name, MOMENTS[0], zeros[w]),
-                      (name, MOMENTS[1], zeros[w])]
+        for name, t in zip(layout.names(layer, e), init_expert(cfg, seed, layer, e)):
+            zero = torch.zeros_like(t)
+            items += [(name, "param", t), (name, MOMENTS[0], zero), (name, MOMENTS[1], zero)]
         return items
 
-    _write_expert_states(store, cfg, states)
+    _write_expert_states(store, layout, states)
 
 
-def initialise_imported(store: tierstore.Store, cfg: ModelConfig) -> None:
+def initialise_imported(store: tierstore.Store, layout: ExpertLayout) -> None:
     """Make an imported model's experts trainable: each weight as an fp32 master (cast up
     from the imported dtype; left alone when it is fp32 already), zero moments and zero
     step counts. Done again after an interruption it changes nothing it had done (the cast
     is exact), so an interrupted start is simply started again."""
-    zeros = {w: torch.zeros(shape) for w, shape in cfg.expert_shapes().items()}
 
     def states(layer: int, e: int) -> list[tuple[str, str, Tensor]]:
-        names = [expert_name(layer, e, w) for w in EXPERT_WEIGHTS]
-        got = store.get_many(names)
+        names = layout.names(layer, e)
+        got = store.get_many(list(names))
         items: list[tuple[str, str, Tensor]] = []
-        for w, name in zip(EXPERT_WEIGHTS, names):
-            if got[name].dtype != torch.float32:
-                items.append((name, "param", got[name].to(torch.float32)))
-            items += [(name, MOMENTS[0], zeros[w]), (name, MOMENTS[1], zeros[w])]
+        for name in names:
+            t = got[name]
+            if t.dtype != torch.float32:
+                items.append((name, "param", t.to(torch.float32)))
+            zero = torch.zeros(t.shape, dtype=torch.float32)
+            items += [(name, MOMENTS[0], zero), (name, MOMENTS[1], zero)]
         return items
 
-    _write_expert_states(store, cfg, states)
+    _write_expert_states(store, layout, states)
 
 
-def _write_expert_states(store: tierstore.Store, cfg: TrainModel,
+def _write_expert_states(store: tierstore.Store, layout: ExpertLayout,
                          states: Callable[[int, int], list[tuple[str, str, Tensor]]]) -> None:
     """Put ``states(layer, expert)`` for every expert, then zero step counts per layer.
 
@@ -240,42 +254,24 @@ def _write_expert_states(store: tierstore.Store, cfg: TrainModel,
     cache = store.stats()["cache"]
     flush_every = cache["capacity_bytes"] // 2 if cache else 0
     pending = 0
-    for layer in cfg.moe_layers:
-        for e in range(cfg.n_experts):
+    for layer in layout.keys:
+        for e in range(layout.n_experts):
             items = states(layer, e)
             store.put_many(items)
             pending += sum(t.numel() * t.element_size() for _, _, t in items)
             if flush_every and pending >= flush_every:
                 store.flush()
                 pending = 0
-        store.put(step_counts_name(layer), torch.zeros(cfg.n_experts, dtype=torch.int64),
+        store.put(layout.counts_name(layer), torch.zeros(layout.n_experts, dtype=torch.int64),
                   kind=STEP_KIND)
     store.flush()
-
-
-def load_dense_entries(store: tierstore.Store, net: MoEModel) -> None:
-    """Load the dense weights of an imported (or fine-tuned) model from its ``dense.``
-    entries into ``net``, as fp32."""
-    names = store.names(DENSE_PREFIX, kind="param")
-    state = {n[len(DENSE_PREFIX):]: t for n, t in store.get_many(names).items()}
-    expected = set(net.state_dict())
-    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or extra:
-        raise TrainerError(f"store {store.path}: the dense weights do not fit the model "
-                           f"(missing {missing[:5]}, unexpected {extra[:5]})")
-    net.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-
-
-def _write_dense_entries(store: tierstore.Store, net: MoEModel) -> None:
-    store.put_many([(DENSE_PREFIX + k, "param", v.detach().to("cpu", torch.float32))
-                    for k, v in net.state_dict().items()])
 
 
 # --------------------------------------------------------------------------- checkpoints
 
 
-def start_run(store: tierstore.Store, cfg: TrainModel, tc: TrainConfig, seed: int,
-              resume: bool, net: MoEModel, opt: torch.optim.Optimizer,
+def start_run(store: tierstore.Store, net: TrainNet, tc: TrainConfig, seed: int,
+              resume: bool, opt: torch.optim.Optimizer,
               sampler: BatchSampler) -> tuple[int, Metrics | None]:
     """Bring the store, ``net``, ``opt``, ``sampler`` and the RNGs to the state training
     starts from: the latest checkpoint when resuming a run that has one, else the initial
@@ -283,13 +279,10 @@ def start_run(store: tierstore.Store, cfg: TrainModel, tc: TrainConfig, seed: in
     and checkpointed as ``step-0``). Returns the first step to run and, when resuming, the
     checkpoint step's own metrics."""
     where = f"store {store.path}"
-    finetune = is_finetune(cfg)
     raw = _read_entry(store, RUN_ENTRY)
     saved = None if raw is None else json.loads(raw.numpy().tobytes())
     if saved is None:
-        if finetune and MODEL_ENTRY not in store:
-            raise TrainerError(f"{where} holds no imported model to fine-tune")
-        if checkpoint_steps(store) or (not finetune and store.names("layers.")):
+        if checkpoint_steps(store) or (not net.finetune and store.names("layers.")):
             raise TrainerError(f"{where} holds expert entries or checkpoints that no training "
                                "run of this trainer wrote; train in a new store")
     else:
@@ -298,7 +291,7 @@ def start_run(store: tierstore.Store, cfg: TrainModel, tc: TrainConfig, seed: in
             last = f"its latest checkpoint is step {ckpts[-1]}" if ckpts else "no checkpoint yet"
             raise TrainerError(f"{where} already holds a training run ({last}); pass --resume "
                                "to continue it, or train in a new store")
-        _check_identity(saved, cfg, tc, seed, where)
+        _check_identity(saved, net.record, tc, seed, where)
         ckpts = checkpoint_steps(store)
         if ckpts:
             store.restore(checkpoint_tag(ckpts[-1]))
@@ -309,10 +302,7 @@ def start_run(store: tierstore.Store, cfg: TrainModel, tc: TrainConfig, seed: in
             if payload.get("step") != ckpts[-1]:
                 raise TrainerError(f"{where}: checkpoint step-{ckpts[-1]} holds the dense state "
                                    f"of step {payload.get('step')}")
-            if payload.get("dense") == "entries":
-                load_dense_entries(store, net)
-            else:
-                net.load_state_dict(payload["model"])
+            net.load_dense(store, payload)
             opt.load_state_dict(payload["optimizer"])
             sampler.load_state_dict(payload["sampler"])
             set_rng_state(payload["rng"])
@@ -320,21 +310,17 @@ def start_run(store: tierstore.Store, cfg: TrainModel, tc: TrainConfig, seed: in
             return step, (payload.get("metrics") if step else None)
     # A new run, or one that crashed before its first checkpoint: start from scratch. The
     # run record goes first, so an interrupted initialisation is recognised as this run.
-    store.put(RUN_ENTRY[0], _json_entry(_run_identity(cfg, tc, seed)), kind=RUN_ENTRY[1])
-    if finetune:
-        assert isinstance(cfg, ModelConfig)
-        initialise_imported(store, cfg)
-        load_dense_entries(store, net)
-        write_checkpoint(store, 0, seed=seed, cfg=cfg, tc=tc, net=net, opt=opt,
-                         sampler=sampler, metrics={"step": 0})
-    else:
-        initialise_experts(store, cfg, seed)
+    store.put(RUN_ENTRY[0], _json_entry(_run_identity(net.record, tc, seed)), kind=RUN_ENTRY[1])
+    net.initialise(store, seed)
+    if net.finetune:
+        write_checkpoint(store, 0, seed=seed, net=net, tc=tc, opt=opt, sampler=sampler,
+                         metrics={"step": 0})
     return 0, None
 
 
-def write_checkpoint(store: tierstore.Store, step: int, *, seed: int, cfg: TrainModel,
-                     tc: TrainConfig, net: MoEModel, opt: torch.optim.Optimizer,
-                     sampler: BatchSampler, metrics: Metrics) -> str:
+def write_checkpoint(store: tierstore.Store, step: int, *, seed: int, net: TrainNet,
+                     tc: TrainConfig, opt: torch.optim.Optimizer, sampler: BatchSampler,
+                     metrics: Metrics) -> str:
     """Checkpoint the run after ``step`` steps: the dense entry (and for a fine-tune the
     ``dense.`` weights), then the snapshot that makes the checkpoint (see the module
     docstring), then drop what is no longer among the latest :data:`KEEP_CHECKPOINTS`.
@@ -345,15 +331,11 @@ def write_checkpoint(store: tierstore.Store, step: int, *, seed: int, cfg: Train
     metrics["checkpoint"] = tag
     payload = {
         "version": CHECKPOINT_VERSION, "kind": "store", "step": step, "seed": seed,
-        "model_config": cfg.to_dict(), "train_config": asdict(tc),
+        "model_config": net.record, "train_config": asdict(tc),
         "optimizer": opt.state_dict(),
         "sampler": sampler.state_dict(), "rng": rng_state(), "metrics": dict(metrics),
+        **net.dense_payload(store),
     }
-    if is_finetune(cfg):
-        _write_dense_entries(store, net)
-        payload["dense"] = "entries"
-    else:
-        payload["model"] = net.state_dict()
     store.put(DENSE_ENTRY[0], pack(payload), kind=DENSE_ENTRY[1])
     if step in checkpoint_steps(store):
         # Training only moves past the latest checkpoint, so this is a snapshot someone

@@ -16,7 +16,6 @@ import tierstore
 
 from ..presets import TrainModel, config_from_dict
 from .checkpoint import is_finetune, saved_run
-from .finetune import imported_model
 from .metrics import MetricsLog
 from .resident import Metrics, TrainConfig, load_checkpoint, train_resident
 from .store_trainer import train_store
@@ -32,11 +31,28 @@ def run_settings(store: str | tierstore.Store | None, resident: bool, resume: bo
     if resume and store is not None:
         saved = load_checkpoint(store) if resident else saved_run(store)
     if saved is None:
-        imported = None if resident else imported_model(store)
-        return (None if imported is not None else "tiny"), TrainConfig(), 0, False
-    cfg = config_from_dict(saved["model_config"])
-    return (None if is_finetune(cfg) else cfg, TrainConfig.from_dict(saved["train_config"]),
-            int(saved["seed"]), True)
+        return (None if not resident and holds_import(store) else "tiny"), TrainConfig(), 0, \
+            False
+    record = saved["model_config"]
+    return (None if is_finetune(record) else config_from_dict(record),
+            TrainConfig.from_dict(saved["train_config"]), int(saved["seed"]), True)
+
+
+def holds_import(store: str | tierstore.Store | None) -> bool:
+    """Whether ``store`` (a path, or an open store) holds a model ``tierstore import-hf``
+    put there; False where there is no store."""
+    from tierstore.hf.layout import MODEL_ENTRY
+
+    if store is None:
+        return False
+    if not isinstance(store, str):
+        return MODEL_ENTRY in store
+    try:
+        opened = tierstore.open(store, host_cache=0)
+    except tierstore.NotAStoreError:
+        return False
+    with opened:
+        return MODEL_ENTRY in opened
 
 
 def resolve_device(device: str) -> str:
@@ -115,7 +131,7 @@ def _run_train(*, store: str | None, resident: bool, model: str | None, steps: i
                where: str) -> list[Metrics]:
     from tqdm import tqdm
 
-    if resident and imported_model(store) is not None:
+    if resident and holds_import(store):
         raise ValueError(f"{where} holds an imported model, which trains over the store: "
                          "drop --resident")
     base_model, base_tc, base_seed, found = run_settings(remote or store, resident, resume)

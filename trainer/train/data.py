@@ -42,7 +42,7 @@ class CorpusError(ValueError):
 class Corpus:
     """Tokens of the two splits and the files each came from (relative to its root).
 
-    As read, the tokens are bytes (``uint8``); :func:`trainer.train.finetune.tokenize_corpus`
+    As read, the tokens are bytes (``uint8``); :func:`trainer.train.hf_finetune.tokenize_corpus`
     turns them into a model tokenizer's ids (``int32``). ``train_lengths`` and
     ``val_lengths`` are the byte lengths of the documents the splits join, in order (a
     tokenizer encodes each on its own)."""

@@ -1,7 +1,8 @@
 """The training half of ``tierstore demo``: train a small MoE model whose experts live in a
-store, check the store, then generate text from the trained model through the ring-memory
-inferencer and the expert-granular mode reading the same store, and compare their tokens
-with those of the same model held entirely in memory.
+store, check the store, then generate text from the trained model through the
+:mod:`tierstore.hf` backend (the run read as its ``transformers`` architecture) in ring mode
+and in expert mode, reading the same store, and compare their tokens with those of the same
+model held entirely in memory.
 
 The host cache is deliberately smaller than the expert states, so the run exercises the
 whole path: cache misses read crc32c-verified entries from the backing tier, dirty victims
@@ -24,11 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from tierstore.hf import load
 
 import tierstore
 
-from ..infer.generate import decode_tokens, encode_prompts, generate, make_source
-from ..infer.loading import load_model
+from ..infer.generate import decode_tokens, generate
 from ..model import EXPERT_WEIGHTS, MoEModel, expert_name
 from ..presets import MoEConfig, model_size
 from .checkpoint import latest_dense_state
@@ -163,8 +164,8 @@ def demo_training(store: str, *, model: str = "small", steps: int = 60, seed: in
         snaps = [s.tag for s in st.snapshots()]
         echo(f"  checkpoints    {', '.join(snaps)}; fsck: {report.entries} stored versions "
              f"verified, {'clean' if report.ok else report.problems}")
-        net = load_model(st, "cpu")
-        ids, tok = encode_prompts(st, "tierstore", [prompt])
+        ids = [list(prompt.encode("utf-8"))]  # a trainer run's tokens are bytes
+        tok = None
         reference = in_memory_tokens(st, ids[0], new_tokens)
         result = DemoResult(history, report.ok, prompt, reference,
                             prompt + decode_tokens(tok, reference))
@@ -172,11 +173,11 @@ def demo_training(store: str, *, model: str = "small", steps: int = 60, seed: in
              f"memory:")
         echo(f"                 {result.text!r}")
         for mode in MODES:
-            source = make_source(mode, st, net)
+            model = load(st, mode=mode, device="cpu")
             try:
-                res = generate(net, source, ids, new_tokens, greedy=True)
+                res = generate(model, ids, new_tokens, greedy=True)
             finally:
-                source.close()
+                model.tierstore.close()
             result.generated[mode] = res.tokens[0]
             same = "yes" if res.tokens[0] == reference else "NO"
             echo(f"  generate ({mode:6s}) experts from the store, {res.tokens_per_s:,.1f} "

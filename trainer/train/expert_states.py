@@ -1,11 +1,21 @@
 """The experts' states in a store during training, as the model's expert provider.
 
+The experts are named by the model's :class:`~.layout.ExpertLayout`. Two kinds of model
+call it: a preset's :class:`trainer.model.MoEModel` (``states(layer, ids)``, an expert
+provider) and a ``transformers`` model through the :mod:`tierstore.hf` backend
+(``states.experts(layer, ids, x)``, its experts source: the backend computes each expert
+with the module's own activation and applies ``top_k_weights`` as ``transformers`` does,
+so autograd gives the routed experts' weight gradients and the router's).
+
 One step
 1. Forward: each MoE layer's router runs, then the model calls :class:`ExpertStates` with the
    exact set of experts the layer routed to. It fetches the ones the step does not hold yet
    (through its :class:`~.fetch.ExpertFetch`, picked once at construction) and hands them
    back as fp32 leaves that require grad. With gradient accumulation every micro-batch
-   reuses the step's leaves, so gradients accumulate there.
+   reuses the step's leaves, so gradients accumulate there. After the last forward
+   (:meth:`ExpertStates.forward_done`) a call is a recomputation (gradient checkpointing
+   runs a layer again in backward): it gets the step's leaves and fetches, prefetches and
+   writes nothing.
 2. Backward, then one global-norm clip over dense and expert gradients together
    (:meth:`ExpertStates.grads` gives the experts').
 3. :meth:`ExpertStates.update`: for each touched expert a lazy
@@ -40,9 +50,9 @@ from torch import Tensor
 import tierstore
 
 from ..model import ExpertWeights
-from ..presets import TrainModel
-from .checkpoint import MOMENTS, STEP_KIND, step_counts_name
+from .checkpoint import MOMENTS, STEP_KIND
 from .fetch import ExpertFetch, Moments, RoutingPredictor, make_fetch
+from .layout import ExpertLayout
 from .resident import TrainConfig
 
 
@@ -58,17 +68,17 @@ class ExpertStates:
     serves it; ``budget`` and ``zero_copy`` go there).
     """
 
-    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
+    def __init__(self, store: tierstore.Store, layout: ExpertLayout, device: torch.device,
                  fetch: str, tokens_per_step: int, read_ahead: bool | None = None,
                  budget: int | str | None = None, zero_copy: bool | None = None) -> None:
-        self.store, self.cfg, self.device = store, cfg, device
-        self.layers = cfg.moe_layers
-        self.expert_bytes = sum(4 * a * b for a, b in cfg.expert_shapes().values())
+        self.store, self.layout, self.device = store, layout, device
+        self.layers = layout.keys
+        self.expert_bytes = layout.expert_bytes
         # The most experts one step can touch: every expert of every MoE layer, or one per
         # routed token slot if that is fewer.
-        per_layer = min(cfg.n_experts, tokens_per_step * cfg.top_k)
+        per_layer = layout.per_step_experts(tokens_per_step)
         self.worst_step_bytes = len(self.layers) * per_layer * self.expert_bytes
-        self.predictor = RoutingPredictor(self.layers, cfg.n_experts)
+        self.predictor = RoutingPredictor(self.layers, layout.n_experts)
         # With an accelerator computing, moment reads run on a host thread, one layer ahead
         # of the update that needs them (the first during the backward pass). On a CPU
         # device they run inline by default: a reader thread takes a core from the compute
@@ -85,9 +95,10 @@ class ExpertStates:
         if device.type == "cuda":
             cuda_consumer()  # the host cache's slots are copied from: page-lock them
         self._moments: dict[int, Future[Moments]] = {}
-        self.fetch: ExpertFetch = make_fetch(fetch, store, cfg, device, self.worst_step_bytes,
+        self.fetch: ExpertFetch = make_fetch(fetch, store, layout, device, self.worst_step_bytes,
                                              self.predictor, budget, zero_copy)
         self.step, self.grad = 0, True
+        self.forwarding = False  # between begin() and forward_done()
         self.leaves: dict[tuple[int, int], ExpertWeights] = {}
         self.routed: dict[int, set[int]] = {}
         self.fetch_s = 0.0  # waiting for experts (params in forward, moments in update)
@@ -98,6 +109,7 @@ class ExpertStates:
     def begin(self, step: int, grad: bool = True) -> None:
         """Start step ``step`` (1-based); ``grad=False`` for validation passes."""
         self.step, self.grad = step, grad
+        self.forwarding = True
         self.leaves.clear()
         self.routed = {}
         self.fetch_s = self.write_s = 0.0
@@ -110,15 +122,29 @@ class ExpertStates:
         t0 = time.perf_counter()
         self.routed.setdefault(layer, set()).update(ids)
         new = [e for e in ids if (layer, e) not in self.leaves]
-        for e, weights in self.fetch.experts(layer, new).items():
-            self.leaves[(layer, e)] = tuple(  # type: ignore[assignment]
-                w.detach().requires_grad_(self.grad) for w in weights)
+        # After the last forward, a call is a recomputation (gradient checkpointing runs
+        # the layer again in backward): the step holds its experts already, and nothing
+        # is fetched, predicted or written for it.
+        if new or self.forwarding:
+            for e, weights in self.fetch.experts(layer, new).items():
+                self.leaves[(layer, e)] = tuple(  # type: ignore[assignment]
+                    w.detach().requires_grad_(self.grad) for w in weights)
         self.fetch_s += time.perf_counter() - t0
         return {e: self.leaves[(layer, e)] for e in ids}
+
+    # The experts source protocol of tierstore.hf's backend (a transformers model's experts
+    # modules ask it, layer by layer, with the layer's normalised hidden states).
+
+    def experts(self, layer: int, ids: list[int], x: Tensor) -> dict[int, ExpertWeights]:
+        return self(layer, ids)
+
+    def layer_done(self, layer: int) -> None:
+        """The leaves stay until the layer's update: backward needs them."""
 
     def drop_all(self) -> None:
         """Give back every expert the step holds (after a validation batch, at the end of a
         step)."""
+        self.forwarding = False
         self.leaves.clear()
         self.fetch.end()
 
@@ -128,20 +154,25 @@ class ExpertStates:
         """The step's last forward has run: unused prefetches go back and, with a reader
         thread, the first touched layer's moments start to be read, overlapping the
         backward pass."""
+        self.forwarding = False
         self.fetch.forward_done()
         layers = self._touched_layers()
         if layers and self._reader is not None:
             self._start_moments(layers[0])
 
+    def tensors(self) -> list[Tensor]:
+        """The step's expert leaves fetched so far."""
+        return [w for ws in self.leaves.values() for w in ws]
+
     def grads(self) -> list[Tensor]:
-        return [w.grad for ws in self.leaves.values() for w in ws if w.grad is not None]
+        return [w.grad for w in self.tensors() if w.grad is not None]
 
     def _touched_layers(self) -> list[int]:
         return sorted({layer for layer, _ in self.leaves})
 
     def _moment_keys(self, layer: int) -> list[tuple[str, str]]:
         """The step counts of ``layer`` and the moments of its experts this step touched."""
-        keys: list[tuple[str, str]] = [(step_counts_name(layer), STEP_KIND)]
+        keys: list[tuple[str, str]] = [(self.layout.counts_name(layer), STEP_KIND)]
         for (lay, e) in sorted(self.leaves):
             if lay == layer:
                 keys += [(n, k) for n in self.fetch.names(layer, e) for k in MOMENTS]
@@ -202,7 +233,7 @@ class ExpertStates:
         """AdamW for ``layer``'s touched experts; their new states go to the store together
         with the layer's step counts."""
         # A lent view must not change: work on a copy.
-        counts = states[(step_counts_name(layer), STEP_KIND)].clone()
+        counts = states[(self.layout.counts_name(layer), STEP_KIND)].clone()
         touched = [e for e in sorted(e for lay, e in self.leaves if lay == layer)
                    if all(w.grad is not None for w in self.leaves[(layer, e)])]
         for e in touched:  # lazy: an expert no token reached keeps its states and count

@@ -30,9 +30,9 @@ from torch import Tensor
 import tierstore
 from tierstore.devices import normalize_device
 
-from ..model import EXPERT_WEIGHTS, ExpertWeights, expert_name
-from ..presets import TrainModel
-from .checkpoint import MOMENTS, STEP_KIND, TrainerError, step_counts_name
+from ..model import ExpertWeights
+from .checkpoint import MOMENTS, STEP_KIND, TrainerError
+from .layout import ExpertLayout
 from .optim import adamw_step
 from .resident import Metrics, TrainConfig
 
@@ -163,19 +163,18 @@ class ExpertFetch(ABC):
     run on a reader thread; everything else runs on the training thread.
     """
 
-    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
+    def __init__(self, store: tierstore.Store, layout: ExpertLayout, device: torch.device,
                  worst_step_bytes: int, budget: int | None) -> None:
-        self.store, self.cfg, self.device = store, cfg, device
-        self.shapes = cfg.expert_shapes()
-        self.expert_bytes = sum(4 * a * b for a, b in self.shapes.values())  # fp32 w1+w2+w3
+        self.store, self.layout, self.device = store, layout, device
+        self.expert_bytes = layout.expert_bytes  # fp32, every part
         self.worst_step_bytes = worst_step_bytes
         # Bytes of expert weights the device may hold (None: unbounded), and the device
         # budget they are a share of (a trainer.train.budget.TrainBudget, or None).
         self.budget = budget
         self.plan: Any = None
 
-    def names(self, layer: int, e: int) -> list[str]:
-        return [expert_name(layer, e, w) for w in EXPERT_WEIGHTS]
+    def names(self, layer: int, e: int) -> tuple[str, ...]:
+        return self.layout.names(layer, e)
 
     def check_budget(self, layer: int, need: int) -> None:
         """Fail now rather than wait for budget that only the end of the step frees."""
@@ -246,7 +245,10 @@ class ExpertFetch(ABC):
                 p, m, v = w.detach(), states[(name, MOMENTS[0])], states[(name, MOMENTS[1])]
                 assert w.grad is not None
                 out = None if out_of is None else out_of(name)
-                adamw_step(p, w.grad, m, v, n, lr, tc.betas, tc.eps, tc.weight_decay, out=out)
+                # As the dense parameters' groups (resident.param_groups): no weight decay
+                # on vectors (an expert's biases).
+                wd = tc.weight_decay if p.dim() >= 2 else 0.0
+                adamw_step(p, w.grad, m, v, n, lr, tc.betas, tc.eps, wd, out=out)
                 if out is None:
                     items += [(name, "param", p), (name, MOMENTS[0], m), (name, MOMENTS[1], v)]
         return items
@@ -259,9 +261,9 @@ class CopyingFetch(ExpertFetch):
     """Moments read into pooled buffers with ``get_many``, new states written with
     ``put_many``: what the queue and direct modes share."""
 
-    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
+    def __init__(self, store: tierstore.Store, layout: ExpertLayout, device: torch.device,
                  worst_step_bytes: int, budget: int | None) -> None:
-        super().__init__(store, cfg, device, worst_step_bytes, budget)
+        super().__init__(store, layout, device, worst_step_bytes, budget)
         self.pool = BufferPool()
 
     def moments(self, keys: list[tuple[str, str]], stream: Any = None) -> Moments:
@@ -275,7 +277,7 @@ class CopyingFetch(ExpertFetch):
         return Moments(states, None, ready)
 
     def _get_moments(self, keys: list[tuple[str, str]]) -> dict[Any, Tensor]:
-        out = {k: self.pool.take(self.shapes[k[0].rsplit(".", 1)[1]], self.device)
+        out = {k: self.pool.take(self.layout.shape_of(k[0]), self.device)
                for k in keys if k[1] in MOMENTS}
         return self.store.get_many(keys, device=self.device, out=out)
 
@@ -285,7 +287,7 @@ class CopyingFetch(ExpertFetch):
     def update(self, layer: int, touched: list[tuple[int, ExpertWeights]],
                states: dict[Any, Tensor], counts: Tensor, lr: float, tc: TrainConfig) -> float:
         items = self._adamw(layer, touched, states, counts, lr, tc, None)
-        items.append((step_counts_name(layer), STEP_KIND, counts))
+        items.append((self.layout.counts_name(layer), STEP_KIND, counts))
         t0 = time.perf_counter()
         self.store.put_many(items)
         return time.perf_counter() - t0
@@ -295,9 +297,9 @@ class DirectFetch(CopyingFetch):
     """Expert weights read with ``get_many`` into pooled buffers, kept until their new
     values are in the store."""
 
-    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
+    def __init__(self, store: tierstore.Store, layout: ExpertLayout, device: torch.device,
                  worst_step_bytes: int, budget: int | None) -> None:
-        super().__init__(store, cfg, device, worst_step_bytes, budget)
+        super().__init__(store, layout, device, worst_step_bytes, budget)
         self._bufs: dict[Key, list[Tensor]] = {}
 
     def experts(self, layer: int, new: list[int]) -> dict[int, ExpertWeights]:
@@ -305,8 +307,9 @@ class DirectFetch(CopyingFetch):
             return {}
         self.check_budget(layer, (len(self._bufs) + len(new)) * self.expert_bytes)
         out: dict[str, Tensor] = {}
+        shapes = self.layout.shapes(layer)
         for e in new:
-            bufs = [self.pool.take(self.shapes[w], self.device) for w in EXPERT_WEIGHTS]
+            bufs = [self.pool.take(s, self.device) for s in shapes]
             self._bufs[(layer, e)] = bufs
             out.update(zip(self.names(layer, e), bufs))
         got = self.store.get_many(list(out), device=self.device, out=out)
@@ -325,12 +328,12 @@ class QueueFetch(CopyingFetch):
     what the device holds; the next MoE layer's experts are requested ahead, as
     ``predictor`` guesses them."""
 
-    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
+    def __init__(self, store: tierstore.Store, layout: ExpertLayout, device: torch.device,
                  worst_step_bytes: int, predictor: RoutingPredictor) -> None:
-        super().__init__(store, cfg, device, worst_step_bytes, None)
+        super().__init__(store, layout, device, worst_step_bytes, None)
         self.budget = self._queue_budget()
         self.predictor = predictor
-        self.layers = cfg.moe_layers
+        self.layers = layout.keys
         self.next_layer = dict(zip(self.layers, self.layers[1:]))
         self.step = 0
         # Experts holding (or about to hold) device budget -> acquired yet?
@@ -438,9 +441,9 @@ class ZeroCopyFetch(ExpertFetch):
     host cache's slots (``borrow_many``) and the update writes the new states straight into
     staged slots (``stage_many``). The views pin their slots for the step."""
 
-    def __init__(self, store: tierstore.Store, cfg: TrainModel, device: torch.device,
+    def __init__(self, store: tierstore.Store, layout: ExpertLayout, device: torch.device,
                  worst_step_bytes: int, budget: int | None) -> None:
-        super().__init__(store, cfg, device, worst_step_bytes, budget)
+        super().__init__(store, layout, device, worst_step_bytes, budget)
         self._borrows: dict[Key, Any] = {}
 
     def experts(self, layer: int, new: list[int]) -> dict[int, ExpertWeights]:
@@ -464,10 +467,11 @@ class ZeroCopyFetch(ExpertFetch):
 
     def update(self, layer: int, touched: list[tuple[int, ExpertWeights]],
                states: dict[Any, Tensor], counts: Tensor, lr: float, tc: TrainConfig) -> float:
-        counts_key = (step_counts_name(layer), STEP_KIND)
+        counts_key = (self.layout.counts_name(layer), STEP_KIND)
         t0 = time.perf_counter()
-        wanted = [(name, k, torch.float32, self.shapes[w])
-                  for e, _ in touched for w, name in zip(EXPERT_WEIGHTS, self.names(layer, e))
+        shapes = self.layout.shapes(layer)
+        wanted = [(name, k, torch.float32, s)
+                  for e, _ in touched for s, name in zip(shapes, self.names(layer, e))
                   for k in ("param", *MOMENTS)]
         wanted.append((*counts_key, counts.dtype, tuple(counts.shape)))
         with self.store.stage_many(wanted) as staged:
@@ -491,7 +495,7 @@ class ZeroCopyFetch(ExpertFetch):
         self.release(list(self._borrows))
 
 
-def make_fetch(mode: str, store: tierstore.Store, cfg: TrainModel, device: torch.device,
+def make_fetch(mode: str, store: tierstore.Store, layout: ExpertLayout, device: torch.device,
                worst_step_bytes: int, predictor: RoutingPredictor,
                budget: int | str | None = None, zero_copy: bool | None = None) -> ExpertFetch:
     """The fetch for ``mode`` (``queue`` or ``direct``, see :func:`resolve_fetch_mode`).
@@ -504,12 +508,12 @@ def make_fetch(mode: str, store: tierstore.Store, cfg: TrainModel, device: torch
     the expert weights a direct or zero-copy step may hold (the queue has its own).
     """
     if mode == "queue":
-        return QueueFetch(store, cfg, device, worst_step_bytes, predictor)
+        return QueueFetch(store, layout, device, worst_step_bytes, predictor)
     limit = None if budget is None else tierstore.parse_size(budget)
     possible = device.type == "cpu" and store.capabilities.zero_copy
     if zero_copy is None:
         cache = (store.stats().get("cache") or {}) if possible else {}
         zero_copy = cache.get("capacity_bytes", 0) >= 4 * worst_step_bytes
     if possible and zero_copy:
-        return ZeroCopyFetch(store, cfg, device, worst_step_bytes, limit)
-    return DirectFetch(store, cfg, device, worst_step_bytes, limit)
+        return ZeroCopyFetch(store, layout, device, worst_step_bytes, limit)
+    return DirectFetch(store, layout, device, worst_step_bytes, limit)

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..model import ExpertProvider, ModelConfig, MoEModel
-from ..presets import PRESETS, TrainModel, config_from_dict, with_dtype
+from ..model import ExpertProvider, MoEModel
+from ..presets import PRESETS, TrainModel, config_from_dict, model_size, with_dtype
 from .data import BatchSampler, Corpus, load_corpus
 from .heap import SteadyHeap
 from .optim import clip_grads_, grad_norms, lr_at, total_norm
@@ -78,7 +78,7 @@ def resolve_model_config(model: TrainModel | str, train: TrainConfig) -> TrainMo
         except KeyError:
             raise ValueError(f"unknown model preset {model!r}; "
                              f"choose from {', '.join(PRESETS)}") from None
-    limit = model.max_position if isinstance(model, ModelConfig) else model.max_seq_len
+    limit = model.max_seq_len
     if train.seq_len > limit:
         raise ValueError(f"seq_len {train.seq_len} exceeds the model's {limit} positions")
     return with_dtype(model, train.dtype)
@@ -201,7 +201,6 @@ def train_resident(
     seed: int = 0,
     train: TrainConfig | None = None,
     *,
-    init_state: dict[str, torch.Tensor] | None = None,
     corpus: Corpus | None = None,
     corpus_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -217,11 +216,8 @@ def train_resident(
     every ``checkpoint_every`` steps and after the last step when ``checkpoint_dir`` is set.
     Returns the metrics of the steps this call ran, each ``{step, loss, aux_loss, z_loss,
     grad_norm, lr, tokens, step_time_s, tokens_per_s}`` plus ``val_loss`` on evaluation
-    steps; ``on_step`` sees each as it is produced.
-
-    ``init_state`` (every weight, experts included, by :class:`MoEModel`'s names) replaces
-    the seeded initial weights: fine-tuning an imported model in memory
-    (:func:`trainer.train.finetune.imported_state`; pass its tokenized ``corpus``).
+    steps; ``on_step`` sees each as it is produced. (An imported model is fine-tuned in
+    memory by :func:`trainer.train.hf_resident.train_hf_resident`.)
     """
     tc = train or TrainConfig()
     cfg = resolve_model_config(model, tc)
@@ -229,18 +225,13 @@ def train_resident(
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    from .budget import check_step_fits  # (budget imports this module)
+    from .budget import TrainShape, check_step_fits  # (budget imports this module)
 
-    check_step_fits(cfg, tc, dev, resident=True)
+    check_step_fits(TrainShape.of_preset(cfg), tc, dev,
+                    dense_params=model_size(cfg).total_params, layout=None)
     sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
 
-    if init_state is None:
-        net = MoEModel(cfg, seed=seed).to(dev)
-    else:
-        with torch.device("meta"):
-            net = MoEModel(cfg, seed=None)
-        net = net.to_empty(device=dev)
-        net.load_state_dict(init_state)
+    net = MoEModel(cfg, seed=seed).to(dev)
     net.train()
     params = list(net.named_parameters())
     opt = torch.optim.AdamW(param_groups(params, tc.weight_decay), lr=tc.lr, betas=tc.betas,

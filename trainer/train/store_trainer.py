@@ -15,9 +15,11 @@ A checkpoint is one store snapshot, ``step-{n}``, holding the dense state and ev
 entry; ``resume=True`` restores the latest and continues to ``steps`` total. A store is only
 reused to resume the run it holds (see :mod:`trainer.train.checkpoint`).
 
-A store that holds a model imported by ``tierstore import-hf`` is fine-tuned: the model is
-the imported one (:mod:`trainer.train.finetune`), its experts' entries become the fp32
-masters, and the text is encoded by its own tokenizer.
+The model is a :class:`~.nets.TrainNet`: a trainer preset (:class:`~.nets.PresetNet`), or,
+for a store that holds a model imported by ``tierstore import-hf``, that model as its own
+``transformers`` class through the :mod:`tierstore.hf` backend
+(:class:`~.hf_finetune.HFNet`), whose text is encoded by its own tokenizer. The loop, the
+experts' states and the checkpoints are the same for both.
 """
 
 from __future__ import annotations
@@ -37,15 +39,15 @@ from tierstore.devices import normalize_device
 from tierstore.prefetch import DEFAULT_CUDA_FRACTION
 
 from ..infer.budget import check_budget_fits
-from ..model import ModelConfig, MoEModel
-from ..presets import TrainModel
-from .budget import check_step_fits, train_budget
+from ..presets import TrainModel, model_size
+from .budget import TrainShape, check_step_fits, train_budget
 from .checkpoint import TrainerError, start_run, write_checkpoint
 from .data import BatchSampler, Corpus
 from .expert_states import ExpertStates
 from .fetch import resolve_fetch_mode
-from .finetune import finetune_config, imported_model, tokenize_corpus
+from .layout import ExpertLayout, preset_layout
 from .metrics import MetricsLog, peak_rss, run_steps, store_counters, store_metrics
+from .nets import PresetNet, TrainNet
 from .optim import clip_grads_, grad_norms, total_norm
 from .resident import (
     Metrics,
@@ -61,21 +63,22 @@ PathLike = str | os.PathLike[str]
 
 
 @torch.no_grad()
-def evaluate_store(net: MoEModel, batches: Sequence[tuple[Tensor, Tensor]],
+def evaluate_store(net: TrainNet, batches: Sequence[tuple[Tensor, Tensor]],
                    experts: ExpertStates, step: int, device: torch.device) -> float:
     """Mean cross-entropy over ``batches`` (as :func:`trainer.train.resident.evaluate`),
     fetching each batch's experts and giving them back before the next."""
-    was_training = net.training
-    net.eval()
+    module = net.module
+    was_training = module.training
+    module.eval()
     total = 0.0
     try:
         for x, y in batches:
             experts.begin(step, grad=False)
-            _, _, info = net(x.to(device), y.to(device), experts=experts)
-            total += float(info["ce"])
+            _, parts = net.losses(x.to(device), y.to(device), experts)
+            total += float(parts["ce"])
             experts.drop_all()
     finally:
-        net.train(was_training)
+        module.train(was_training)
     return total / max(1, len(batches))
 
 
@@ -110,13 +113,17 @@ def train_store(
     on_step: Callable[[Metrics], None] | None = None,
     zero_copy: bool | None = None,
     store: tierstore.Store | None = None,
+    gradient_checkpointing: bool = False,
 ) -> list[Metrics]:
     """Train ``model`` (a config or preset name) over the store at ``store_path`` until
     ``steps`` optimizer steps are done; returns the metrics of the steps this call ran.
     ``model=None`` fine-tunes the model the store holds (imported by ``tierstore
-    import-hf``; a store holding one accepts nothing else): ``corpus`` or ``corpus_paths``
-    is then text encoded by the model's tokenizer (:mod:`trainer.train.finetune`), and
-    ``seed`` fixes the batch order.
+    import-hf``, any family the :mod:`tierstore.hf` backend serves; a store holding one
+    accepts nothing else): ``corpus`` or ``corpus_paths`` is then text encoded by the
+    model's tokenizer (:mod:`trainer.train.hf_finetune`), ``seed`` fixes the batch order,
+    and ``gradient_checkpointing`` recomputes each decoder layer in backward
+    (``transformers``' ``gradient_checkpointing_enable``; the recomputation reuses the
+    step's experts and writes nothing).
 
     The store is created if missing (``backing``: ``nvme`` by default, or ``pmem`` with
     ``pmem_path`` and ``pmem_size``; ``slab_size`` sizes NVMe slab files) and opened with a
@@ -150,68 +157,55 @@ def train_store(
     tc = train or TrainConfig()
     if steps < 0 or checkpoint_every < 0:
         raise ValueError("steps and checkpoint_every must be >= 0")
-    imported = imported_model(store if store is not None else store_path)
-    cfg: TrainModel
-    if imported is not None:
-        if model is not None and not (isinstance(model, ModelConfig)
-                                      and model == finetune_config(imported, tc)):
-            raise TrainerError(f"{imported.where} holds an imported {imported.family} model, "
-                               "which is what it trains: drop --model")
-        cfg = finetune_config(imported, tc)
-        if corpus is None:
-            corpus = corpus_for(tc, corpus_paths)
-        if corpus.is_bytes:
-            corpus = tokenize_corpus(corpus, imported.tokenizer(), cfg)
-    elif model is None:
-        where = f"store {store.path}" if store is not None else f"store {store_path}"
-        raise TrainerError(f"{where} holds no imported model to fine-tune; name a model "
-                           "preset (--model) or import one with `tierstore import-hf`")
-    else:
-        cfg = resolve_model_config(model, tc)
     # Indexed ("cuda:0"), as tensors report it: devices are compared and used as keys.
     dev = normalize_device(device)
     mode = resolve_fetch_mode(fetch, dev)
-    # The device budget's split (trainer.train.budget): checked before anything is made.
     ahead = read_ahead if read_ahead is not None else dev.type != "cpu"
+    cfg = None if model is None else resolve_model_config(model, tc)
     check_budget_fits(None if device_budget is None else tierstore.parse_size(device_budget),
                       dev)
-    plan = train_budget(cfg, tc, device_budget, ahead)
-    check_step_fits(cfg, tc, dev, read_ahead=ahead,
-                    host_cache=tierstore.parse_size(host_cache or 0) if store is None else 0)
-    _seed_everything(seed)
-    sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
-
-    if imported is None:
-        net = MoEModel(cfg, seed=seed, resident_experts=False).to(dev)
-    else:  # the weights come from the store (start_run): nothing to initialise
-        with torch.device("meta"):
-            net = MoEModel(cfg, seed=None, resident_experts=False)
-        net = net.to_empty(device=dev)
-    net.train()
-    dense = list(net.named_parameters())
-    opt = torch.optim.AdamW(param_groups(dense, tc.weight_decay), lr=tc.lr, betas=tc.betas,
-                            eps=tc.eps)
-
+    cache = tierstore.parse_size(host_cache or 0) if store is None else 0
+    plan = None
+    if cfg is not None:  # the device budget's split (trainer.train.budget), checked first
+        shape, layout = TrainShape.of_preset(cfg), preset_layout(cfg)
+        plan = train_budget(shape, layout, tc, device_budget, ahead)
+        check_step_fits(shape, tc, dev, dense_params=model_size(cfg).dense_params,
+                        layout=layout, host_cache=cache, read_ahead=ahead)
+        if corpus is None:  # a corpus that is no text is refused before a store is made
+            corpus = corpus_for(tc, corpus_paths)
     owned = store is None
     if store is None:
         if store_path is None:
             raise ValueError("train_store needs store_path or an open store")
-        budget: Any = device_budget
-        if budget is None and dev.type == "cuda":
-            budget = {str(dev): cuda_budget(cfg, tc, dev)}
-        store = tierstore.open(store_path, create=True, backing=backing, slab_size=slab_size,
-                               pmem_path=pmem_path, pmem_size=pmem_size,
-                               host_cache=host_cache, device_budget=budget)
+        store = _open(store_path, cfg, tc, dev, create=cfg is not None, backing=backing,
+                      slab_size=slab_size, pmem_path=pmem_path, pmem_size=pmem_size,
+                      host_cache=host_cache, device_budget=device_budget)
     experts: ExpertStates | None = None
     try:
+        _seed_everything(seed)
+        net, corpus = _make_net(store, cfg, tc, seed, dev, corpus, corpus_paths,
+                                gradient_checkpointing)
+        if cfg is None:
+            plan = train_budget(net.shape, net.layout, tc, device_budget, ahead)
+            check_step_fits(net.shape, tc, dev, layout=net.layout, host_cache=cache,
+                            dense_params=sum(p.numel() for p in net.module.parameters()),
+                            read_ahead=ahead)
+            if device_budget is None and dev.type == "cuda":
+                store.prefetch_budget(dev, cuda_budget(net.layout, tc, dev))
+        _seed_everything(seed)
+        sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
+        dense = list(net.module.named_parameters())
+        opt = torch.optim.AdamW(param_groups(dense, tc.weight_decay), lr=tc.lr,
+                                betas=tc.betas, eps=tc.eps)
         tokens = tc.grad_accum * tc.batch_size * tc.seq_len
         if plan is not None:  # the step's expert weights (their gradients match them)
             store.prefetch_budget(dev, plan.fetch_bytes)
-        experts = ExpertStates(store, cfg, dev, mode, tokens, read_ahead,
+        experts = ExpertStates(store, net.layout, dev, mode, tokens, read_ahead,
                                plan.fetch_bytes if plan is not None else None, zero_copy)
         experts.fetch.plan = plan
-        start, start_metrics = start_run(store, cfg, tc, seed, resume, net, opt, sampler)
-        run = _Run(store, experts, net, opt, sampler, val_batches, cfg, tc, seed, dev,
+        net.attach(experts)
+        start, start_metrics = start_run(store, net, tc, seed, resume, opt, sampler)
+        run = _Run(store, experts, net, opt, sampler, val_batches, tc, seed, dev,
                    checkpoint_every, metrics_path, trace_path, start, start_metrics, on_step)
         return run.train(steps)
     finally:
@@ -223,35 +217,77 @@ def train_store(
                 store.close()
 
 
-def cuda_budget(cfg: TrainModel, tc: TrainConfig, device: torch.device) -> int:
+def _open(path: PathLike, cfg: TrainModel | None, tc: TrainConfig, dev: torch.device, *,
+          create: bool, device_budget: int | str | None, **kw: Any) -> tierstore.Store:
+    """The store at ``path``: created for a preset's run; a fine-tune's must hold its
+    import."""
+    budget: Any = device_budget
+    if budget is None and dev.type == "cuda" and cfg is not None:
+        budget = {str(dev): cuda_budget(preset_layout(cfg), tc, dev)}
+    try:
+        return tierstore.open(path, create=create, device_budget=budget, **kw)
+    except tierstore.NotAStoreError:
+        raise TrainerError(f"store {path} holds no imported model to fine-tune; name a "
+                           "model preset (--model) or import one with `tierstore import-hf`"
+                           ) from None
+
+
+def _make_net(store: tierstore.Store, cfg: TrainModel | None, tc: TrainConfig, seed: int,
+              dev: torch.device, corpus: Corpus | None,
+              corpus_paths: PathLike | Sequence[PathLike] | None,
+              gradient_checkpointing: bool) -> tuple[TrainNet, Corpus | None]:
+    """The model to train (a preset, or the store's import) and, for an import, the corpus
+    in its tokens."""
+    from .hf_finetune import HFNet, imported, model_corpus
+
+    stored = imported(store)
+    if stored is not None:
+        if cfg is not None:
+            raise TrainerError(f"store {store.path} holds an imported {stored.family} model, "
+                               "which is what it trains: drop --model")
+        net = HFNet(store, stored, tc, dev)
+        if gradient_checkpointing:
+            # transformers 5 names it activation checkpointing (the old name warns).
+            enable = getattr(net.module, "activation_checkpointing_enable", None)
+            (enable or net.module.gradient_checkpointing_enable)()
+        if corpus is None:
+            corpus = corpus_for(tc, corpus_paths)
+        return net, model_corpus(corpus, net.tokenizer(store), net.module.config)
+    if cfg is None:
+        raise TrainerError(f"store {store.path} holds no imported model to fine-tune; name a "
+                           "model preset (--model) or import one with `tierstore import-hf`")
+    if gradient_checkpointing:
+        raise ValueError("gradient checkpointing is for imported models")
+    return PresetNet(cfg, seed, dev), corpus
+
+
+def cuda_budget(layout: ExpertLayout, tc: TrainConfig, device: torch.device) -> int:
     """The prefetch budget the trainer asks for on a CUDA device when none is given: the
     expert weights one step can touch (what :class:`ExpertStates` checks against), capped
     at the store's default share of the device's memory. The store's own default (half the
     GPU) ignores the model and would keep that much device memory within the queue's reach
     however little the model needs."""
     tokens = tc.grad_accum * tc.batch_size * tc.seq_len
-    per_layer = min(cfg.n_experts, tokens * cfg.top_k)
-    expert_bytes = sum(4 * a * b for a, b in cfg.expert_shapes().values())
-    need = len(cfg.moe_layers) * per_layer * expert_bytes
+    need = len(layout.keys) * layout.per_step_experts(tokens) * layout.expert_bytes
     total = torch.cuda.get_device_properties(device).total_memory
-    return max(expert_bytes, min(need, int(total * DEFAULT_CUDA_FRACTION)))
+    return max(layout.expert_bytes, min(need, int(total * DEFAULT_CUDA_FRACTION)))
 
 
 class _Run:
     """The training loop of :func:`train_store` and the state it carries between steps."""
 
-    def __init__(self, store: tierstore.Store, experts: ExpertStates, net: MoEModel,
+    def __init__(self, store: tierstore.Store, experts: ExpertStates, net: TrainNet,
                  opt: torch.optim.Optimizer, sampler: BatchSampler,
-                 val_batches: list[tuple[Tensor, Tensor]], cfg: TrainModel, tc: TrainConfig,
+                 val_batches: list[tuple[Tensor, Tensor]], tc: TrainConfig,
                  seed: int, device: torch.device, checkpoint_every: int,
                  metrics_path: PathLike | None, trace_path: PathLike | None, start: int,
                  start_metrics: Metrics | None,
                  on_step: Callable[[Metrics], None] | None) -> None:
         self.store, self.experts, self.net, self.opt = store, experts, net, opt
         self.sampler, self.val_batches = sampler, val_batches
-        self.cfg, self.tc, self.seed, self.device = cfg, tc, seed, device
+        self.tc, self.seed, self.device = tc, seed, device
         self.checkpoint_every, self.start, self.on_step = checkpoint_every, start, on_step
-        self.dense = [p for _, p in net.named_parameters()]
+        self.dense = [p for _, p in net.module.named_parameters()]
         self.metrics_path, self.trace_path = metrics_path, trace_path
         self.start_metrics = start_metrics  # of the checkpoint step a resumed run starts at
 
@@ -260,9 +296,10 @@ class _Run:
                if self.metrics_path else None)
         trace = None
         if self.trace_path is not None:
+            layout = self.net.layout
             trace = tierstore.lab.TraceRecorder(
-                self.trace_path, comment=f"tierstore train: {self.cfg.n_layers} layers, "
-                f"{self.cfg.n_experts} experts, seed {self.seed}, from step {self.start + 1}")
+                self.trace_path, comment=f"tierstore train: {len(layout.keys)} MoE layers, "
+                f"{layout.n_experts} experts, seed {self.seed}, from step {self.start + 1}")
 
         def one(step: int) -> Metrics:
             m, routed = self.step(step, steps)
@@ -289,14 +326,13 @@ class _Run:
         ce_sum = aux_sum = z_sum = 0.0
         for micro in range(tc.grad_accum):
             x, y = self.sampler.next_batch()
-            _, loss, info = net(x.to(dev), y.to(dev), experts=experts)
-            assert loss is not None
+            loss, parts = net.losses(x.to(dev), y.to(dev), experts)
             if micro == tc.grad_accum - 1:
                 experts.forward_done()
             (loss / tc.grad_accum).backward()
-            ce_sum += float(info["ce"])
-            aux_sum += float(info["aux_loss"])
-            z_sum += float(info["z_loss"])
+            ce_sum += float(parts["ce"])
+            aux_sum += float(parts["aux_loss"])
+            z_sum += float(parts["z_loss"])
         grads = [p.grad for p in self.dense if p.grad is not None] + experts.grads()
         # One global norm over every gradient, dense and expert alike.
         norm = (clip_grads_(grads, tc.clip) if tc.clip is not None
@@ -320,6 +356,6 @@ class _Run:
         if tc.eval_every > 0 and (done % tc.eval_every == 0 or done == steps):
             m["val_loss"] = evaluate_store(net, self.val_batches, experts, done, dev)
         if (self.checkpoint_every > 0 and done % self.checkpoint_every == 0) or done == steps:
-            write_checkpoint(self.store, done, seed=self.seed, cfg=self.cfg, tc=self.tc,
-                             net=self.net, opt=self.opt, sampler=self.sampler, metrics=m)
+            write_checkpoint(self.store, done, seed=self.seed, net=self.net, tc=self.tc,
+                             opt=self.opt, sampler=self.sampler, metrics=m)
         return m, routed

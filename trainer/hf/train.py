@@ -1,0 +1,247 @@
+"""Fine-tuning a stored model in a training loop of the user's own: the experts' optimizer,
+the global-norm clip, and a wrapper for ``transformers.Trainer``.
+
+``tierstore.hf.load(store, trainable=True)`` (:func:`load_trainable`) returns the model with
+its dense weights as fp32 parameters and its experts served by the store trainer's
+:class:`~tierstore.trainer.train.expert_states.ExpertStates`: each forward fetches the routed
+experts as fp32 leaves that require grad, shared by every forward until the next
+:meth:`ExpertAdamW.step` (so micro-batches accumulate into one gradient per expert, and a
+gradient checkpointing recomputation reuses them and writes nothing). None of them is a
+parameter of the model: ``model.parameters()`` yields the dense weights only, for any torch
+optimizer, and the experts' fp32 masters, AdamW moments and step counts stay in the store.
+
+One step of a plain loop::
+
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    tierstore.hf.clip_grad_norm_(model, 1.0)   # dense and expert gradients, one norm
+    dense_opt.step(); expert_opt.step()        # expert_opt = tierstore.hf.ExpertAdamW(model)
+    dense_opt.zero_grad(); expert_opt.zero_grad()
+
+:meth:`ExpertAdamW.step` is the step's end for the experts: it runs the store trainer's
+lazy AdamW (:meth:`ExpertStates.update`, the arithmetic of
+:func:`tierstore.trainer.train.optim.adamw_step`) on every expert whose leaf has a gradient,
+writes the new weights, moments and step counts to the store, and gives the leaves back; the
+next forward fetches the updated weights.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+# The module, not its names: hf_finetune imports tierstore.hf, whose __init__ imports this
+# module, so when the trainer is imported first hf_finetune is still half made here.
+from tierstore.trainer.train import hf_finetune
+from tierstore.trainer.train.checkpoint import STEP_KIND, initialise_imported
+from tierstore.trainer.train.expert_states import ExpertStates
+from tierstore.trainer.train.fetch import resolve_fetch_mode
+from tierstore.trainer.train.resident import TrainConfig
+from torch import Tensor, nn
+
+import tierstore
+
+from .loader import Loaded, build, open_store
+
+
+def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
+                   device: torch.device, host_cache: int | str | None = None,
+                   device_budget: int | str | None = None, fetch: str = "auto") -> Any:
+    """What ``tierstore.hf.load(store, trainable=True)`` returns: the model in training
+    mode, dense weights fp32, experts trained through the store (see the module docstring).
+
+    The first time a store is loaded trainable its experts become trainable as ``tierstore
+    train`` makes them (fp32 masters, cast up exactly from a bf16 or fp16 import; zero
+    moments and step counts); a store that has them already (trained before, by this or by
+    ``tierstore train``) keeps them, so training continues from its moments. ``fetch``: how
+    experts reach ``device`` (``queue``, ``direct`` or ``auto``, as ``tierstore train
+    --fetch``); ``device_budget`` also bounds the expert weights one step may hold.
+    """
+    mode = resolve_fetch_mode(fetch, device)
+    st, owns = open_store(store, host_cache=host_cache, device_budget=device_budget)
+    try:
+        model, loaded = build(st, owns, device=device, dtype=torch.float32)
+        if loaded.stored.dense_state is not None:
+            raise tierstore.StoreError(f"store {st.path} holds a run of a trainer preset, "
+                                       "which `tierstore train --resume` continues; a "
+                                       "trainable load needs a store import-hf filled")
+        layout = hf_finetune.served_layout(loaded.served, st)
+        if not all((layout.counts_name(k), STEP_KIND) in st for k in layout.keys):
+            # Counts are written after their layer's experts: one missing means an
+            # interrupted or never-run start, which is simply run (again).
+            initialise_imported(st, layout)
+        # Sized for a step that touches every expert: the loop's batch is not known here.
+        states = ExpertStates(st, layout, device, mode, tokens_per_step=layout.n_experts,
+                              budget=device_budget)
+        states.begin(1)
+        loaded.attach_trainable(states)
+    except BaseException:
+        if owns:
+            st.close()
+        raise
+    return model
+
+
+def _loaded(model: nn.Module) -> Loaded:
+    """The tierstore side of ``model`` (or of the model a wrapper such as DDP holds) with
+    trainable experts."""
+    for m in (model, getattr(model, "module", None)):
+        loaded = getattr(m, "tierstore", None)
+        if isinstance(loaded, Loaded) and loaded.experts is not None:
+            return loaded
+    raise ValueError(f"{type(model).__name__} has no experts trained through a store: load it "
+                     "with tierstore.hf.load(store, trainable=True)")
+
+
+def expert_tensors(model: nn.Module) -> list[Tensor]:
+    """The experts' fp32 leaves this step has fetched so far (their ``.grad`` is each
+    routed expert's gradient); empty after :meth:`ExpertAdamW.step`."""
+    return _loaded(model).experts.tensors()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the dense parameters and the experts
+    together: one global norm (returned, before clipping) and one factor for all.
+
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` alone cannot see the
+    experts' gradients: they belong to leaves the store hands each step, which are not
+    parameters of the model. Clipping the dense part by its own norm and skipping the
+    experts gives another update than the model trained in memory."""
+    params = [*model.parameters(), *expert_tensors(model)]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                          error_if_nonfinite=error_if_nonfinite,
+                                          foreach=foreach)
+
+
+class ExpertAdamW(torch.optim.Optimizer):
+    """AdamW for the experts of a model loaded with ``tierstore.hf.load(store,
+    trainable=True)``, beside any optimizer of its dense parameters (the defaults are
+    ``torch.optim.AdamW``'s).
+
+    The lazy rule: :meth:`step` updates each expert some token reached since the last step
+    (its leaf has a gradient), with its own step count, exactly as ``torch.optim.AdamW`` does
+    one parameter per expert; an expert no token reached (``.grad`` None there) is left as it
+    is, moments and step count included. Weight decay applies to an expert's matrices, not
+    to its biases. The new fp32 weights, the moments and the step counts go to the store,
+    and the next forward computes with them.
+
+    There are no parameters: ``param_groups`` holds one group with no ``params`` whose
+    ``lr``, ``betas``, ``eps`` and ``weight_decay`` the step reads, so learning-rate
+    schedulers work on it. The state lives in the store: :meth:`state_dict` holds the
+    hyperparameters and says where the moments are.
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        self.loaded = _loaded(model)
+        super().__init__([{"params": []}],
+                         {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.steps = 0
+
+    @property
+    def experts(self) -> ExpertStates:
+        return self.loaded.experts
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        tc = TrainConfig(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
+                         weight_decay=group["weight_decay"])
+        experts = self.experts
+        experts.forward_done()  # whatever runs from here on is not the step's forward
+        experts.update(group["lr"], tc)
+        experts.end()  # leaves given back: the next forward fetches the new weights
+        self.steps += 1
+        experts.begin(self.steps + 1)
+        self.loaded.store.tick()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for w in self.experts.tensors():
+            if set_to_none:
+                w.grad = None
+            elif w.grad is not None:
+                w.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["tierstore"] = {"store": str(self.loaded.store.path), "steps": self.steps,
+                           "states": "expert masters, exp_avg, exp_avg_sq and per-expert step "
+                                     "counts are entries of the store"}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        own = state_dict.get("tierstore", {})
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "tierstore"})
+        self.steps = int(own.get("steps", self.steps))
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers stepped as one, with the global-norm clip of :func:`clip_grad_norm_`
+    first where ``max_grad_norm`` is given: what ``transformers.Trainer`` takes as
+    ``optimizers=(CombinedOptimizer(dense, ExpertAdamW(model), max_grad_norm=1.0),
+    scheduler)`` with ``TrainingArguments(max_grad_norm=0)`` (the Trainer's own clip sees the
+    dense gradients only; see docs/trainer.md).
+
+    ``param_groups`` is every optimizer's groups, the same dicts, so a scheduler built on
+    this one sets every learning rate. ``last_grad_norm`` is the last step's global norm."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer,
+                 max_grad_norm: float | None = None) -> None:
+        if not optimizers:
+            raise ValueError("CombinedOptimizer needs at least one optimizer")
+        super().__init__([{"params": []}], {})
+        self.optimizers = optimizers
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self.max_grad_norm = max_grad_norm
+        experts = [o for o in optimizers if isinstance(o, ExpertAdamW)]
+        if max_grad_norm is not None and not experts:
+            raise ValueError("max_grad_norm needs an ExpertAdamW among the optimizers: the "
+                             "global norm is taken over its model")
+        self.model = experts[0].loaded.served.model if experts else None
+        self.last_grad_norm: Tensor | None = None
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm is not None:
+            assert self.model is not None
+            self.last_grad_norm = clip_grad_norm_(self.model, self.max_grad_norm)
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for o, sd in zip(self.optimizers, state_dict["optimizers"], strict=True):
+            o.load_state_dict(sd)
+        # torch's load_state_dict gives each optimizer new group dicts: share those now, or
+        # a scheduler would set learning rates nobody reads (accelerate's prepare() loads
+        # the state it has just saved, so every Trainer run goes through here).
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+
+
+def save(model: nn.Module) -> None:
+    """Write a trainable model's dense weights to their store entries (fp32) and flush the
+    store, so that it holds the fine-tuned model whole: ``tierstore.hf.load`` and
+    ``tierstore export-hf`` then give what ``model`` computes. The experts are there
+    already (every :meth:`ExpertAdamW.step` writes them)."""
+    loaded = _loaded(model)
+    hf_finetune.write_dense(loaded.store,
+                            hf_finetune.dense_entries(loaded.served.model, loaded.stored))
+    loaded.store.flush()
