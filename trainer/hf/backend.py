@@ -129,6 +129,11 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     found: Mapping[int, Sequence[Tensor]] = source.experts(layer.key, routed, hidden_states) \
         if routed else {}
     token_of = order // k
+    # Autograd keeps an expert's weight for the input's gradient. An inference source's
+    # weights are borrowed (host-cache slots, the ring's slots) and reused after the layer,
+    # so frozen experts under a backward (adapters trained on the rest) compute with a copy;
+    # trainable experts (leaves that require grad) are the trainer's own and stay as given.
+    keep = torch.is_grad_enabled() and hidden_states.requires_grad
     pieces = []
     start = 0
     for e, c in zip(id_list, count_list):
@@ -140,7 +145,10 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
         if e not in found:  # not a lookup's KeyError: a source's own errors pass through
             raise KeyError(f"expert {e} of {layer.module_name} was routed to but its weights "
                            "were not supplied")
-        pieces.append(expert_output(module, hidden_states[rows], layer.split(found[e])))
+        weights = found[e]
+        if keep:
+            weights = [w if w.requires_grad else w.clone() for w in weights]
+        pieces.append(expert_output(module, hidden_states[rows], layer.split(weights)))
     source.layer_done(layer.key)
     y_sorted = torch.cat(pieces)
     inverse = torch.empty_like(order)
