@@ -161,3 +161,19 @@ def generate_with(model: Any, source: Any, prompts: list[list[int]], new: int,
             return generate(model, prompts, new, **kw)
     finally:
         gen.eos_token_id = saved
+
+
+def count_expert_calls(monkeypatch: Any) -> list[int]:
+    """The layers of every call for a step's trainable experts, from now on (the list
+    grows as they are made)."""
+    from tierstore.trainer.train.expert_states import ExpertStates
+
+    calls: list[int] = []
+    real = ExpertStates.experts
+
+    def counted(self: ExpertStates, layer: int, ids: list[int], x: torch.Tensor) -> Any:
+        calls.append(layer)
+        return real(self, layer, ids, x)
+
+    monkeypatch.setattr(ExpertStates, "experts", counted)
+    return calls

@@ -31,11 +31,10 @@ import pytest
 import tierstore.hf
 import torch
 from click.testing import CliRunner
-from hf_models import spread
+from hf_models import count_expert_calls, spread
 from tierstore.hf.layout import stored_model
 from tierstore.trainer.train.checkpoint import MOMENTS, STEP_KIND, checkpoint_steps
 from tierstore.trainer.train.data import Corpus, load_corpus
-from tierstore.trainer.train.expert_states import ExpertStates
 from tierstore.trainer.train.hf_finetune import model_corpus
 from tierstore.trainer.train.hf_resident import train_hf_resident
 from tierstore.trainer.train.resident import TrainConfig, param_groups
@@ -253,14 +252,7 @@ def test_gradient_checkpointing_recomputes_experts_without_store_writes(
     accumulate there) and the store sees exactly the reads and writes of a run without it.
     Without a host cache, every write reaches the backing tier within its step."""
     make_model("qwen3_moe", tmp_path / "hf", tokenizer_file)
-    calls: list[int] = []
-    real = ExpertStates.experts
-
-    def counted(self: ExpertStates, layer: int, ids: list[int], x: torch.Tensor) -> Any:
-        calls.append(layer)
-        return real(self, layer, ids, x)
-
-    monkeypatch.setattr(ExpertStates, "experts", counted)
+    calls = count_expert_calls(monkeypatch)
     runs, seen = {}, {}
     for gc in (False, True):
         path = tmp_path / f"st-{gc}"

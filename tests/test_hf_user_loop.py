@@ -22,7 +22,6 @@ import torch
 from tierstore.hf.layout import stored_model
 from tierstore.trainer.train.checkpoint import MOMENTS, STEP_KIND
 from tierstore.trainer.train.data import Corpus
-from tierstore.trainer.train.expert_states import ExpertStates
 from tierstore.trainer.train.hf_finetune import hf_losses
 from tierstore.trainer.train.hf_resident import train_hf_resident
 from tierstore.trainer.train.resident import TrainConfig, param_groups, training_batches
@@ -30,7 +29,7 @@ from tierstore.trainer.train.resident import TrainConfig, param_groups, training
 import tierstore
 
 transformers = pytest.importorskip("transformers")
-from hf_models import COMMON, make_hf_model, prompt_ids  # noqa: E402
+from hf_models import COMMON, count_expert_calls, make_hf_model, prompt_ids  # noqa: E402
 
 # Two micro-batches of 4 tokens a step over 8 experts, so that some experts get no token in
 # a step (the lazy rule is exercised); a clip far below the gradients' norm, so it scales
@@ -232,14 +231,7 @@ def test_gradient_checkpointing_recomputes_experts_without_store_writes(
     leaves, and the store sees exactly the writes of a loop without it (no host cache:
     every write reaches the backing tier within its step)."""
     imported("qwen3_moe", tmp_path, "off", "on")
-    calls: list[int] = []
-    real = ExpertStates.experts
-
-    def counted(self: ExpertStates, layer: int, ids: list[int], x: torch.Tensor) -> Any:
-        calls.append(layer)
-        return real(self, layer, ids, x)
-
-    monkeypatch.setattr(ExpertStates, "experts", counted)
+    calls = count_expert_calls(monkeypatch)
     corpus, written, seen, runs = random_corpus(), {}, {}, {}
     for name in ("off", "on"):
         model = tierstore.hf.load(tmp_path / name, trainable=True, device="cpu", host_cache=0)
