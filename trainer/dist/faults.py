@@ -114,7 +114,8 @@ class FaultWatch:
         self.lock = threading.Lock()
         self.verdict: str | None = None
         self.got_verdict = threading.Event()
-        self.ending = False  # the main thread is ending the rank itself
+        self.ending = False  # one of the two threads is ending the rank
+        self.watcher_ends = False  # ... and it is the watcher thread, with a verdict
         self.stopping = False  # close(): the end is expected
         self.hub_left = False
         # Until the run is past its start, a ValueError is the configuration's, which every
@@ -361,8 +362,10 @@ class FaultWatch:
     def _finish(self, line: str) -> None:
         """(The watcher thread.) Print ``line`` and end the process, unless the main thread
         is ending the rank itself."""
-        if not self._claim():
-            return
+        with self.lock:
+            if self.ending or self.stopping:
+                return
+            self.ending = self.watcher_ends = True
         _say(line)
         if self.world.rank == 0:
             self._linger()
@@ -408,6 +411,7 @@ class FaultWatch:
             return error
         if isinstance(error, AgreedError) or (isinstance(error, ValueError)
                                              and not self.training):
+            self._take_over()
             self._leave()  # every rank raises it: each says it
             return error
         if isinstance(error, RuntimeError) and self.got_verdict.wait(VERDICT_WAIT_S):
@@ -418,8 +422,7 @@ class FaultWatch:
                 self._let_go()
                 os._exit(1)
             threading.Event().wait()  # the watcher thread is ending the process
-        with self.lock:
-            self.ending = True
+        self._take_over()
         first = _line(str(error).splitlines()[0] if str(error).strip() else "")
         if isinstance(error, (tierstore.StoreError, OSError, ValueError)):
             verdict = f"{self.who(self.world.rank)} failed: {first}; once that is fixed, " \
@@ -434,6 +437,16 @@ class FaultWatch:
             return DistributedError(verdict)
         self._tell(f"{self.who(self.world.rank)} failed: {type(error).__name__}: {first}")
         return error  # a fault of the program: its traceback is what helps
+
+    def _take_over(self) -> None:
+        """(The main thread.) End the rank itself, unless the watcher thread is already
+        ending it with another rank's verdict: then that verdict is this rank's one line, and
+        the main thread waits for the process to end rather than say a second."""
+        with self.lock:
+            waits = self.watcher_ends
+            self.ending = True
+        if waits:
+            threading.Event().wait()
 
     def _tell(self, verdict: str) -> None:
         """(The main thread, ending the rank for its own error.) Tell the other ranks."""
