@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Run the family matrix (tests/test_hf_backend.py::test_family_matches_transformers_in_every_mode)
-and write its results into README.md between the family-matrix markers: every family of the
+and write its results into docs/inference.md between the family-matrix markers: every family of the
 installed transformers, whether it passed in every mode, or why it was skipped or failed.
 
     .venv/bin/python scripts/family_matrix.py          # runs the matrix (a few minutes)
-    .venv/bin/python scripts/family_matrix.py --check  # exit 1 if README.md is out of date
+    .venv/bin/python scripts/family_matrix.py --check  # exit 1 if docs/inference.md is out of date
                                                        # with the installed transformers' families
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+LISTING = ROOT / "docs" / "inference.md"
 BEGIN, END = "<!-- family-matrix:begin -->", "<!-- family-matrix:end -->"
 TEST = "tests/test_hf_backend.py::test_family_matches_transformers_in_every_mode"
 
@@ -61,17 +61,17 @@ def listed(text: str) -> set[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true",
-                   help="Only check that README.md lists exactly the installed families.")
+                   help="Only check that docs/inference.md lists exactly the installed families.")
     args = p.parse_args()
     import transformers
     from tierstore.hf.families import causal_lm_families
 
-    text = README.read_text(encoding="utf-8")
+    text = LISTING.read_text(encoding="utf-8")
     families = set(causal_lm_families())
     if args.check:
         have = listed(text)
         if have != families:
-            print(f"README.md lists {len(have)} families, transformers {transformers.__version__} "
+            print(f"docs/inference.md lists {len(have)} families, transformers {transformers.__version__} "
                   f"has {len(families)}: rerun scripts/family_matrix.py", file=sys.stderr)
             return 1
         return 0
@@ -85,8 +85,8 @@ def main() -> int:
         outcomes.by_family[f] = "not run"
     new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END),
                  block(outcomes.by_family, transformers.__version__), text, flags=re.S)
-    README.write_text(new, encoding="utf-8")
-    print(f"README.md: {sum(o.startswith('passes') for o in outcomes.by_family.values())} of "
+    LISTING.write_text(new, encoding="utf-8")
+    print(f"docs/inference.md: {sum(o.startswith('passes') for o in outcomes.by_family.values())} of "
           f"{len(outcomes.by_family)} families pass")
     return 0
 

@@ -282,8 +282,8 @@ def test_a_trainer_run_is_served_as_the_transformers_model_it_computes(
         model.tierstore.close()
 
 
-def test_the_readme_lists_the_families_of_the_installed_transformers() -> None:
-    """README.md's family list is written by scripts/family_matrix.py from this module's
+def test_the_docs_list_the_families_of_the_installed_transformers() -> None:
+    """docs/inference.md's family list is written by scripts/family_matrix.py from this module's
     matrix; it must name exactly the families the installed transformers has."""
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, str(root / "scripts" / "family_matrix.py"), "--check"],
