@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from tierstore.nvme import ENGINES, fsync_dir
+from tierstore.nvme import ENGINES
 
 from .catalog import FORMAT_VERSION, Catalog
+from .durable import replace_file
 from .errors import CatalogError, NotAStoreError, StoreError, StoreLockedError
 from .local import LocalStore
 from .media import ALIGNMENT, Medium, align_up
@@ -65,13 +66,7 @@ def write_marker(path: str, meta: dict[str, Any]) -> None:
 def write_json(path: str, name: str, data: Any) -> None:
     """Replace ``name`` in the directory ``path`` with ``data`` as JSON, atomically and
     durably."""
-    tmp = os.path.join(path, name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, name))
-    fsync_dir(path)
+    replace_file(os.path.join(path, name), json.dumps(data).encode())
 
 
 def check_identity(path: str, marker: dict[str, Any], catalog: Catalog) -> None:

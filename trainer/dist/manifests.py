@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tierstore.durable import replace_file
+
 FORMAT = 1
 MAX_BYTES = 16 << 20  # far beyond the manifest of any world size
 _NAME = re.compile(r"^ckpt-(\d{6})\.json$")
@@ -62,16 +64,7 @@ def write(run_dir: Path, manifest: dict[str, Any]) -> None:
     tmp = folder / f".{path.name}.{os.getpid()}.tmp"
     for stale in folder.glob(".ckpt-*.tmp"):
         stale.unlink(missing_ok=True)
-    with open(tmp, "w") as f:
-        f.write(json.dumps(manifest, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_file(path, json.dumps(manifest, indent=1).encode(), tmp=tmp)
 
 
 def same_checkpoint(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -42,13 +42,14 @@ import torch
 from torch import Tensor, nn
 
 import tierstore
+from tierstore.durable import replace_file
 
 from .config import FLOAT_DTYPES as DTYPES
 from .config import hf_config, meta_model
 from .convert import expert_params
 from .families import UnservedFamilyError, check_served
 from .layout import ExpertsModule, StoredModel, stored_model
-from .outdir import HFExportError, WorkDir, check_out_dir, remove_leftovers, write_file
+from .outdir import HFExportError, WorkDir, check_out_dir, remove_leftovers
 from .reverse import Group, ReverseError, ReversePlan, reverse_plan, run
 from .shards import INDEX_FILE, Shards
 from .tokenizer import byte_tokenizer_files, tokenizer_files
@@ -291,10 +292,10 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
                 shards.close()
                 if bar is not None:
                     bar.close()
-            write_file(os.path.join(work.path, INDEX_FILE), json.dumps(index, indent=2).encode())
+            replace_file(os.path.join(work.path, INDEX_FILE), json.dumps(index, indent=2).encode())
             for fname, data in sorted(side.items()):
-                write_file(os.path.join(work.path, fname), data)
-            write_file(os.path.join(work.path, "config.json"),
+                replace_file(os.path.join(work.path, fname), data)
+            replace_file(os.path.join(work.path, "config.json"),
                        json.dumps(config_json(sm, dt), indent=2, sort_keys=True).encode() + b"\n")
             files = sorted(os.listdir(work.path))
             work.move_into_place(force)

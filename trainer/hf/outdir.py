@@ -20,6 +20,7 @@ import shutil
 from typing import Any
 
 import tierstore
+from tierstore.durable import fsync_dir
 
 SUFFIX = ".export-hf"
 # Weight files a previous export or checkpoint in the directory could leave behind, which
@@ -162,18 +163,3 @@ def check_out_dir(out_dir: str, force: bool) -> None:
     if os.listdir(out_dir) and not force:
         raise HFExportError(f"{out_dir} is not empty; pass --force to write the export into it "
                           "(its weight files are replaced)")
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file(path: str, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from tierstore.durable import replace_file
+
 from ..model import ExpertProvider, MoEModel
 from ..presets import PRESETS, TrainModel, config_from_dict, model_size, with_dtype
 from .data import BatchSampler, Corpus, load_corpus
@@ -132,17 +134,7 @@ def save_checkpoint(directory: str | os.PathLike[str], payload: dict[str, Any]) 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     final = d / CHECKPOINT_NAME
-    tmp = d / f".{CHECKPOINT_NAME}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_file(final, lambda f: torch.save(payload, f), tmp=d / f".{CHECKPOINT_NAME}.tmp")
     return final
 
 
