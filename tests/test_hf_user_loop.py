@@ -67,14 +67,17 @@ def imported(family: str, root: Path, *names: str, **over: Any) -> Any:
     return hf
 
 
-def plain_loop(model: Any, steps: int, tc: TrainConfig, corpus: Corpus) -> list[dict[str, float]]:
+def plain_loop(model: Any, steps: int, tc: TrainConfig, corpus: Corpus,
+               rule: str = "lazy") -> list[dict[str, float]]:
     """The loop a user writes: the dense parameters with ``torch.optim.AdamW`` (weight decay
-    on matrices), the experts with ``ExpertAdamW``, one global clip, one schedule on both."""
+    on matrices), the experts with ``ExpertAdamW`` (the lazy rule unless ``rule`` says
+    otherwise; the dense rule's family matrix is test_hf_finetune_families.py), one global
+    clip, one schedule on both."""
     sampler, _ = training_batches(tc, SEED, corpus)
     dense = torch.optim.AdamW(param_groups(list(model.named_parameters()), tc.weight_decay),
                               lr=tc.lr, betas=tc.betas, eps=tc.eps)
     experts = tierstore.hf.ExpertAdamW(model, lr=tc.lr, betas=tc.betas, eps=tc.eps,
-                                       weight_decay=tc.weight_decay)
+                                       weight_decay=tc.weight_decay, rule=rule)
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: tc.lr_for(s) / tc.lr)
                  for o in (dense, experts)]
     history = []
