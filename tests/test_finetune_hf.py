@@ -363,6 +363,11 @@ def test_sigkill_then_resume_equals_the_uninterrupted_finetune(
                                "--steps", "2", *CLI_OPTS])
     assert res.exit_code == 2 and "imported qwen2_moe model" in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
+    if rule == "dense":  # a preset has the lazy rule only: refused before a store is made
+        res = runner.invoke(main, ["train", "--store", str(tmp_path / "preset"), "--model",
+                                   "tiny", "--steps", "1", "--update-rule", rule, *CLI_OPTS])
+        assert res.exit_code == 2 and "a preset trains with the lazy rule" in res.output
+        assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "preset").exists()
 
     store, metrics = tmp_path / "st", tmp_path / "m.jsonl"
     every = 3

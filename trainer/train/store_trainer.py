@@ -164,6 +164,11 @@ def train_store(
     mode = resolve_fetch_mode(fetch, dev)
     ahead = read_ahead if read_ahead is not None else dev.type != "cpu"
     cfg = None if model is None else resolve_model_config(model, tc)
+    if cfg is not None and tc.update_rule not in (None, "lazy"):
+        # Checked before a store is made: the resident trainer, a preset's reference, has
+        # one parameter per expert and no other rule.
+        raise TrainerError(f"update rule {tc.update_rule!r} is for fine-tuning imported "
+                           "models; a preset trains with the lazy rule")
     check_budget_fits(None if device_budget is None else tierstore.parse_size(device_budget),
                       dev)
     cache = tierstore.parse_size(host_cache or 0) if store is None else 0
@@ -233,11 +238,7 @@ def resolve_rule(rule: str | None, finetune: bool, store: tierstore.Store) -> st
             rule = saved["train_config"].get("update_rule") or "lazy"
         else:
             rule = "dense" if finetune else "lazy"
-    check_rule(rule)
-    if rule == "dense" and not finetune:
-        raise TrainerError("the dense update rule is for fine-tuning imported models; a "
-                           "preset trains with the lazy rule")
-    return rule
+    return check_rule(rule)
 
 
 def _open(path: PathLike, cfg: TrainModel | None, tc: TrainConfig, dev: torch.device, *,
