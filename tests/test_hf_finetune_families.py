@@ -61,13 +61,7 @@ FAMILIES = list(ALL) if os.environ.get("TIERSTORE_FINETUNE_FAMILIES") == "all" e
     f for f in CI_FAMILIES if f in ALL]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors gain nothing from intra-op threads (see test_hf_tiny.py).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

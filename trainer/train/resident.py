@@ -65,7 +65,10 @@ class TrainConfig:
         return lr_at(step, self.lr, self.warmup_steps, self.decay_steps, self.min_lr)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["update_rule"] is None:  # unresolved (the distributed trainer's): as recorded
+            del d["update_rule"]      # before there were two rules
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:

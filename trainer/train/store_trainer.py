@@ -125,7 +125,9 @@ def train_store(
     model's tokenizer (:mod:`trainer.train.hf_finetune`), ``seed`` fixes the batch order,
     and ``gradient_checkpointing`` recomputes each decoder layer in backward
     (``transformers``' ``gradient_checkpointing_enable``; the recomputation reuses the
-    step's experts and writes nothing).
+    step's experts and writes nothing). ``train.update_rule`` says how experts no token
+    reached are updated (:func:`resolve_rule`: ``dense`` by default for an import, the only
+    rule a preset has is ``lazy``; :mod:`.dense_rule`).
 
     The store is created if missing (``backing``: ``nvme`` by default, or ``pmem`` with
     ``pmem_path`` and ``pmem_size``; ``slab_size`` sizes NVMe slab files) and opened with a
