@@ -103,8 +103,9 @@ def rule_of(store: tierstore.Store, layout: ExpertLayout) -> str | None:
 
 def require_rule(store: tierstore.Store, layout: ExpertLayout, rule: str) -> None:
     """Refuse to train a store under another rule than its experts' steps were taken."""
+    check_rule(rule)
     found = rule_of(store, layout)
-    if found is not None and found != check_rule(rule):
+    if found is not None and found != rule:
         raise TrainerError(f"store {store.path}: its experts were trained with the {found} "
                            f"update rule; continue with that one (rule={found!r}, "
                            f"--update-rule {found})")
