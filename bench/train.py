@@ -208,10 +208,12 @@ def _imported(model_dir: str, scratch: str, tc: TrainConfig
 
 def _in_memory(model_dir: str, steps: int, tc: TrainConfig, corpus: Any, device: str,
                autocast: bool) -> list[Metrics]:
-    """The checkpoint fine-tuned in memory (``trainer.train.hf_resident``)."""
+    """The checkpoint fine-tuned in memory (``trainer.train.hf_resident``), under the update
+    rule the store's fine-tune runs (dense unless asked otherwise: what transformers with
+    torch.optim.AdamW does)."""
     from tierstore.trainer.train.hf_resident import train_hf_resident
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return train_hf_resident(model, steps, 0, tc, corpus=corpus, device=device,
-                             autocast=autocast)[0]
+                             autocast=autocast, rule=tc.update_rule or "dense")[0]

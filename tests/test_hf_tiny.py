@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,14 +27,7 @@ ROUND_TRIP = FAMILIES if os.environ.get("TIERSTORE_HF_TINY_ALL") else [
 MIXED_IN = ("linear_attention", "conv")  # layer kinds that need an attention layer beside them
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors gain nothing from intra-op threads, and on a busy machine OpenMP waits for
-    # them cost up to a hundred times the work (a 64-channel conv1d: 7 ms instead of 0.07).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config_or_skip(family: str):

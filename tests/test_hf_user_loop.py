@@ -67,14 +67,17 @@ def imported(family: str, root: Path, *names: str, **over: Any) -> Any:
     return hf
 
 
-def plain_loop(model: Any, steps: int, tc: TrainConfig, corpus: Corpus) -> list[dict[str, float]]:
+def plain_loop(model: Any, steps: int, tc: TrainConfig, corpus: Corpus,
+               rule: str = "lazy") -> list[dict[str, float]]:
     """The loop a user writes: the dense parameters with ``torch.optim.AdamW`` (weight decay
-    on matrices), the experts with ``ExpertAdamW``, one global clip, one schedule on both."""
+    on matrices), the experts with ``ExpertAdamW`` (the lazy rule unless ``rule`` says
+    otherwise; the dense rule's family matrix is test_hf_finetune_families.py), one global
+    clip, one schedule on both."""
     sampler, _ = training_batches(tc, SEED, corpus)
     dense = torch.optim.AdamW(param_groups(list(model.named_parameters()), tc.weight_decay),
                               lr=tc.lr, betas=tc.betas, eps=tc.eps)
     experts = tierstore.hf.ExpertAdamW(model, lr=tc.lr, betas=tc.betas, eps=tc.eps,
-                                       weight_decay=tc.weight_decay)
+                                       weight_decay=tc.weight_decay, rule=rule)
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: tc.lr_for(s) / tc.lr)
                  for o in (dense, experts)]
     history = []
@@ -308,11 +311,29 @@ def test_transformers_trainer_with_the_wrapper_matches_the_plain_loop(tmp_path: 
 def test_what_a_trainable_load_and_the_expert_optimizer_refuse(tmp_path: Path) -> None:
     """Inference modes, a dtype other than fp32 and a store holding a preset's trainer run
     are refused by a trainable load; ExpertAdamW and clip_grad_norm_ refuse a model whose
-    experts do not train through a store. Each is one ValueError or StoreError line."""
+    experts do not train through a store, an unknown update rule, and the other rule than
+    the one a store's experts took steps with. Each is one ValueError or StoreError line."""
     from tierstore.trainer.presets import MoEConfig
     from tierstore.trainer.train.store_trainer import train_store
 
-    imported("mixtral", tmp_path, "st")
+    imported("mixtral", tmp_path, "st", "lazy", "dense")
+    x = prompt_ids(1, 8, COMMON["vocab_size"])
+    for rule, other in (("lazy", "dense"), ("dense", "lazy")):
+        model = tierstore.hf.load(tmp_path / rule, trainable=True, device="cpu")
+        with pytest.raises(ValueError, match="update rule must be one of dense, lazy"):
+            tierstore.hf.ExpertAdamW(model, rule="eager")
+        tierstore.hf.ExpertAdamW(model, rule=other)  # no step taken yet: either rule
+        opt = tierstore.hf.ExpertAdamW(model, rule=rule)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        with pytest.raises(ValueError, match=f"trained with the {rule} update rule") as e:
+            tierstore.hf.ExpertAdamW(model, rule=other)
+        assert "\n" not in str(e.value)
+        model.tierstore.close()
+        again = tierstore.hf.load(tmp_path / rule, trainable=True, device="cpu")
+        with pytest.raises(ValueError, match=f"trained with the {rule} update rule"):
+            tierstore.hf.ExpertAdamW(again, rule=other)
+        again.tierstore.close()
     with pytest.raises(ValueError, match="serves inference"):
         tierstore.hf.load(tmp_path / "st", trainable=True, mode="ring")
     with pytest.raises(ValueError, match="fp32"):

@@ -221,6 +221,13 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               show_default=True,
               help="How experts reach the device: the prefetch queue (next layer predicted from "
                    "routing history), get_many, or auto (queue on a GPU, get_many on the CPU).")
+@click.option("--update-rule", type=click.Choice(["dense", "lazy"]),
+              help="How experts no token reached in a step are updated: dense, as "
+                   "torch.optim.AdamW updates transformers' fused expert parameters (zero "
+                   "gradient: moments decay, weights still move; missed steps are applied "
+                   "when an expert is next fetched and at every checkpoint), or lazy (not at "
+                   "all). [dense for an imported model, lazy for a preset; a resumed run "
+                   "keeps its own]")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Checkpoint every N steps (and always after the last).")
 @click.option("--resume", is_flag=True,
@@ -273,8 +280,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
           device: str,
           device_budget: int | None, host_cache: int, backing: str | None,
           pmem_path: str | None, pmem_size: int | None, slab_size: int, fetch: str,
-          checkpoint_every: int, resume: bool, metrics: str | None, trace: str | None,
-          corpus: tuple[str, ...], corpus_max_bytes: int | None, batch_size: int | None,
+          update_rule: str | None, checkpoint_every: int, resume: bool, metrics: str | None,
+          trace: str | None, corpus: tuple[str, ...], corpus_max_bytes: int | None,
+          batch_size: int | None,
           seq_len: int | None, lr: float | None, grad_accum: int | None, dtype: str | None,
           eval_every: int | None, distributed: bool, paradigm: str, credits: int | None,
           hierarchical: bool, run_dir: str | None) -> None:
@@ -314,6 +322,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
     elif paradigm != "auto" or credits is not None or run_dir is not None or hierarchical:
         raise click.UsageError("--paradigm, --credits, --hierarchical-a2a and --run-dir go "
                                "with --distributed")
+    if update_rule is not None and (distributed or resident):
+        raise click.UsageError("--update-rule is the store trainer's: drop it with "
+                               "--resident and --distributed")
     if connect is not None and not distributed and (store is not None or resident):
         raise click.UsageError("--connect replaces --store and cannot go with --resident")
     if not resident and store is None and connect is None:
@@ -325,7 +336,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
     from tierstore.trainer.train.cli_train import run_train
 
     given = {"batch_size": batch_size, "seq_len": seq_len, "lr": lr, "grad_accum": grad_accum,
-             "dtype": dtype, "eval_every": eval_every}
+             "dtype": dtype, "eval_every": eval_every, "update_rule": update_rule}
     overrides = {k: v for k, v in given.items() if v is not None}
     if corpus_max_bytes is not None:
         overrides["corpus_max_bytes"] = corpus_max_bytes or None

@@ -260,6 +260,11 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     check_out_dir(out_dir, force)
     with tierstore.open(store_path, host_cache=0) as store:
         sm = stored_model(store)  # a StoreError naming the ways to get a model if none
+        # A fine-tune under the dense update rule: experts behind its last step take the
+        # updates they missed first (what save() and every checkpoint also do).
+        from tierstore.trainer.train.dense_rule import catch_up_import
+
+        catch_up_import(store, sm.experts)
         dt = asked or DTYPES.get(sm.dtype) or torch.float32
         plan, values = _plan(store, sm, dt)
         outputs = list(plan.outputs())

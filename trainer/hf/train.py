@@ -19,10 +19,26 @@ One step of a plain loop::
     dense_opt.zero_grad(); expert_opt.zero_grad()
 
 :meth:`ExpertAdamW.step` is the step's end for the experts: it runs the store trainer's
-lazy AdamW (:meth:`ExpertStates.update`, the arithmetic of
-:func:`tierstore.trainer.train.optim.adamw_step`) on every expert whose leaf has a gradient,
-writes the new weights, moments and step counts to the store, and gives the leaves back; the
-next forward fetches the updated weights.
+AdamW (:meth:`ExpertStates.update`, the arithmetic of
+:func:`tierstore.trainer.train.optim.adamw_step`) on the step's experts, writes the new
+weights, moments and step counts to the store, and gives the leaves back; the next forward
+fetches the updated weights.
+
+Two update rules (``ExpertAdamW(model, rule=...)``):
+
+- ``dense`` (the default): exactly ``torch.optim.AdamW(model.parameters())`` on
+  ``transformers``' own model, whose fused ``[E, ...]`` expert parameters give an expert no
+  token reached a zero gradient: its moments decay, weight decay shrinks it and the Adam
+  update of its decayed moments moves it; all experts share the global step count. Only
+  the routed experts are read and written each step: an expert is caught up on the steps
+  it missed (each with that step's learning rate, kept in the store) when it is next
+  fetched, and every expert by :func:`save` and ``export-hf``
+  (:mod:`tierstore.trainer.train.dense_rule`).
+- ``lazy``: an expert no token reached is left as it is (``torch.optim.AdamW`` over one
+  parameter per expert, an unrouted one's ``.grad`` None); each expert has its own step
+  count, and expert biases take no weight decay.
+
+A store keeps the rule its experts were first trained with.
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ import torch
 # module, so when the trainer is imported first hf_finetune is still half made here.
 from tierstore.trainer.train import hf_finetune
 from tierstore.trainer.train.checkpoint import STEP_KIND, initialise_imported
+from tierstore.trainer.train.dense_rule import rule_of
 from tierstore.trainer.train.expert_states import ExpertStates
 from tierstore.trainer.train.fetch import resolve_fetch_mode
 from tierstore.trainer.train.resident import TrainConfig
@@ -73,8 +90,10 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
             # interrupted or never-run start, which is simply run (again).
             initialise_imported(st, layout)
         # Sized for a step that touches every expert: the loop's batch is not known here.
+        # The rule the store's experts were trained with, dense for a new fine-tune (the
+        # forward may run before an ExpertAdamW says which, and must see caught-up experts).
         states = ExpertStates(st, layout, device, mode, tokens_per_step=layout.n_experts,
-                              budget=device_budget)
+                              budget=device_budget, rule=rule_of(st, layout) or "dense")
         states.begin(1)
         loaded.attach_trainable(states)
     except BaseException:
@@ -121,12 +140,23 @@ class ExpertAdamW(torch.optim.Optimizer):
     trainable=True)``, beside any optimizer of its dense parameters (the defaults are
     ``torch.optim.AdamW``'s).
 
-    The lazy rule: :meth:`step` updates each expert some token reached since the last step
+    ``rule="dense"`` (the default): :meth:`step` is ``torch.optim.AdamW`` on the model's
+    fused ``[E, ...]`` expert parameters as ``transformers`` has them: an expert no token
+    reached takes the zero-gradient update (moments decay, weight decay, the Adam update of
+    the decayed moments), weight decay applies to every expert tensor (biases included: the
+    fused parameter is no vector), and every expert counts the global step. The missed
+    updates of an expert are applied when it is next fetched (one elementwise AdamW pass per
+    missed step), and of every expert by :func:`save` and ``export-hf``.
+
+    ``rule="lazy"``: :meth:`step` updates each expert some token reached since the last step
     (its leaf has a gradient), with its own step count, exactly as ``torch.optim.AdamW`` does
     one parameter per expert; an expert no token reached (``.grad`` None there) is left as it
     is, moments and step count included. Weight decay applies to an expert's matrices, not
-    to its biases. The new fp32 weights, the moments and the step counts go to the store,
-    and the next forward computes with them.
+    to its biases.
+
+    A store whose experts took steps under one rule refuses the other (one ValueError line).
+    The new fp32 weights, the moments and the step counts go to the store, and the next
+    forward computes with them. A step in which no expert has a gradient changes nothing.
 
     There are no parameters: ``param_groups`` holds one group with no ``params`` whose
     ``lr``, ``betas``, ``eps`` and ``weight_decay`` the step reads, so learning-rate
@@ -136,8 +166,13 @@ class ExpertAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, rule: str = "dense") -> None:
         self.loaded = _loaded(model)
+        try:
+            self.loaded.experts.set_rule(rule)
+        except tierstore.StoreError as e:
+            raise ValueError(str(e)) from None
+        self.rule = rule
         super().__init__([{"params": []}],
                          {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.steps = 0
@@ -240,8 +275,10 @@ def save(model: nn.Module) -> None:
     """Write a trainable model's dense weights to their store entries (fp32) and flush the
     store, so that it holds the fine-tuned model whole: ``tierstore.hf.load`` and
     ``tierstore export-hf`` then give what ``model`` computes. The experts are there
-    already (every :meth:`ExpertAdamW.step` writes them)."""
+    already (every :meth:`ExpertAdamW.step` writes them); under the dense rule every expert
+    is first caught up to the last step."""
     loaded = _loaded(model)
+    loaded.experts.catch_up_all()
     hf_finetune.write_dense(loaded.store,
                             hf_finetune.dense_entries(loaded.served.model, loaded.stored))
     loaded.store.flush()

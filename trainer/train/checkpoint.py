@@ -9,6 +9,10 @@ Layout
 - each MoE layer's prefix (a preset's ``layers.{l}.experts``, :func:`step_counts_name`),
   kind :data:`STEP_KIND`: the layer's per-expert AdamW step counts, one int64
   ``[n_experts]`` entry.
+- :data:`HISTORY` (``trainer.dense_rule``, kind ``steps``), under the dense update rule
+  only: the global step and the hyperparameters of each step since the last checkpoint,
+  float64 (:mod:`trainer.train.dense_rule`); an expert's step count is then the global step
+  its states are caught up to.
 - :data:`RUN_ENTRY` (``trainer.run``, kind ``meta``): the model and training configs and the
   seed, as JSON.
 - :data:`DENSE_ENTRY` (``trainer.dense``, kind ``checkpoint``): the dense part of the latest
@@ -91,6 +95,8 @@ if TYPE_CHECKING:
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STEP_KIND = "step"
+# The dense update rule's global step and per-step hyperparameters (trainer.train.dense_rule).
+HISTORY = ("trainer.dense_rule", "steps")
 RUN_ENTRY = ("trainer.run", "meta")
 DENSE_ENTRY = ("trainer.dense", "checkpoint")
 CHECKPOINT_VERSION = 1
@@ -183,6 +189,7 @@ def _check_identity(saved: dict[str, Any], record: dict[str, Any], tc: TrainConf
         diff = _differences(saved["model_config"], record)
         raise TrainerError(f"{where} holds a run of a different model: {', '.join(diff)[:300]}")
     saved_tc = _as_json(saved["train_config"])
+    saved_tc.setdefault("update_rule", "lazy")  # runs recorded before there were two
     mine_tc = _as_json(tc.to_dict())
     if saved_tc != mine_tc:
         diff = _differences(saved_tc, mine_tc)
@@ -226,8 +233,10 @@ def initialise_experts(store: tierstore.Store, layout: ExpertLayout, cfg: MoECon
 def initialise_imported(store: tierstore.Store, layout: ExpertLayout) -> None:
     """Make an imported model's experts trainable: each weight as an fp32 master (cast up
     from the imported dtype; left alone when it is fp32 already), zero moments and zero
-    step counts. Done again after an interruption it changes nothing it had done (the cast
-    is exact), so an interrupted start is simply started again."""
+    step counts, and no dense-rule history. Done again after an interruption it changes
+    nothing it had done (the cast is exact), so an interrupted start is simply started
+    again."""
+    store.delete(*HISTORY, missing_ok=True)
 
     def states(layer: int, e: int) -> list[tuple[str, str, Tensor]]:
         names = layout.names(layer, e)

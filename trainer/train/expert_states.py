@@ -30,10 +30,17 @@ over-full step is an error rather than a wait that never ends) and, during the u
 moments of one layer (two with ``read_ahead``). Each layer's leaves are freed as soon as its
 new states are in the store.
 
-Lazy semantics: an expert that received no token in a step gets no gradient and is not
-updated at all (no weight decay, no moment decay, no step count). ``torch.optim.AdamW`` does
-the same for a parameter whose ``.grad`` is ``None``, which is what the resident reference
-sees for an unrouted expert, so the two trainers agree.
+Two update rules (``rule``):
+
+- ``lazy``: an expert that received no token in a step gets no gradient and is not updated
+  at all (no weight decay, no moment decay, no step count). ``torch.optim.AdamW`` does the
+  same for a parameter whose ``.grad`` is ``None``, which is what the resident reference
+  sees for an unrouted expert, so the two trainers agree.
+- ``dense``: what ``torch.optim.AdamW`` does to ``transformers``' fused ``[E, ...]`` expert
+  parameters, whose unrouted experts get zero gradients (:mod:`.dense_rule`): every step
+  that updates experts advances one global step, an expert behind it is caught up when it
+  is next fetched (before the forward computes with it), and :meth:`ExpertStates.catch_up_all`
+  brings every expert there before a checkpoint or an export.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -51,6 +59,7 @@ import tierstore
 
 from ..model import ExpertWeights
 from .checkpoint import MOMENTS, STEP_KIND
+from .dense_rule import StepHistory, catch_up_all, catch_up_layer, check_rule, require_rule
 from .fetch import ExpertFetch, Moments, RoutingPredictor, make_fetch
 from .layout import ExpertLayout
 from .resident import TrainConfig
@@ -65,13 +74,17 @@ class ExpertStates:
     Validation uses ``begin(step, grad=False)`` and :meth:`drop_all` after each batch.
 
     ``fetch`` is ``queue`` or ``direct`` (:func:`~.fetch.make_fetch` says which strategy
-    serves it; ``budget`` and ``zero_copy`` go there).
+    serves it; ``budget`` and ``zero_copy`` go there). ``rule``: the update rule, ``lazy``
+    or ``dense`` (see the module docstring; :meth:`set_rule`).
     """
 
     def __init__(self, store: tierstore.Store, layout: ExpertLayout, device: torch.device,
                  fetch: str, tokens_per_step: int, read_ahead: bool | None = None,
-                 budget: int | str | None = None, zero_copy: bool | None = None) -> None:
+                 budget: int | str | None = None, zero_copy: bool | None = None,
+                 rule: str = "lazy") -> None:
         self.store, self.layout, self.device = store, layout, device
+        self.rule = check_rule(rule)
+        self.history: StepHistory | None = None  # the dense rule's, read by set_rule
         self.layers = layout.keys
         self.expert_bytes = layout.expert_bytes
         # The most experts one step can touch: every expert of every MoE layer, or one per
@@ -103,6 +116,23 @@ class ExpertStates:
         self.routed: dict[int, set[int]] = {}
         self.fetch_s = 0.0  # waiting for experts (params in forward, moments in update)
         self.write_s = 0.0
+        self.set_rule(rule)
+
+    def set_rule(self, rule: str) -> None:
+        """Train under ``rule`` from now on (a store whose experts took steps under the other
+        rule is refused), and (re)read the dense rule's history from the store: call it
+        again after restoring a snapshot."""
+        require_rule(self.store, self.layout, rule)
+        self.rule = rule
+        self.history = (StepHistory.read(self.store) or StepHistory()) if rule == "dense" \
+            else None
+
+    def catch_up_all(self) -> int:
+        """Dense rule: bring every expert to the global step (before a checkpoint or an
+        export; between steps). Returns how many experts moved."""
+        if self.history is None:
+            return 0
+        return catch_up_all(self.store, self.layout, self.history)
 
     # -- the provider -----------------------------------------------------------------
 
@@ -125,6 +155,12 @@ class ExpertStates:
         # After the last forward, a call is a recomputation (gradient checkpointing runs
         # the layer again in backward): the step holds its experts already, and nothing
         # is fetched, predicted or written for it.
+        if new and self.history is not None:
+            # Dense rule: an expert behind the global step takes the zero-gradient updates
+            # it missed before anything computes with it.
+            behind = catch_up_layer(self.store, self.layout, layer, new, self.history,
+                                    self.device)
+            self.fetch.forget(layer, behind)  # a copy requested ahead is of the old states
         if new or self.forwarding:
             for e, weights in self.fetch.experts(layer, new).items():
                 self.leaves[(layer, e)] = tuple(  # type: ignore[assignment]
@@ -206,9 +242,22 @@ class ExpertStates:
         return moments
 
     def update(self, lr: float, tc: TrainConfig) -> int:
-        """Lazy AdamW for every expert that got gradients this step, written back to the
-        store layer by layer; returns how many experts were updated."""
+        """AdamW for the step's experts, written back to the store layer by layer; returns
+        how many experts were updated. Lazy: those that got gradients. Dense: when any did,
+        the step is a global step (recorded in the history first) and every expert the step
+        fetched is updated, one without a gradient as with a zero one; when none did, the
+        step changes nothing (``torch.optim.AdamW`` skips parameters without ``.grad``)."""
         layers = self._touched_layers()
+        tc = replace(tc, lr=lr, update_rule=self.rule)
+        if self.history is not None:
+            leaves = self.tensors()
+            if not any(w.grad is not None for w in leaves):
+                return 0
+            for w in leaves:
+                if w.grad is None:
+                    w.grad = torch.zeros_like(w)
+            self.history.advance((lr, *tc.betas, tc.eps, tc.weight_decay))
+            self.history.write(self.store)
         updated = 0
         for i, layer in enumerate(layers):
             nxt = layers[i + 1] if i + 1 < len(layers) else None
@@ -238,6 +287,8 @@ class ExpertStates:
                    if all(w.grad is not None for w in self.leaves[(layer, e)])]
         for e in touched:  # lazy: an expert no token reached keeps its states and count
             counts[e] += 1
+        if self.history is not None:  # dense: every expert of the layer is at the step now
+            assert all(int(counts[e]) == self.history.step for e in touched), counts
         self.write_s += self.fetch.update(layer, [(e, self.leaves[(layer, e)]) for e in touched],
                                           states, counts, lr, tc)
         return len(touched)

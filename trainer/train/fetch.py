@@ -221,6 +221,10 @@ class ExpertFetch(ABC):
     def release(self, keys: list[Key]) -> None:
         """These experts' new states are in the store: give back what held the old ones."""
 
+    def forget(self, layer: int, ids: list[int]) -> None:  # noqa: B027  (a hook)
+        """``layer``'s experts ``ids`` were just rewritten in the store (the dense rule's
+        catch-up), before this step acquired them: anything read of them ahead is stale."""
+
     @abstractmethod
     def end(self) -> None:
         """The step or validation batch is over: give back everything still held."""
@@ -245,9 +249,10 @@ class ExpertFetch(ABC):
                 p, m, v = w.detach(), states[(name, MOMENTS[0])], states[(name, MOMENTS[1])]
                 assert w.grad is not None
                 out = None if out_of is None else out_of(name)
-                # As the dense parameters' groups (resident.param_groups): no weight decay
-                # on vectors (an expert's biases).
-                wd = tc.weight_decay if p.dim() >= 2 else 0.0
+                # Lazy, as the dense parameters' groups (resident.param_groups): no weight
+                # decay on vectors (an expert's biases). Dense, as torch.optim.AdamW on the
+                # fused [E, ...] parameter, which is no vector even where an expert's is.
+                wd = tc.weight_decay if p.dim() >= 2 or tc.update_rule == "dense" else 0.0
                 adamw_step(p, w.grad, m, v, n, lr, tc.betas, tc.eps, wd, out=out)
                 if out is None:
                     items += [(name, "param", p), (name, MOMENTS[0], m), (name, MOMENTS[1], v)]
@@ -386,6 +391,11 @@ class QueueFetch(CopyingFetch):
     def release(self, keys: list[Key]) -> None:
         # The device copies are of the old version now.
         self._drop([k for k in keys if k in self._held], release=True)
+
+    def forget(self, layer: int, ids: list[int]) -> None:
+        # Requested ahead (a prediction), never acquired: cancelled, so that the exact
+        # request reads the new states.
+        self._drop([(layer, e) for e in ids if (layer, e) in self._held], release=False)
 
     def end(self) -> None:
         self._drop([k for k, got in self._held.items() if got], release=True)

@@ -8,8 +8,9 @@ and its experts are served by the trainer's :class:`~.expert_states.ExpertStates
 (:meth:`tierstore.hf.loader.Loaded.attach_trainable`): fp32 leaves that require grad, so
 ``transformers``' own attention, routers and losses run unchanged and autograd gives each
 routed expert's gradient. Everything else is the store trainer's: the experts' AdamW moments
-live in the store and are updated lazily, the dense parameters train with
-``torch.optim.AdamW`` on the device, one global norm clips both, checkpoints are snapshots.
+live in the store and are updated under the dense rule by default (:mod:`.dense_rule`; or
+the lazy one), the dense parameters train with ``torch.optim.AdamW`` on the device, one
+global norm clips both, checkpoints are snapshots.
 
 Loss: ``transformers``' own, ``model(input_ids, labels=..., shift_labels=...)`` over every
 position of a packed window (the targets are the next tokens), which adds the router's

@@ -10,6 +10,10 @@ passes of a step, an expert no token reached in that step has its gradient set t
 (the stack gives it zeros), and AdamW leaves it alone: the lazy rule of the store trainer,
 by torch's own optimizer. One global-norm clip (``torch.nn.utils.clip_grad_norm_``) covers
 every gradient; the loss is ``transformers``' own (:func:`.hf_finetune.hf_losses`).
+
+``rule="dense"`` keeps the fused parameters (:class:`Fused`): an unrouted expert's slice has
+a zero gradient and ``torch.optim.AdamW`` updates it, the store trainer's dense rule
+(:mod:`.dense_rule`).
 """
 
 from __future__ import annotations
@@ -87,16 +91,34 @@ class PerExpert:
                 for e, p in enumerate(getattr(module, a + self.SUFFIX))}
 
 
+class Fused:
+    """Every experts module of ``model`` with its fused parameters left as they are (the
+    dense rule's reference); :meth:`weights` names each expert's slice as the store does."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules: dict[str, tuple[nn.Module, list[str]]] = {}
+        for name, module in experts_modules(model):
+            n = int(module.num_experts)
+            self.modules[name] = (module, [a for a, p in module.named_parameters(recurse=False)
+                                           if p.dim() >= 1 and p.shape[0] == n])
+
+    def weights(self) -> dict[str, Tensor]:
+        return {f"{name}.{e}.{a}": p.detach()[e]
+                for name, (module, attrs) in self.modules.items() for a in attrs
+                for p in [getattr(module, a)] for e in range(p.shape[0])}
+
+
 def train_hf_resident(model: nn.Module, steps: int, seed: int = 0,
                       train: TrainConfig | None = None, *, corpus: Corpus,
                       device: str | torch.device = "cpu", autocast: bool = False,
-                      on_step: Callable[[Metrics], None] | None = None
-                      ) -> tuple[list[Metrics], PerExpert]:
+                      on_step: Callable[[Metrics], None] | None = None,
+                      rule: str = "lazy") -> tuple[list[Metrics], PerExpert | Fused]:
     """Fine-tune ``model`` (a ``transformers`` causal LM, fp32, every weight in memory) for
     ``steps`` steps on ``corpus`` (already in the model's tokens) as the module docstring
     says, with the batches, learning-rate schedule, weight decay groups and metrics of the
-    store trainer; ``autocast``: compute in bf16. Returns the steps' metrics and the split
-    experts (their :meth:`PerExpert.weights`)."""
+    store trainer; ``autocast``: compute in bf16; ``rule``: the update rule, ``lazy`` (one
+    parameter per expert) or ``dense`` (the fused parameters). Returns the steps' metrics and
+    the experts (their ``weights()``)."""
     tc = train or TrainConfig()
     dev = torch.device(device)
     torch.manual_seed(seed)
@@ -105,7 +127,7 @@ def train_hf_resident(model: nn.Module, steps: int, seed: int = 0,
     sampler, val_batches = training_batches(tc, seed, corpus)
     model.set_experts_implementation("eager")
     model.to(dev)
-    experts = PerExpert(model)
+    experts: PerExpert | Fused = PerExpert(model) if rule == "lazy" else Fused(model)
     model.train()
     named = list(model.named_parameters())
     params = [p for _, p in named]
@@ -118,7 +140,8 @@ def train_hf_resident(model: nn.Module, steps: int, seed: int = 0,
             lr = tc.lr_for(step)
             for group in opt.param_groups:
                 group["lr"] = lr
-            experts.clear()
+            if isinstance(experts, PerExpert):
+                experts.clear()
             sums = {"ce": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
             for _ in range(tc.grad_accum):
                 x, y = sampler.next_batch()
@@ -126,7 +149,8 @@ def train_hf_resident(model: nn.Module, steps: int, seed: int = 0,
                 (loss / tc.grad_accum).backward()
                 for k in sums:
                     sums[k] += float(parts[k])
-            experts.drop_unrouted_grads()
+            if isinstance(experts, PerExpert):
+                experts.drop_unrouted_grads()
             if tc.clip is not None:
                 norm = torch.nn.utils.clip_grad_norm_(params, tc.clip)
             else:

@@ -8,6 +8,9 @@ Lazy semantics: an expert that received no token in a step has no gradient, is n
 (no weight decay, no moment decay) and its step count does not advance. This is also what
 ``torch.optim.AdamW`` does for a parameter whose ``.grad`` is ``None``, so a resident model
 that keeps one parameter per expert (``trainer.model.ExpertBank``) follows the same rule.
+The dense rule of an imported model's fine-tune (:mod:`.dense_rule`) runs :func:`adamw_step`
+with a zero gradient for the steps an expert missed, as ``torch.optim.AdamW`` does to the
+unrouted slices of a fused expert parameter.
 
 Gradient clipping across dense and expert gradients must see one global norm; the helpers
 below reproduce ``torch.nn.utils.clip_grad_norm_`` for gradients that are not all ``.grad``

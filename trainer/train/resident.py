@@ -58,12 +58,19 @@ class TrainConfig:
     dtype: str | None = None  # compute dtype override ("float32" / "bfloat16")
     corpus_max_bytes: int | None = 8 * 1024 * 1024
     val_fraction: float = 0.1
+    # How store-held experts no token reached are updated: "lazy" (not at all) or "dense"
+    # (as torch.optim.AdamW updates fused [E, ...] parameters; trainer.train.dense_rule).
+    # None: dense for an imported model, lazy for a preset (train_store resolves it).
+    update_rule: str | None = None
 
     def lr_for(self, step: int) -> float:
         return lr_at(step, self.lr, self.warmup_steps, self.decay_steps, self.min_lr)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["update_rule"] is None:  # unresolved (the distributed trainer's): as recorded
+            del d["update_rule"]      # before there were two rules
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:

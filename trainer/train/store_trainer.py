@@ -28,6 +28,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -41,8 +42,9 @@ from tierstore.prefetch import DEFAULT_CUDA_FRACTION
 from ..infer.budget import check_budget_fits
 from ..presets import TrainModel, model_size
 from .budget import TrainShape, check_step_fits, train_budget
-from .checkpoint import TrainerError, start_run, write_checkpoint
+from .checkpoint import TrainerError, saved_run, start_run, write_checkpoint
 from .data import BatchSampler, Corpus
+from .dense_rule import check_rule
 from .expert_states import ExpertStates
 from .fetch import resolve_fetch_mode
 from .layout import ExpertLayout, preset_layout
@@ -123,7 +125,9 @@ def train_store(
     model's tokenizer (:mod:`trainer.train.hf_finetune`), ``seed`` fixes the batch order,
     and ``gradient_checkpointing`` recomputes each decoder layer in backward
     (``transformers``' ``gradient_checkpointing_enable``; the recomputation reuses the
-    step's experts and writes nothing).
+    step's experts and writes nothing). ``train.update_rule`` says how experts no token
+    reached are updated (:func:`resolve_rule`: ``dense`` by default for an import, the only
+    rule a preset has is ``lazy``; :mod:`.dense_rule`).
 
     The store is created if missing (``backing``: ``nvme`` by default, or ``pmem`` with
     ``pmem_path`` and ``pmem_size``; ``slab_size`` sizes NVMe slab files) and opened with a
@@ -162,6 +166,11 @@ def train_store(
     mode = resolve_fetch_mode(fetch, dev)
     ahead = read_ahead if read_ahead is not None else dev.type != "cpu"
     cfg = None if model is None else resolve_model_config(model, tc)
+    if cfg is not None and tc.update_rule not in (None, "lazy"):
+        # Checked before a store is made: the resident trainer, a preset's reference, has
+        # one parameter per expert and no other rule.
+        raise TrainerError(f"update rule {tc.update_rule!r} is for fine-tuning imported "
+                           "models; a preset trains with the lazy rule")
     check_budget_fits(None if device_budget is None else tierstore.parse_size(device_budget),
                       dev)
     cache = tierstore.parse_size(host_cache or 0) if store is None else 0
@@ -192,6 +201,7 @@ def train_store(
                             read_ahead=ahead)
             if device_budget is None and dev.type == "cuda":
                 store.prefetch_budget(dev, cuda_budget(net.layout, tc, dev))
+        tc = replace(tc, update_rule=resolve_rule(tc.update_rule, net.finetune, store))
         _seed_everything(seed)
         sampler, val_batches = training_batches(tc, seed, corpus, corpus_paths)
         dense = list(net.module.named_parameters())
@@ -201,10 +211,12 @@ def train_store(
         if plan is not None:  # the step's expert weights (their gradients match them)
             store.prefetch_budget(dev, plan.fetch_bytes)
         experts = ExpertStates(store, net.layout, dev, mode, tokens, read_ahead,
-                               plan.fetch_bytes if plan is not None else None, zero_copy)
+                               plan.fetch_bytes if plan is not None else None, zero_copy,
+                               rule=tc.update_rule or "lazy")
         experts.fetch.plan = plan
         net.attach(experts)
         start, start_metrics = start_run(store, net, tc, seed, resume, opt, sampler)
+        experts.set_rule(tc.update_rule or "lazy")  # the history as the start left it
         run = _Run(store, experts, net, opt, sampler, val_batches, tc, seed, dev,
                    checkpoint_every, metrics_path, trace_path, start, start_metrics, on_step)
         return run.train(steps)
@@ -215,6 +227,20 @@ def train_store(
         finally:
             if owned:
                 store.close()
+
+
+def resolve_rule(rule: str | None, finetune: bool, store: tierstore.Store) -> str:
+    """The update rule of a run: the one asked for; else the one the store's run was
+    started with (``lazy`` for runs recorded before there were two); else ``dense`` for an
+    imported model (what ``transformers`` with ``torch.optim.AdamW`` does) and ``lazy`` for
+    a preset (what the resident trainer, its reference, does; the only rule it has)."""
+    if rule is None:
+        saved = saved_run(store)
+        if saved is not None:
+            rule = saved["train_config"].get("update_rule") or "lazy"
+        else:
+            rule = "dense" if finetune else "lazy"
+    return check_rule(rule)
 
 
 def _open(path: PathLike, cfg: TrainModel | None, tc: TrainConfig, dev: torch.device, *,
@@ -356,6 +382,7 @@ class _Run:
         if tc.eval_every > 0 and (done % tc.eval_every == 0 or done == steps):
             m["val_loss"] = evaluate_store(net, self.val_batches, experts, done, dev)
         if (self.checkpoint_every > 0 and done % self.checkpoint_every == 0) or done == steps:
+            experts.catch_up_all()  # dense rule: the checkpoint holds every expert current
             write_checkpoint(self.store, done, seed=self.seed, net=self.net, tc=self.tc,
                              opt=self.opt, sampler=self.sampler, metrics=m)
         return m, routed
