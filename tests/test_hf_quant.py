@@ -3,7 +3,7 @@ tiny DeepSeek-V3 in 128x128 block FP8, quantized here (tests/hf_quant.py), impor
 and served in every mode exactly as ``transformers`` serves the same checkpoint dequantized
 on the CPU; each expert dequantized bit for bit as ``transformers`` dequantizes it; compact
 bytes in the store, across the tier and in the host cache; the formats not kept refused in
-one line."""
+one line; the export writes the packed tensors back as shipped."""
 
 from __future__ import annotations
 
@@ -44,8 +44,7 @@ def imported(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Path, Any]
 
 
 def _checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+    return _checkpoint_file(ckpt / "model.safetensors")
 
 
 def test_every_mode_gives_transformers_logits_and_tokens(imported: Any) -> None:
@@ -205,3 +204,37 @@ def test_malformed_packed_tensors_are_refused_naming_them(tmp_path: Path) -> Non
     s = "model.layers.0.mlp.experts.down_proj_scales"
     save_file({**sd, s: sd[s][:, :-1].contiguous()}, str(gpt / "model.safetensors"), metadata={"format": "pt"})
     assert b in _one_line_refusal(gpt, tmp_path / "st")
+
+
+def test_export_writes_the_packed_tensors_back_byte_for_byte(imported: Any,
+                                                             tmp_path: Path) -> None:
+    """export-hf of the compact store: every packed tensor and scale, and the
+    quantization_config, as the checkpoint has them; transformers loads the export to the
+    same dequantized experts."""
+    family, ckpt, store, ref = imported
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["export-hf", "--store", str(store), str(out)])
+    assert r.exit_code == 0, r.output
+    was = _checkpoint(ckpt)
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(_checkpoint_file(f))
+    assert set(got) == set(was)
+    packed = [k for k in was if k.endswith(("_blocks", "_scales", "_scale_inv"))
+              or was[k].dtype == torch.float8_e4m3fn]
+    assert len(packed) > 0
+    for k in packed:
+        assert got[k].dtype == was[k].dtype and got[k].shape == was[k].shape, k
+        assert torch.equal(got[k].view(torch.uint8), was[k].view(torch.uint8)), k
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == json.loads((ckpt / "config.json").read_text())[
+        "quantization_config"]
+    again = dict(reference(out).named_parameters())
+    for name, p in ref.named_parameters():
+        if ".experts." in name:
+            assert torch.equal(again[name], p), name
+
+
+def _checkpoint_file(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (not a dict)

@@ -49,6 +49,7 @@ from .convert import expert_params
 from .families import UnservedFamilyError, check_served
 from .layout import ExpertsModule, StoredModel, stored_model
 from .outdir import HFExportError, WorkDir, check_out_dir, remove_leftovers, write_file
+from .quant_export import PackedValues, expand
 from .reverse import Group, ReverseError, ReversePlan, reverse_plan, run
 from .shards import INDEX_FILE, Shards
 from .tokenizer import byte_tokenizer_files, tokenizer_files
@@ -205,9 +206,12 @@ def _plan(store: tierstore.Store, sm: StoredModel, dt: torch.dtype
     names = saved_names(model)
     values.check(names)
     try:
-        return reverse_plan(model, names, params), values
+        plan = reverse_plan(model, names, params)
     except ReverseError as e:
         raise HFExportError(f"{sm.family}: {e}") from e
+    if sm.quant is not None:  # the packed tensors and their scales, as shipped
+        expand(plan, values, store)
+    return plan, values
 
 
 def plan_export(store: tierstore.Store) -> ReversePlan:
@@ -221,10 +225,12 @@ def _write_group(group: Group, plan: ReversePlan, values: _Values, shards: Shard
                  advance: Progress) -> None:
     """One group's outputs into the shards: one expert at a time where the group allows
     it, else whole."""
+    if group.part is not None:
+        values = PackedValues(values, group.part)  # type: ignore[assignment]
     if not group.experts:
         for name, t in run(group, plan, {n: values.value(n) for n in group.source_names()}
                            ).items():
-            advance(shards.write(name, t))
+            advance(shards.write(group.renamed.get(name, name), t))
         return
     slices = {o.name: o.experts for o in group.outputs}
     for e in range(group.experts):
@@ -262,7 +268,8 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
         dt = asked or DTYPES.get(sm.dtype) or torch.float32
         plan, values = _plan(store, sm, dt)
         outputs = list(plan.outputs())
-        tensors = [(o.name, o.shape, dt if o.dtype.is_floating_point else o.dtype)
+        tensors = [(o.name, o.shape,
+                    dt if o.dtype.is_floating_point and not o.packed else o.dtype)
                    for o in outputs]
         side = side_files(store, sm)
         removed = remove_leftovers(out_dir)
