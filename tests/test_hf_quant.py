@@ -238,3 +238,43 @@ def test_export_writes_the_packed_tensors_back_byte_for_byte(imported: Any,
 def _checkpoint_file(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (not a dict)
+
+
+def test_served_compact_through_the_daemon(imported: Any, tmp_path: Path) -> None:
+    """Over a daemon's socket the packed entries cross its shared memory as they are and
+    the tokens are transformers'."""
+    import subprocess
+    import sys
+    import time
+
+    family, _, store, ref = imported
+    if family != "gpt_oss":
+        pytest.skip("one format over the daemon: it moves entries whatever their dtype")
+    sock = tmp_path / "d.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "serve", "--store", str(store),
+                             "--socket", str(sock), "--host-cache", "16MiB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if sock.exists():
+                break
+            if proc.poll() is not None:
+                pytest.fail(proc.stderr.read() if proc.stderr else "the daemon ended")
+            time.sleep(0.05)
+        ids = prompt_ids(1, 8, ref.config.vocab_size)
+        tokens = ref.generate(ids, max_new_tokens=NEW, do_sample=False)
+        for mode in ("expert",):  # the prefetch queue's credits, the daemon's cache
+            model = load(str(sock), mode=mode, device="cpu", dtype=torch.float32)
+            try:
+                assert model.tierstore.store.capabilities.remote
+                out = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+                assert out.tolist() == tokens.tolist(), mode
+                layer = next(iter(model.tierstore.served.layers.values()))
+                one = sum(model.tierstore.store.info(n).nbytes for n in layer.entry_names(0))
+                moved = model.tierstore.stats()["bytes_moved"]
+                assert moved > 0 and moved % one == 0, (mode, moved, one)
+            finally:
+                model.tierstore.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
