@@ -278,3 +278,33 @@ def test_served_compact_through_the_daemon(imported: Any, tmp_path: Path) -> Non
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_adapters_over_frozen_quantized_experts_train_as_in_memory(imported: Any) -> None:
+    """Adapters (the attention weights) trained over the frozen packed experts get
+    transformers' losses and weights, and the store is only read. The ring reuses its slots
+    after each layer; the experts function dequantizes into fresh tensors under a backward."""
+    import copy
+
+    from test_hf_frozen_experts import STEPS, train, versions
+
+    family, _, store, ref = imported
+    ids = prompt_ids(2 * STEPS, 8, ref.config.vocab_size)
+    mem = copy.deepcopy(ref)
+    want = train(mem, ids)
+    with tierstore.open(store) as st:
+        before = versions(st)
+    model = load(store, mode="ring", device="cpu", dtype=torch.float32)
+    try:
+        got = train(model, ids)
+        writes = sum(t["writes"] for t in model.tierstore.store.stats()["tiers"].values())
+    finally:
+        model.tierstore.close()
+    assert got == pytest.approx(want, abs=1e-5)
+    trained = dict(model.named_parameters())
+    for name, p in mem.named_parameters():
+        if "self_attn" in name:
+            torch.testing.assert_close(trained[name], p, atol=1e-5, rtol=0, msg=name)
+    assert writes == 0
+    with tierstore.open(store) as st:
+        assert versions(st) == before
