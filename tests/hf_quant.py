@@ -69,17 +69,24 @@ def gpt_oss_config(layers: int = 2) -> Any:
                         dtype="bfloat16", pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def gpt_oss_mxfp4(out: str | Path, seed: int = 0) -> Path:
-    """A tiny gpt-oss checkpoint, its experts in MXFP4 as gpt-oss ships them."""
+def _random_model(config: Any, router: str, seed: int) -> Any:
+    """A random bf16 model of ``config``, its router weights (names ending ``router``)
+    drawn at std 1 so that routing varies from token to token."""
     from transformers import AutoModelForCausalLM
 
-    out = Path(out)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(gpt_oss_config(), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     for name, p in model.named_parameters():
-        if name.endswith("router.weight"):
+        if name.endswith(router):
             with torch.no_grad():
                 p.normal_(0.0, 1.0)
+    return model
+
+
+def gpt_oss_mxfp4(out: str | Path, seed: int = 0) -> Path:
+    """A tiny gpt-oss checkpoint, its experts in MXFP4 as gpt-oss ships them."""
+    out = Path(out)
+    model = _random_model(gpt_oss_config(), "router.weight", seed)
     tensors = {}
     for name, p in model.state_dict().items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -108,16 +115,9 @@ def deepseek_config(layers: int = 2) -> Any:
 def deepseek_fp8(out: str | Path, seed: int = 0) -> Path:
     """A tiny DeepSeek-V3 checkpoint in block FP8 as DeepSeek ships it: every linear weight
     whose sides are multiples of 128 (experts, shared expert, dense MLP, attention) in e4m3
-    with its ``weight_scale_inv``; embeddings, norms, the router and the head in bf16."""
-    from transformers import AutoModelForCausalLM
-
+    with its ``weight_scale_inv``; embeddings, norms, the router and the head as saved."""
     out = Path(out)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(deepseek_config(), dtype=torch.bfloat16)
-    for name, p in model.named_parameters():
-        if name.endswith("mlp.gate.weight"):
-            with torch.no_grad():
-                p.normal_(0.0, 1.0)
+    model = _random_model(deepseek_config(), "mlp.gate.weight", seed)
     # save_pretrained's own layout (per-expert gate/up/down_proj), then quantized.
     model.save_pretrained(out / "_plain")
     from safetensors.torch import load_file

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from hf_models import ATOL, prompt_ids
+from hf_models import ATOL, daemon_serving, prompt_ids
 from hf_quant import deepseek_fp8, gpt_oss_mxfp4, reference
 from safetensors import safe_open
 from tierstore.hf import load
@@ -243,28 +243,14 @@ def _checkpoint_file(path: Path) -> dict[str, torch.Tensor]:
 def test_served_compact_through_the_daemon(imported: Any, tmp_path: Path) -> None:
     """Over a daemon's socket the packed entries cross its shared memory as they are and
     the tokens are transformers'."""
-    import subprocess
-    import sys
-    import time
-
     family, _, store, ref = imported
     if family != "gpt_oss":
         pytest.skip("one format over the daemon: it moves entries whatever their dtype")
-    sock = tmp_path / "d.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "serve", "--store", str(store),
-                             "--socket", str(sock), "--host-cache", "16MiB"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(600):
-            if sock.exists():
-                break
-            if proc.poll() is not None:
-                pytest.fail(proc.stderr.read() if proc.stderr else "the daemon ended")
-            time.sleep(0.05)
+    with daemon_serving(store, tmp_path / "d.sock", "16MiB"):
         ids = prompt_ids(1, 8, ref.config.vocab_size)
         tokens = ref.generate(ids, max_new_tokens=NEW, do_sample=False)
         for mode in ("expert",):  # the prefetch queue's credits, the daemon's cache
-            model = load(str(sock), mode=mode, device="cpu", dtype=torch.float32)
+            model = load(str(tmp_path / "d.sock"), mode=mode, device="cpu", dtype=torch.float32)
             try:
                 assert model.tierstore.store.capabilities.remote
                 out = model.generate(ids, max_new_tokens=NEW, do_sample=False)
@@ -275,9 +261,6 @@ def test_served_compact_through_the_daemon(imported: Any, tmp_path: Path) -> Non
                 assert moved > 0 and moved % one == 0, (mode, moved, one)
             finally:
                 model.tierstore.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def test_adapters_over_frozen_quantized_experts_train_as_in_memory(imported: Any) -> None:
