@@ -40,6 +40,7 @@ def imported(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Path, Any]
     ckpt = MAKERS[family](root / "hf")
     r = CliRunner().invoke(main, ["import-hf", str(ckpt), "--store", str(root / "st")])
     assert r.exit_code == 0, r.output
+    assert "kept packed" in r.output
     return family, ckpt, root / "st", reference(ckpt)
 
 
@@ -291,3 +292,60 @@ def test_adapters_over_frozen_quantized_experts_train_as_in_memory(imported: Any
     assert writes == 0
     with tierstore.open(store) as st:
         assert versions(st) == before
+
+
+def test_expert_format_fp8_quantizes_a_bf16_checkpoint_at_import(tmp_path: Path) -> None:
+    """import-hf --expert-format fp8 of a bf16 checkpoint stores each expert's weights as
+    transformers' Fp8Quantize makes them (half the bytes), serves transformers' model with
+    those weights dequantized, and exports the values it computes with; quantizing an
+    already quantized checkpoint, or to mxfp4, is one line."""
+    from types import SimpleNamespace
+
+    from hf_quant import _random_model, deepseek_config
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    hf = _random_model(deepseek_config(), "mlp.gate.weight", 0).float()
+    hf.save_pretrained(tmp_path / "hf")
+    r = CliRunner().invoke(main, ["import-hf", str(tmp_path / "hf"), "--store",
+                                  str(tmp_path / "st"), "--expert-format", "fp8"])
+    assert r.exit_code == 0 and "fp8, kept packed" in r.output, r.output
+    quantize = Fp8Quantize(SimpleNamespace(
+        quantization_config=FineGrainedFP8Config(weight_block_size=(128, 128))))._quantize_one
+    deq = Dequantizer()
+    module = "model.layers.1.mlp.experts"
+    experts = hf.get_submodule(module)
+    with tierstore.open(tmp_path / "st") as st:
+        info = read_json_entry(st, *MODEL_ENTRY)
+        assert info["quant"] == "fp8" and info["quantized_at_import"]
+        for attr in ("gate_up_proj", "down_proj"):
+            for e in range(experts.num_experts):
+                w = getattr(experts, attr)[e].detach()
+                want = quantize("x.weight", w)
+                q, s = st.get(f"{module}.{e}.{attr}"), st.get(f"{module}.{e}.{attr}_scale_inv")
+                assert torch.equal(q.view(torch.uint8), want["x.weight"].view(torch.uint8))
+                assert torch.equal(s, want["x.weight_scale_inv"])
+                assert q.nbytes + s.nbytes < 0.26 * w.nbytes  # against fp32
+                with torch.no_grad():
+                    getattr(experts, attr)[e] = deq.fp8(q, s, torch.float32)
+    ids = prompt_ids(1, 8, hf.config.vocab_size)
+    model = load(tmp_path / "st", mode="resident", device="cpu", dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=ATOL, rtol=0)
+    finally:
+        model.tierstore.close()
+    r = CliRunner().invoke(main, ["export-hf", "--store", str(tmp_path / "st"),
+                                  str(tmp_path / "out"), "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    for attr in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(again.get_submodule(module), attr), getattr(experts, attr))
+    ckpt = gpt_oss_mxfp4(tmp_path / "gpt")
+    for fmt, words in (("fp8", "already quantized"), ("mxfp4", "fp8 only")):
+        r = CliRunner().invoke(main, ["import-hf", str(ckpt), "--store", str(tmp_path / "s2"),
+                                      "--expert-format", fmt])
+        assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+        assert words in r.output

@@ -57,12 +57,14 @@ from .layout import (
 )
 from .quant import (
     FP8,
+    FP8_BLOCK,
     PACKED_DTYPES,
     SCALE_DTYPES,
     check_ops,
     fold,
     packed_shapes,
     quant_method,
+    quantize_fp8,
 )
 from .quant import SUFFIXES as QUANT_SUFFIXES
 from .quant import parts as quant_parts
@@ -173,7 +175,7 @@ def check_tokenizer(model_dir: str) -> None:
 class Checked:
     """A checkpoint that passed every check: its config, meta model, plan and reader."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, expert_format: str | None = None) -> None:
         self.model_dir = model_dir
         self.hf = read_config_json(model_dir)
         where = os.path.join(model_dir, "config.json")
@@ -210,12 +212,39 @@ class Checked:
         self.formats = {t: self._format(g, t in self.plan.expert_params)
                         for groups in (self.plan.dense, self.plan.experts)
                         for t, g in groups.items()}
+        self.quantize = self._quantize_at_import(expert_format, where)
         gen = os.path.join(model_dir, GENERATION_CONFIG)
         self.generation_config = _read_json_file(gen) if os.path.isfile(gen) else None
         if self.generation_config is not None:
             vocab = getattr(self.config.get_text_config(), "vocab_size", None)
             check_generation_config(self.generation_config, gen, vocab)
         check_tokenizer(model_dir)
+
+    def _quantize_at_import(self, fmt: str | None, where: str) -> set[str]:
+        """``--expert-format``: the expert parameters quantized as they are stored (every
+        weight; biases stay as they are), each checked to be whole 128x128 blocks."""
+        if fmt is None:
+            return set()
+        if fmt != FP8:
+            raise HFImportError(f"--expert-format {fmt}: quantizing at import is built for fp8 "
+                                "only; import without --expert-format, or with fp8")
+        if self.method is not None:
+            raise HFImportError(f"{where}: the checkpoint is already quantized ({self.method}) "
+                                "and is kept as shipped; import it without --expert-format")
+        chosen = set()
+        for name, p in self.plan.expert_params.items():
+            if len(p.shape) != 3:
+                continue  # a bias: kept as it is
+            if any(d % FP8_BLOCK for d in p.shape[1:]):
+                raise HFImportError(f"--expert-format fp8: {name} is {list(p.shape[1:])} an "
+                                    "expert, not whole 128x128 blocks; import without "
+                                    "--expert-format")
+            if self.model.get_submodule(p.module).is_transposed:
+                raise HFImportError(f"--expert-format fp8: {name} is held transposed by "
+                                    f"{self.family}; import without --expert-format")
+            self.formats[name] = FP8
+            chosen.add(name)
+        return chosen
 
     def file_key(self, key: str) -> str:
         """The checkpoint tensor plan key ``key`` is read from first."""
@@ -281,13 +310,15 @@ def slab_size_for(checkpoint_bytes: int) -> int:
 
 def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
               progress: bool | Callable[[int], Any] = True, *,
-              resume: bool = False) -> dict[str, Any]:
+              resume: bool = False, expert_format: str | None = None) -> dict[str, Any]:
     """Import the model in ``model_dir`` into the store at ``store_path`` (created if
     missing) and return its ``model.json`` content. ``progress``: ``True`` for a tqdm bar
     over the bytes imported, or a callable that receives byte counts. ``resume``: continue
-    an interrupted import of the same checkpoint (see the module docstring)."""
+    an interrupted import of the same checkpoint (see the module docstring).
+    ``expert_format="fp8"``: store the experts' weights of a bf16/fp32 checkpoint in 128x128
+    block FP8 (lossy; the default keeps them as the checkpoint has them)."""
     model_dir = os.fspath(model_dir)
-    ck = Checked(model_dir)
+    ck = Checked(model_dir, expert_format)
     reader = CheckpointReader(ck.heads, dtypes=ck.targets)
     files = sorted({h.path for h in ck.heads.values()})
     total = sum(os.path.getsize(p) for p in files)
@@ -306,6 +337,8 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
 
     source = {"hf_config": ck.hf,
               "files": sorted((os.path.basename(p), os.path.getsize(p)) for p in files)}
+    if expert_format is not None:  # resuming with another format is another import
+        source["expert_format"] = expert_format
     layout = ck.experts_layout()
     # No host cache: an import reads nothing back, and each expert should be durable once
     # its put_many returns, so that an interrupted import can be resumed from there.
@@ -320,7 +353,9 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
             info = StoredModel(family=ck.family, hf_config=ck.hf, experts=layout, dense=dense,
                                dtype=str(ck.dtype).removeprefix("torch."),
                                generation_config=ck.generation_config, tokenizer=toks,
-                               quant=ck.method, dense_scales=dense_scales)
+                               quant=ck.method or (FP8 if ck.quantize else None),
+                               quantized_at_import=bool(ck.quantize),
+                               dense_scales=dense_scales)
             store.put(MODEL_ENTRY[0], json_entry(info.to_json()), kind=MODEL_ENTRY[1])
             store.delete(IMPORT_ENTRY[0], IMPORT_ENTRY[1], missing_ok=True)
             store.flush()
@@ -387,9 +422,13 @@ def _put_experts(store: tierstore.Store, ck: Checked, reader: CheckpointReader,
         out: dict[str, torch.Tensor] = {}
         for group in groups[m.module]:
             fmt = ck.formats[group.target]
-            if fmt is None:
+            if fmt is None or group.target in ck.quantize:
                 got = convert_expert(group, ck.plan, ck.model, e, reader.get, reader.expert_slice)
-                out.update({_entry(m, e, t): v for t, v in got.items()})
+                for t, v in got.items():
+                    if t in ck.quantize:  # --expert-format: stored packed as DeepSeek ships
+                        v, scales = quantize_fp8(v)
+                        out[_entry(m, e, t) + QUANT_SUFFIXES[FP8][1]] = scales
+                    out[_entry(m, e, t)] = v
                 continue
             # The packed tensors and their scales, each through the same converter.
             for which, suffix in zip(("packed", "scales"), QUANT_SUFFIXES[fmt]):

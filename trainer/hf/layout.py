@@ -89,6 +89,7 @@ class StoredModel:
     tokenizer: list[str] = field(default_factory=list)
     quant: str | None = None  # the checkpoint's quantization, kept compact (tierstore.hf.quant)
     dense_scales: dict[str, str] = field(default_factory=dict)  # fp8 dense weight -> its scales
+    quantized_at_import: bool = False  # import-hf --expert-format: the checkpoint was not
     step: int | None = None  # a trainer run: the step of the checkpoint its dense state is
     # A trainer run's dense weights, out of its latest checkpoint, by the model's names
     # (an import's are entries, named in ``dense``).
@@ -99,7 +100,8 @@ class StoredModel:
                 "generation_config": self.generation_config, "dtype": self.dtype,
                 "experts": [m.to_json() for m in self.experts], "dense": self.dense,
                 "zeros": self.zeros, "tokenizer": self.tokenizer, "quant": self.quant,
-                "dense_scales": self.dense_scales}
+                "dense_scales": self.dense_scales,
+                "quantized_at_import": self.quantized_at_import}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> StoredModel:
@@ -112,6 +114,7 @@ class StoredModel:
                               for k, v in (d.get("zeros") or {}).items()},
                        tokenizer=[str(t) for t in d.get("tokenizer") or []],
                        quant=d.get("quant"),
+                       quantized_at_import=bool(d.get("quantized_at_import")),
                        dense_scales={str(k): str(v)
                                      for k, v in (d.get("dense_scales") or {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as e:

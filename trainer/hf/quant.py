@@ -14,7 +14,8 @@ into a buffer reused from call to call (:class:`Dequantizer`), and gives exactly
 
 * MXFP4: ``transformers.integrations.mxfp4.convert_moe_packed_tensors`` (its e2m1 table,
   ``ldexp`` by the E8M0 exponent, the transpose to ``[in, out]``), mirrored one expert at
-  a time;
+  a time, both nibbles of a byte looked up at once in a 256-entry table of pairs of its
+  values;
 * FP8: ``Fp8Dequantize._dequantize_one`` of ``transformers.integrations.finegrained_fp8``
   (fp32 product of the e4m3 weight and its block's ``weight_scale_inv``, then the cast),
   mirrored, since it is a private method.
@@ -159,6 +160,25 @@ def packed_shapes(fmt: str, logical: list[int]) -> tuple[list[int], list[int]]:
     return list(logical), [logical[0] // FP8_BLOCK, logical[1] // FP8_BLOCK]
 
 
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """``w [R, C]`` (sides multiples of 128) as e4m3 and one fp32 ``weight_scale_inv`` per
+    128x128 block: ``Fp8Quantize._quantize_one`` of ``transformers`` (a private method,
+    mirrored), what ``from_pretrained`` with ``FineGrainedFP8Config`` makes of a bf16 or
+    fp32 weight."""
+    rows, cols = w.shape
+    blocks = w.to(torch.float32).reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK,
+                                         FP8_BLOCK)
+    max_abs = blocks.abs().amax(dim=(-3, -1))
+    scales = FP8_MAX / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    scales = torch.where(max_abs > 0, scales, torch.ones_like(scales))  # zeros stay zeros
+    inv = (1.0 / scales).to(torch.float32)
+    q = torch.clamp(blocks * scales.unsqueeze(-1).unsqueeze(-3), min=-FP8_MAX, max=FP8_MAX)
+    return q.to(torch.float8_e4m3fn).reshape(rows, cols), inv
+
+
 class Dequantizer:
     """Dequantizes one expert's packed weight into a buffer kept for the next call of the
     same shape, dtype and device (the experts function uses it before the next expert)."""
@@ -189,14 +209,18 @@ class Dequantizer:
         in ``dtype``: ``convert_moe_packed_tensors`` of one expert."""
         rows, groups, width = blocks.shape
         dev = blocks.device
-        lut = self._luts.get((dtype, dev))
-        if lut is None:
-            lut = self._luts[(dtype, dev)] = torch.tensor(E2M1, dtype=dtype, device=dev)
-        flat = blocks.reshape(rows * groups, width)
-        exp = scales.reshape(rows * groups, 1).to(torch.int32) - 127
+        pairs = self._luts.get((dtype, dev))
+        if pairs is None:  # byte b -> (e2m1[b & 15], e2m1[b >> 4]): the low nibble first
+            lut = torch.tensor(E2M1, dtype=dtype, device=dev)
+            pairs = self._luts[(dtype, dev)] = torch.stack(
+                [lut.repeat(16), lut.repeat_interleave(16)], dim=1)
+        n = rows * groups * width
+        index = self._buffer("mxfp4-index", (n,), torch.int32, dev, reuse)
+        index.copy_(blocks.reshape(n))
         work = self._buffer("mxfp4", (rows * groups, width * 2), dtype, dev, reuse)
-        work[:, 0::2] = lut[(flat & 0x0F).to(torch.int)]
-        work[:, 1::2] = lut[(flat >> 4).to(torch.int)]
+        # One gather of both nibbles' values: the values transformers' table gives each.
+        torch.index_select(pairs, 0, index, out=work.view(n, 2))
+        exp = scales.reshape(rows * groups, 1).to(torch.int32) - 127
         torch.ldexp(work, exp, out=work)
         out = self._buffer("mxfp4-t", (groups * width * 2, rows), dtype, dev, reuse)
         out.copy_(work.view(rows, groups * width * 2).t())
