@@ -177,3 +177,26 @@ def count_expert_calls(monkeypatch: Any) -> list[int]:
 
     monkeypatch.setattr(ExpertStates, "experts", counted)
     return calls
+
+
+@contextlib.contextmanager
+def daemon_serving(store: Path, sock: Path, host_cache: str = "64MiB") -> Iterator[None]:
+    """``tierstore serve`` of ``store`` on ``sock`` for the block (ended with SIGTERM)."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "serve", "--store", str(store),
+                             "--socket", str(sock), "--host-cache", host_cache],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if sock.exists():
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read() if proc.stderr else "the daemon ended")
+            time.sleep(0.05)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

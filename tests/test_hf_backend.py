@@ -22,6 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tierstore.hf as th  # noqa: E402
+from hf_models import daemon_serving  # noqa: E402
 from hf_tiny import TinyUnavailable, tiny_checkpoint  # noqa: E402
 
 import tierstore  # noqa: E402
@@ -201,19 +202,7 @@ def test_on_demand_reads_exactly_the_routed_experts_and_the_ring_whole_layers(
 def test_served_through_the_daemon(tmp_path: Path) -> None:
     ref, store = _imported("gpt_oss", tmp_path)
     sock = tmp_path / "d.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "serve", "--store", str(store),
-                             "--socket", str(sock), "--host-cache", "64MiB"],
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(600):
-            if sock.exists():
-                break
-            if proc.poll() is not None:
-                pytest.fail(proc.stderr.read() if proc.stderr else "the daemon ended")
-            import time
-
-            time.sleep(0.05)
+    with daemon_serving(store, sock):
         ids, mask = _batch(int(ref.config.vocab_size))
         want = _generate(ref, ids, mask, do_sample=False)
         for mode in ("on-demand", "expert", "ring"):
@@ -224,9 +213,6 @@ def test_served_through_the_daemon(tmp_path: Path) -> None:
                 assert torch.equal(got.sequences, want.sequences), mode
             finally:
                 model.tierstore.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def test_a_store_without_a_model_is_one_line(tmp_path: Path) -> None:

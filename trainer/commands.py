@@ -48,14 +48,21 @@ def _preset(ctx: click.Context, _param: Any, value: str | None) -> str | None:
               callback=lambda ctx, _p, v: _list_families(ctx, v),
               help="List the families the installed transformers serves through the backend "
                    "and exit.")
-def import_hf_(model_dir: str, store: str, resume: bool) -> None:
+@click.option("--expert-format", "expert_format", type=click.Choice(["fp8", "mxfp4"]),
+              default=None,
+              help="Store the experts of a bf16/fp32 checkpoint quantized: fp8 in 128x128 "
+                   "blocks of e4m3, as DeepSeek ships them (half the bytes of bf16; lossy, "
+                   "see docs/inference.md). Default: as the checkpoint has them.")
+def import_hf_(model_dir: str, store: str, resume: bool, expert_format: str | None) -> None:
     """Import the Hugging Face MoE model in MODEL_DIR (config.json, single or sharded
     safetensors, tokenizer files) for `tierstore generate` and `tierstore.hf.load`: each
     expert's slice of each fused expert parameter becomes one entry
     ({module}.{expert}.{param}), mapped with transformers' own conversion mapping; the dense
     weights, config, generation config and tokenizer are kept beside them. Any family whose
     experts transformers computes through its experts interface is served; `tierstore
-    import-hf --list` names those of the installed transformers.
+    import-hf --list` names those of the installed transformers. Experts shipped in MXFP4
+    (gpt-oss) or 128x128 block FP8 (DeepSeek-V3) stay packed, dequantized only after each
+    fetch; other quantization methods are refused.
 
     \b
     tierstore import-hf ./DeepSeek-V3-tiny --store dsv3
@@ -64,10 +71,12 @@ def import_hf_(model_dir: str, store: str, resume: bool) -> None:
     from tierstore.hf import import_hf
 
     def go() -> None:
-        info = import_hf(model_dir, store, progress=True, resume=resume)
+        info = import_hf(model_dir, store, progress=True, resume=resume,
+                         expert_format=expert_format)
         experts = info["experts"]
         n = experts[0]["num_experts"] if experts else 0
-        click.echo(f"imported {info['family']}: {len(experts)}x{n} experts, "
+        packed = f" ({info['quant']}, kept packed)" if info.get("quant") else ""
+        click.echo(f"imported {info['family']}: {len(experts)}x{n} experts{packed}, "
                    f"{len(info['dense'])} dense tensors, "
                    f"tokenizer {'yes' if 'tokenizer.json' in info['tokenizer'] else 'no'}"
                    f" -> {store}")

@@ -17,6 +17,10 @@ orientation (``is_transposed``), biases and post-expert norm, and the routing we
 applied in fp32 and summed over the k slots as ``batched_mm`` does. Experts run in
 ascending id order, each looked up just before it runs, so a source may still be loading
 the later ones.
+
+A quantized checkpoint's experts (:mod:`tierstore.hf.quant`) reach this function as they are
+stored, packed, through every tier; each routed expert is dequantized here, on the device
+the source put it on, into a buffer the next expert reuses, just before it runs.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class ExpertParam:
 
     attr: str  # gate_up_proj, down_proj, ...
     parts: tuple[str, ...]  # entry name suffixes under the layer's prefix and expert number
+    format: str | None = None  # quantized: mxfp4 or fp8, its parts (packed, scales)
 
     @property
     def role(self) -> str:
@@ -71,6 +76,24 @@ class ExpertLayer:
     source: Any = None  # an ExpertSource; set by the strategy before the first forward
     top_k: int | None = None  # learnt from the first call
     calls: int = field(default=0, repr=False)
+    dtype: torch.dtype | None = None  # quantized layers: the compute dtype to dequantize to
+    dequantizer: Any = field(default=None, repr=False)  # a tierstore.hf.quant.Dequantizer
+    _plain: Any = field(default=None, repr=False)
+
+    @property
+    def quantized(self) -> bool:
+        return any(p.format for p in self.params)
+
+    def plain(self) -> ExpertLayer:
+        """This layer as one whose experts come in the compute dtype, one tensor a
+        parameter (what a warm-up's zero experts are); itself if not quantized."""
+        if not self.quantized:
+            return self
+        if self._plain is None:
+            params = tuple(ExpertParam(p.attr, (p.attr,)) for p in self.params)
+            self._plain = ExpertLayer(self.key, self.module_name, self.prefix, params,
+                                      self.num_experts)
+        return self._plain
 
     def entry_names(self, expert: int) -> tuple[str, ...]:
         """The store names of one expert's tensors, in the order the sources return them."""
@@ -84,6 +107,20 @@ class ExpertLayer:
             n = len(p.parts)
             out[p.role] = list(tensors[i:i + n])
             i += n
+        return out
+
+    def dequantize(self, tensors: Sequence[Tensor], reuse: bool) -> dict[str, list[Tensor]]:
+        """One expert's stored tensors by role in the compute dtype: packed parameters
+        dequantized (into the dequantizer's reused buffers where ``reuse``), the others
+        cast."""
+        out = self.split(tensors)
+        for p in self.params:
+            got = out[p.role]
+            if p.format is not None:
+                out[p.role] = [self.dequantizer(p.format, got[0], got[1], self.dtype,
+                                                reuse=reuse)]
+            else:
+                out[p.role] = [t.to(self.dtype) for t in got]
         return out
 
 
@@ -134,6 +171,8 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     # so frozen experts under a backward (adapters trained on the rest) compute with a copy;
     # trainable experts (leaves that require grad) are the trainer's own and stay as given.
     keep = torch.is_grad_enabled() and hidden_states.requires_grad
+    # A warm-up's zero experts come dequantized (tierstore.hf.warmup).
+    packed = layer.quantized and not getattr(source, "dequantized", False)
     pieces = []
     start = 0
     for e, c in zip(id_list, count_list):
@@ -146,9 +185,13 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
             raise KeyError(f"expert {e} of {layer.module_name} was routed to but its weights "
                            "were not supplied")
         weights = found[e]
-        if keep:
-            weights = [w if w.requires_grad else w.clone() for w in weights]
-        pieces.append(expert_output(module, hidden_states[rows], layer.split(weights)))
+        if packed:
+            split = layer.dequantize(weights, reuse=not keep)
+        else:
+            if keep:
+                weights = [w if w.requires_grad else w.clone() for w in weights]
+            split = layer.plain().split(weights)
+        pieces.append(expert_output(module, hidden_states[rows], split))
     source.layer_done(layer.key)
     y_sorted = torch.cat(pieces)
     inverse = torch.empty_like(order)

@@ -4,8 +4,9 @@ anything, and the model it describes built on the meta device (no memory).
 The checks are generic: every whole number an architecture is sized by lies in a sane range
 (a garbled ``num_hidden_layers`` of 10^9 would otherwise build a billion modules), the
 family is one ``transformers`` knows, and its own config class accepts the values (its
-dataclass validation). A quantized checkpoint is refused here, by the method named in its
-``quantization_config``, never imported with wrong numbers.
+dataclass validation). A quantized checkpoint is recognised here by the method named in its
+``quantization_config``: MXFP4 and 128x128 block FP8 are imported compact
+(:mod:`tierstore.hf.quant`), any other is refused, never imported with wrong numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from .checkpoint import HFImportError
+from .quant import quant_method
 
 # Sane ranges of the numbers a config sizes a model by; far beyond any released model.
 LIMITS = {
@@ -34,8 +36,6 @@ LIMITS = {
     "kv_lora_rank": 1 << 20, "q_lora_rank": 1 << 20,
 }
 ANY_INT_LIMIT = 1 << 48  # any other whole number of the config
-QUANTIZED_FORMATS_NOTE = ("quantized experts are imported by a later release of tierstore; "
-                          "import the checkpoint's bf16 or fp32 weights")
 
 
 def read_config_json(model_dir: str) -> dict[str, Any]:
@@ -175,12 +175,7 @@ def hf_config(hf: dict[str, Any], where: str) -> Any:
     if family not in CONFIG_MAPPING:
         raise HFImportError(f"{where}: model_type {family!r} is not a family the installed "
                             "transformers knows; upgrade transformers or check config.json")
-    quant = hf.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method", "an unknown method") if isinstance(quant, dict) \
-            else "an unreadable quantization_config"
-        raise HFImportError(f"{where}: a {family} checkpoint quantized with {method}: "
-                            f"{QUANTIZED_FORMATS_NOTE}")
+    quant_method(hf, where)  # refuses every method but those imported compact
     for key in ("dtype", "torch_dtype"):
         v = hf.get(key)
         if v is not None and v not in FLOAT_DTYPES:
@@ -188,8 +183,9 @@ def hf_config(hf: dict[str, Any], where: str) -> Any:
                                       f"({', '.join(FLOAT_DTYPES)})")
     _check_numbers(hf, where)
     # As transformers reads config.json: special floats ({"__float__": "Infinity"}) decoded.
+    # The model is built unquantized: the experts function dequantizes (tierstore.hf.quant).
     body = PreTrainedConfig._decode_special_floats(
-        {k: v for k, v in hf.items() if k != "transformers_version"})
+        {k: v for k, v in hf.items() if k not in ("transformers_version", "quantization_config")})
     _check_meanings(body, where)
     try:
         return CONFIG_MAPPING[family].from_dict(body)

@@ -50,6 +50,8 @@ from .convert import expert_params
 from .families import UnservedFamilyError, check_served
 from .layout import ExpertsModule, StoredModel, stored_model
 from .outdir import HFExportError, WorkDir, check_out_dir, remove_leftovers
+from .quant import Dequantizer
+from .quant_export import PackedValues, expand
 from .reverse import Group, ReverseError, ReversePlan, reverse_plan, run
 from .shards import INDEX_FILE, Shards
 from .tokenizer import byte_tokenizer_files, tokenizer_files
@@ -92,11 +94,17 @@ class _Values:
         self.want = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
         # fused parameter -> (its experts module as stored, its entry parts, output dim)
         self.experts: dict[str, tuple[ExpertsModule, list[str], int]] = {}
+        # Parameters quantized at import (--expert-format), exported dequantized: the
+        # checkpoint had no quantization_config to write them back in.
+        self.formats: dict[str, str] = {}
+        self.dequantizer = Dequantizer()
         for m in sm.experts:
             out_dim = -1 if getattr(modules.get(m.module), "is_transposed", False) else 0
             for attr, parts in m.params:
                 name = f"{m.module}.{attr}" if m.module else attr
                 self.experts[name] = (m, parts, out_dim)
+                if sm.quantized_at_import and attr in m.formats:
+                    self.formats[name] = m.formats[attr]
 
     def check(self, names: list[str]) -> None:
         """Every name the export writes has a value in the store's model."""
@@ -132,6 +140,9 @@ class _Values:
         out = {}
         for n, xs in entries.items():
             parts = [got[x] for x in xs]
+            fmt = self.formats.get(n)
+            if fmt is not None:  # quantized at import: the values it computes with
+                parts = [self.dequantizer(fmt, parts[0], parts[1], torch.float32, reuse=False)]
             t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.experts[n][2])
             out[n] = self._cast(n, t, self.want[n][0][1:]).unsqueeze(0)
         return out
@@ -206,9 +217,12 @@ def _plan(store: tierstore.Store, sm: StoredModel, dt: torch.dtype
     names = saved_names(model)
     values.check(names)
     try:
-        return reverse_plan(model, names, params), values
+        plan = reverse_plan(model, names, params)
     except ReverseError as e:
         raise HFExportError(f"{sm.family}: {e}") from e
+    if sm.quant is not None and not sm.quantized_at_import:  # packed, as shipped
+        expand(plan, values, store)
+    return plan, values
 
 
 def plan_export(store: tierstore.Store) -> ReversePlan:
@@ -222,10 +236,12 @@ def _write_group(group: Group, plan: ReversePlan, values: _Values, shards: Shard
                  advance: Progress) -> None:
     """One group's outputs into the shards: one expert at a time where the group allows
     it, else whole."""
+    if group.part is not None:
+        values = PackedValues(values, group.part)  # type: ignore[assignment]
     if not group.experts:
         for name, t in run(group, plan, {n: values.value(n) for n in group.source_names()}
                            ).items():
-            advance(shards.write(name, t))
+            advance(shards.write(group.renamed.get(name, name), t))
         return
     slices = {o.name: o.experts for o in group.outputs}
     for e in range(group.experts):
@@ -268,7 +284,8 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
         dt = asked or DTYPES.get(sm.dtype) or torch.float32
         plan, values = _plan(store, sm, dt)
         outputs = list(plan.outputs())
-        tensors = [(o.name, o.shape, dt if o.dtype.is_floating_point else o.dtype)
+        tensors = [(o.name, o.shape,
+                    dt if o.dtype.is_floating_point and not o.packed else o.dtype)
                    for o in outputs]
         side = side_files(store, sm)
         removed = remove_leftovers(out_dir)

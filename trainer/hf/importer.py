@@ -43,7 +43,7 @@ from .config import (
     meta_model,
     read_config_json,
 )
-from .convert import Plan, check_shapes, convert_dense, convert_expert, expert_params, plan
+from .convert import Group, Plan, check_shapes, convert_dense, convert_expert, expert_params, plan
 from .families import UnservedFamilyError, check_served
 from .layout import (
     DENSE_PREFIX,
@@ -55,6 +55,19 @@ from .layout import (
     StoredModel,
     json_entry,
 )
+from .quant import (
+    FP8,
+    FP8_BLOCK,
+    PACKED_DTYPES,
+    SCALE_DTYPES,
+    check_ops,
+    fold,
+    packed_shapes,
+    quant_method,
+    quantize_fp8,
+)
+from .quant import SUFFIXES as QUANT_SUFFIXES
+from .quant import parts as quant_parts
 from .tokenizer import parse_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -162,33 +175,100 @@ def check_tokenizer(model_dir: str) -> None:
 class Checked:
     """A checkpoint that passed every check: its config, meta model, plan and reader."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, expert_format: str | None = None) -> None:
         self.model_dir = model_dir
         self.hf = read_config_json(model_dir)
         where = os.path.join(model_dir, "config.json")
         self.config = hf_config(self.hf, where)
         self.family = str(self.config.model_type)
         self.heads = weight_files(model_dir)
-        self.model = meta_model(self.config, self.family, dtype=model_dtype(self.hf, self.heads))
+        dtype = model_dtype(self.hf, self.heads)
+        # A quantized checkpoint: each packed weight stands in for the plan as the weight it
+        # dequantizes to (tierstore.hf.quant); it is stored packed.
+        self.method = quant_method(self.hf, where)
+        plan_heads, self.quant = self.heads, {}
+        if self.method is not None:
+            plan_heads, self.quant = fold(self.heads, self.method, dtype)
+            if not self.quant:
+                raise HFImportError(f"{where}: config.json declares {self.method} quantization "
+                                    f"but the checkpoint holds no {self.method} tensors; fix "
+                                    "config.json or use the checkpoint it belongs to")
+        self.model = meta_model(self.config, self.family, dtype=dtype)
         try:
             modules = check_served(self.model, self.family)
         except UnservedFamilyError as e:
             raise HFImportError(str(e)) from e
         self.modules = modules
         params = expert_params(self.model, modules)
-        shapes = {k: list(h.shape) for k, h in self.heads.items()}
-        self.plan: Plan = plan(self.model, self.family, self.heads, shapes, params)
-        self.targets = check_dtypes(self.heads, self.plan, self.model)
+        shapes = {k: list(h.shape) for k, h in plan_heads.items()}
+        self.plan: Plan = plan(self.model, self.family, plan_heads, shapes, params)
+        self.targets = check_dtypes(plan_heads, self.plan, self.model)
+        for k in self.quant:  # read as stored, never cast
+            self.targets.pop(k, None)
         first = next(iter(self.plan.expert_params))
         self.dtype = self.model.get_parameter(first).dtype  # the experts' stored dtype
-        headers = {k: (list(h.shape), ST_DTYPES[h.dtype]) for k, h in self.heads.items()}
+        headers = {k: (list(h.shape), ST_DTYPES[h.dtype]) for k, h in plan_heads.items()}
         check_shapes(self.plan, self.model, self.family, headers)
+        self.formats = {t: self._format(g, t in self.plan.expert_params)
+                        for groups in (self.plan.dense, self.plan.experts)
+                        for t, g in groups.items()}
+        self.quantize = self._quantize_at_import(expert_format, where)
         gen = os.path.join(model_dir, GENERATION_CONFIG)
         self.generation_config = _read_json_file(gen) if os.path.isfile(gen) else None
         if self.generation_config is not None:
             vocab = getattr(self.config.get_text_config(), "vocab_size", None)
             check_generation_config(self.generation_config, gen, vocab)
         check_tokenizer(model_dir)
+
+    def _quantize_at_import(self, fmt: str | None, where: str) -> set[str]:
+        """``--expert-format``: the expert parameters quantized as they are stored (every
+        weight; biases stay as they are), each checked to be whole 128x128 blocks."""
+        if fmt is None:
+            return set()
+        if fmt != FP8:
+            raise HFImportError(f"--expert-format {fmt}: quantizing at import is built for fp8 "
+                                "only; import without --expert-format, or with fp8")
+        if self.method is not None:
+            raise HFImportError(f"{where}: the checkpoint is already quantized ({self.method}) "
+                                "and is kept as shipped; import it without --expert-format")
+        chosen = set()
+        for name, p in self.plan.expert_params.items():
+            if len(p.shape) != 3:
+                continue  # a bias: kept as it is
+            if any(d % FP8_BLOCK for d in p.shape[1:]):
+                raise HFImportError(f"--expert-format fp8: {name} is {list(p.shape[1:])} an "
+                                    "expert, not whole 128x128 blocks; import without "
+                                    "--expert-format")
+            if self.model.get_submodule(p.module).is_transposed:
+                raise HFImportError(f"--expert-format fp8: {name} is held transposed by "
+                                    f"{self.family}; import without --expert-format")
+            self.formats[name] = FP8
+            chosen.add(name)
+        return chosen
+
+    def file_key(self, key: str) -> str:
+        """The checkpoint tensor plan key ``key`` is read from first."""
+        q = self.quant.get(key)
+        return key if q is None else q.packed
+
+    def _format(self, group: Group, expert: bool) -> str | None:
+        """The quantization ``group``'s sources are held in (None: not quantized), checked
+        to be one the store keeps packed for this parameter."""
+        fmts = {self.quant[s.key].format if s.key in self.quant else None for s in group.sources}
+        if len(fmts) > 1:
+            raise HFImportError(f"{self.family}: {group.target} is made of quantized and "
+                                f"unquantized tensors ({group.source_keys()[0]}, ...); use the "
+                                "model's original checkpoint")
+        fmt = fmts.pop()
+        if fmt is None:
+            return None
+        if not expert and (fmt != FP8 or group.transform is not None):
+            raise HFImportError(f"{self.family}: {group.source_keys()[0]} is a {fmt} weight "
+                                f"outside the experts that transformers converts to "
+                                f"{group.target}; tierstore keeps only plain fp8 dense weights "
+                                "packed: import the checkpoint's bf16 weights")
+        check_ops(self.family, group.target, group.transform, fmt)
+        return fmt
 
     def experts_layout(self) -> list[ExpertsModule]:
         by_module: dict[str, list[str]] = {}
@@ -197,8 +277,26 @@ class Checked:
         out = []
         for name, m in self.modules:
             attrs = by_module.get(name, [])
-            out.append(ExpertsModule(name, name, int(m.num_experts), [(a, [a]) for a in attrs]))
+            fmts = {a: f for a in attrs
+                    if (f := self.formats.get(f"{name}.{a}" if name else a)) is not None}
+            out.append(ExpertsModule(name, name, int(m.num_experts),
+                                     [(a, quant_parts(a, fmts[a]) if a in fmts else [a])
+                                      for a in attrs], fmts))
         return out
+
+    def expert_entries(self, m: ExpertsModule, e: int) -> dict[str, tuple[list[int], torch.dtype]]:
+        """Expert ``e``'s entries as the import stores them: name -> (shape, dtype)."""
+        want: dict[str, tuple[list[int], torch.dtype]] = {}
+        for a, parts in m.params:
+            logical = list(self.plan.expert_params[f"{m.module}.{a}" if m.module else a].shape[1:])
+            fmt = m.formats.get(a)
+            if fmt is None:
+                want[f"{m.prefix}.{e}.{a}"] = (logical, self.dtype)
+                continue
+            packed, scales = packed_shapes(fmt, logical)
+            want[f"{m.prefix}.{e}.{parts[0]}"] = (packed, PACKED_DTYPES[fmt])
+            want[f"{m.prefix}.{e}.{parts[1]}"] = (scales, SCALE_DTYPES[fmt])
+        return want
 
 
 def slab_size_for(checkpoint_bytes: int) -> int:
@@ -212,13 +310,15 @@ def slab_size_for(checkpoint_bytes: int) -> int:
 
 def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[str],
               progress: bool | Callable[[int], Any] = True, *,
-              resume: bool = False) -> dict[str, Any]:
+              resume: bool = False, expert_format: str | None = None) -> dict[str, Any]:
     """Import the model in ``model_dir`` into the store at ``store_path`` (created if
     missing) and return its ``model.json`` content. ``progress``: ``True`` for a tqdm bar
     over the bytes imported, or a callable that receives byte counts. ``resume``: continue
-    an interrupted import of the same checkpoint (see the module docstring)."""
+    an interrupted import of the same checkpoint (see the module docstring).
+    ``expert_format="fp8"``: store the experts' weights of a bf16/fp32 checkpoint in 128x128
+    block FP8 (lossy; the default keeps them as the checkpoint has them)."""
     model_dir = os.fspath(model_dir)
-    ck = Checked(model_dir)
+    ck = Checked(model_dir, expert_format)
     reader = CheckpointReader(ck.heads, dtypes=ck.targets)
     files = sorted({h.path for h in ck.heads.values()})
     total = sum(os.path.getsize(p) for p in files)
@@ -237,6 +337,8 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
 
     source = {"hf_config": ck.hf,
               "files": sorted((os.path.basename(p), os.path.getsize(p)) for p in files)}
+    if expert_format is not None:  # resuming with another format is another import
+        source["expert_format"] = expert_format
     layout = ck.experts_layout()
     # No host cache: an import reads nothing back, and each expert should be durable once
     # its put_many returns, so that an interrupted import can be resumed from there.
@@ -245,12 +347,15 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
         _begin(store, source, resume, layout)
         try:
             _put_experts(store, ck, reader, layout, advance, resume)
-            dense = _put_dense(store, ck, reader, advance, resume)
+            dense, dense_scales = _put_dense(store, ck, reader, advance, resume)
             reader.close()
             toks = _put_tokenizer(store, model_dir)
             info = StoredModel(family=ck.family, hf_config=ck.hf, experts=layout, dense=dense,
                                dtype=str(ck.dtype).removeprefix("torch."),
-                               generation_config=ck.generation_config, tokenizer=toks)
+                               generation_config=ck.generation_config, tokenizer=toks,
+                               quant=ck.method or (FP8 if ck.quantize else None),
+                               quantized_at_import=bool(ck.quantize),
+                               dense_scales=dense_scales)
             store.put(MODEL_ENTRY[0], json_entry(info.to_json()), kind=MODEL_ENTRY[1])
             store.delete(IMPORT_ENTRY[0], IMPORT_ENTRY[1], missing_ok=True)
             store.flush()
@@ -304,52 +409,95 @@ def _put_experts(store: tierstore.Store, ck: Checked, reader: CheckpointReader,
     def first_key(m: ExpertsModule, e: int) -> str:
         g = groups[m.module][0]
         src = next((s for s in g.sources if s.fused or s.expert == e), g.sources[0])
-        return reader.rank(src.key)
+        return reader.rank(ck.file_key(src.key))
 
     work = sorted(((m, e) for m in layout for e in range(m.num_experts)),
                   key=lambda me: (first_key(*me), me[0].module, me[1]))
     for m, e in work:
-        shapes = {a: list(ck.plan.expert_params[f"{m.module}.{a}"].shape[1:]) for a, _ in m.params}
-        names = {a: f"{m.prefix}.{e}.{a}" for a, _ in m.params}
-        nbytes = sum(math.prod(s) for s in shapes.values()) * ck.dtype.itemsize
-        if all(_kept(store, resume, names[a], shapes[a], ck.dtype) for a in names):
+        want = ck.expert_entries(m, e)
+        nbytes = sum(math.prod(sh) * dt.itemsize for sh, dt in want.values())
+        if all(_kept(store, resume, n, sh, dt) for n, (sh, dt) in want.items()):
             advance(nbytes)
             continue
         out: dict[str, torch.Tensor] = {}
         for group in groups[m.module]:
-            got = convert_expert(group, ck.plan, ck.model, e, reader.get, reader.expert_slice)
-            out.update(got)
+            fmt = ck.formats[group.target]
+            if fmt is None or group.target in ck.quantize:
+                got = convert_expert(group, ck.plan, ck.model, e, reader.get, reader.expert_slice)
+                for t, v in got.items():
+                    if t in ck.quantize:  # --expert-format: stored packed as DeepSeek ships
+                        v, scales = quantize_fp8(v)
+                        out[_entry(m, e, t) + QUANT_SUFFIXES[FP8][1]] = scales
+                    out[_entry(m, e, t)] = v
+                continue
+            # The packed tensors and their scales, each through the same converter.
+            for which, suffix in zip(("packed", "scales"), QUANT_SUFFIXES[fmt]):
+                def load(k: str, which: str = which) -> torch.Tensor:
+                    return reader.get(getattr(ck.quant[k], which))
+
+                def load_slice(k: str, i: int, which: str = which) -> torch.Tensor:
+                    return reader.expert_slice(getattr(ck.quant[k], which), i)
+
+                got = convert_expert(group, ck.plan, ck.model, e, load, load_slice)
+                out.update({_entry(m, e, t) + suffix: v for t, v in got.items()})
         put = []
-        for a, _ in m.params:
-            t = out[f"{m.module}.{a}"]
-            if list(t.shape) != shapes[a]:
-                raise HFImportError(f"{m.module} expert {e}: {a} converts to {list(t.shape)}, "
-                                    f"the config implies {shapes[a]}")
-            put.append((names[a], t.contiguous()))
+        for name, (shape, dtype) in want.items():
+            t = out[name]
+            if list(t.shape) != shape or t.dtype != dtype:
+                raise HFImportError(f"{m.module} expert {e}: {name} converts to {t.dtype} "
+                                    f"{list(t.shape)}, the config implies {dtype} {shape}")
+            put.append((name, t.contiguous()))
         store.put_many(put)
         advance(nbytes)
 
 
+def _entry(m: ExpertsModule, e: int, target: str) -> str:
+    """The entry of expert ``e``'s slice of fused parameter ``target``."""
+    attr = target[len(m.module) + 1:] if m.module else target
+    return f"{m.prefix}.{e}.{attr}"
+
+
 def _put_dense(store: tierstore.Store, ck: Checked, reader: CheckpointReader,
-               advance: Callable[[int], Any], resume: bool) -> dict[str, str]:
-    """Every dense group, converted whole; returns parameter name -> entry name."""
+               advance: Callable[[int], Any], resume: bool
+               ) -> tuple[dict[str, str], dict[str, str]]:
+    """Every dense group, converted whole; returns parameter name -> entry name, and for
+    each fp8 weight (kept packed, dequantized at load) the entry of its scales."""
     dense: dict[str, str] = {}
+    scales: dict[str, str] = {}
     want = ck.model.state_dict()
-    order = sorted(ck.plan.dense.values(), key=lambda g: (reader.rank(g.sources[0].key), g.target))
+    order = sorted(ck.plan.dense.values(), key=lambda g: (reader.rank(ck.file_key(g.sources[0].key)), g.target))
     for group in order:
         keys = group.source_keys()
-        size = sum(math.prod(reader.shape(k)) * ck.targets[k].itemsize for k in keys)
+        size = sum(math.prod(h.shape) * ST_DTYPES[h.dtype].itemsize
+                   for k in keys for h in _read_heads(ck, k))
+        entry = DENSE_PREFIX + group.target
+        if ck.formats[group.target] is not None:  # plain fp8 (Checked._format)
+            q = ck.quant[keys[0]]
+            shape = list(want[group.target].shape)
+            if not (_kept(store, resume, entry, shape, PACKED_DTYPES[FP8])
+                    and _kept(store, resume, entry + "_scale_inv",
+                              packed_shapes(FP8, shape)[1], SCALE_DTYPES[FP8])):
+                store.put_many([(entry, reader.get(q.packed).contiguous()),
+                                (entry + "_scale_inv", reader.get(q.scales).contiguous())])
+            dense[group.target], scales[group.target] = entry, entry + "_scale_inv"
+            advance(size)
+            continue
         if group.transform is None and group.target in want and _kept(
-                store, resume, DENSE_PREFIX + group.target, list(want[group.target].shape),
-                ck.targets[keys[0]]):
-            dense[group.target] = DENSE_PREFIX + group.target
+                store, resume, entry, list(want[group.target].shape), ck.targets[keys[0]]):
+            dense[group.target] = entry
             advance(size)
             continue
         for name, t in convert_dense(group, ck.model, reader.get).items():
             store.put(DENSE_PREFIX + name, t.contiguous())
             dense[name] = DENSE_PREFIX + name
         advance(size)
-    return dense
+    return dense, scales
+
+
+def _read_heads(ck: Checked, key: str) -> list[Any]:
+    """The checkpoint tensors read for plan key ``key`` (a packed weight's two)."""
+    q = ck.quant.get(key)
+    return [ck.heads[key]] if q is None else [ck.heads[q.packed], ck.heads[q.scales]]
 
 
 def _put_tokenizer(store: tierstore.Store, model_dir: str) -> list[str]:

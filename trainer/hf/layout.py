@@ -9,6 +9,9 @@ Store layout (format 2, written by :mod:`tierstore.hf.importer`):
   names]}``;
 * ``{module}.{e}.{attr}`` (kind ``param``): expert ``e``'s slice of the experts module's fused
   parameter ``attr`` (``model.layers.3.mlp.experts.5.gate_up_proj``), in the checkpoint's dtype;
+  a quantized one as its packed tensor and its scales, kept as shipped
+  (``…gate_up_proj_blocks`` and ``…_scales`` for MXFP4, ``…gate_up_proj`` in e4m3 and
+  ``…_scale_inv`` for FP8; :mod:`tierstore.hf.quant`);
 * ``dense.{name}`` (kind ``param``): every other parameter, by the model's own names;
 * ``tokenizer.{file}`` (kind ``meta``): tokenizer files as uint8 tensors.
 
@@ -54,15 +57,22 @@ class ExpertsModule:
     prefix: str  # entries are f"{prefix}.{e}.{part}"
     num_experts: int
     params: list[tuple[str, list[str]]]  # (fused attr, entry parts joined along its output)
+    # Quantized parameters: attr -> format; their parts are (packed, scales).
+    formats: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"module": self.module, "prefix": self.prefix, "num_experts": self.num_experts,
-                "params": [[a, list(p)] for a, p in self.params]}
+        d: dict[str, Any] = {"module": self.module, "prefix": self.prefix,
+                             "num_experts": self.num_experts,
+                             "params": [[a, list(p)] for a, p in self.params]}
+        if self.formats:
+            d["formats"] = dict(self.formats)
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ExpertsModule:
         return cls(d["module"], d["prefix"], int(d["num_experts"]),
-                   [(str(a), [str(x) for x in p]) for a, p in d["params"]])
+                   [(str(a), [str(x) for x in p]) for a, p in d["params"]],
+                   {str(k): str(v) for k, v in (d.get("formats") or {}).items()})
 
 
 @dataclass
@@ -77,6 +87,9 @@ class StoredModel:
     generation_config: dict[str, Any] | None = None
     zeros: dict[str, list[int]] = field(default_factory=dict)
     tokenizer: list[str] = field(default_factory=list)
+    quant: str | None = None  # the checkpoint's quantization, kept compact (tierstore.hf.quant)
+    dense_scales: dict[str, str] = field(default_factory=dict)  # fp8 dense weight -> its scales
+    quantized_at_import: bool = False  # import-hf --expert-format: the checkpoint was not
     step: int | None = None  # a trainer run: the step of the checkpoint its dense state is
     # A trainer run's dense weights, out of its latest checkpoint, by the model's names
     # (an import's are entries, named in ``dense``).
@@ -86,7 +99,9 @@ class StoredModel:
         return {"format": FORMAT, "family": self.family, "hf_config": self.hf_config,
                 "generation_config": self.generation_config, "dtype": self.dtype,
                 "experts": [m.to_json() for m in self.experts], "dense": self.dense,
-                "zeros": self.zeros, "tokenizer": self.tokenizer}
+                "zeros": self.zeros, "tokenizer": self.tokenizer, "quant": self.quant,
+                "dense_scales": self.dense_scales,
+                "quantized_at_import": self.quantized_at_import}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> StoredModel:
@@ -97,7 +112,11 @@ class StoredModel:
                        dtype=str(d["dtype"]), generation_config=d.get("generation_config"),
                        zeros={str(k): [int(x) for x in v]
                               for k, v in (d.get("zeros") or {}).items()},
-                       tokenizer=[str(t) for t in d.get("tokenizer") or []])
+                       tokenizer=[str(t) for t in d.get("tokenizer") or []],
+                       quant=d.get("quant"),
+                       quantized_at_import=bool(d.get("quantized_at_import")),
+                       dense_scales={str(k): str(v)
+                                     for k, v in (d.get("dense_scales") or {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise tierstore.StoreError(f"{where}: model.json is damaged ({e!r}); import the "
                                        "model again into a new store") from e

@@ -27,9 +27,11 @@ from .backend import IMPLEMENTATION, ROLES, ExpertLayer, ExpertParam, bind
 from .config import FLOAT_DTYPES, hf_config, meta_model
 from .families import UnservedFamilyError, check_served
 from .layout import StoredModel, stored_model
+from .quant import FP8, MXFP4, Dequantizer
 from .served import Passes, ServedModel
 from .warmup import NotDispatchedError, check_dispatch, narrow_source
 
+QUANT_FORMATS = (MXFP4, FP8)
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -164,9 +166,14 @@ def build(store: tierstore.Store, owns: bool, *, device: torch.device,
         raise tierstore.StoreError(
             f"{where}: the stored experts ({len(stored_names)} modules) do not match the "
             f"{sm.family} model's ({len(modules)}); import the checkpoint again")
+    if sm.quant not in (None, *QUANT_FORMATS):
+        raise tierstore.StoreError(f"{where}: its model is quantized as {sm.quant!r}, which this "
+                                   "release does not read; import the checkpoint again")
     keys = _layer_keys(stored_names)
     layers: list[ExpertLayer] = []
     shapes: list[list[int]] = []
+    logical: dict[int, list[list[int]]] = {}  # quantized layers: one expert as transformers holds it
+    dequantizer = Dequantizer()  # one set of reused buffers for every layer
     for key, m in zip(keys, sm.experts):
         module = modules[m.module]
         unknown = [a for a, p in module.named_parameters(recurse=False)
@@ -175,8 +182,11 @@ def build(store: tierstore.Store, owns: bool, *, device: torch.device,
             raise tierstore.StoreError(
                 f"{sm.family}: {m.module} has a per-expert parameter {unknown[0]} the tierstore "
                 "backend does not know how to apply")
-        params = tuple(ExpertParam(a, tuple(parts)) for a, parts in m.params)
+        params = tuple(ExpertParam(a, tuple(parts), m.formats.get(a)) for a, parts in m.params)
         layer = ExpertLayer(key, m.module, m.prefix, params, m.num_experts)
+        if layer.quantized:
+            layer.dtype, layer.dequantizer = dt, dequantizer
+            logical[key] = [list(getattr(module, a).shape[1:]) for a, _ in m.params]
         if not shapes:
             shapes = [list(getattr(module, a).shape[1:]) for a, _ in m.params]
         for a, _ in m.params:
@@ -194,8 +204,11 @@ def build(store: tierstore.Store, owns: bool, *, device: torch.device,
         model.generation_config = GenerationConfig.from_dict(sm.generation_config)
     model.to(device)
     model.eval()
-    served = ServedModel(model, layers, modules, device, dt, shapes)
-    entry_shapes = {layer.key: [list(store.info(n).shape) for n in layer.entry_names(0)]
+    stored = sum(store.info(n).nbytes for n in layers[0].entry_names(0)) \
+        if layers[0].quantized else None
+    served = ServedModel(model, layers, modules, device, dt, shapes, stored_bytes=stored)
+    entry_shapes = {layer.key: logical.get(layer.key) or
+                    [list(store.info(n).shape) for n in layer.entry_names(0)]
                     for layer in layers}
     narrow = narrow_source(model, served, entry_shapes)
     try:
@@ -222,6 +235,17 @@ def _load_dense(model: nn.Module, store: tierstore.Store, sm: StoredModel, where
     if stray:
         raise tierstore.StoreError(f"{where}: dense weight {stray[0]} has no place in the "
                                    f"{sm.family} model; import the checkpoint again")
+    if sm.dense_scales:  # fp8 weights kept packed: dequantized here, as transformers does
+        scales = store.get_many(sorted(set(sm.dense_scales.values())))
+        deq = Dequantizer()
+        for name, entry in sm.dense_scales.items():
+            if name not in state:
+                continue
+            try:
+                state[name] = deq.fp8(state[name], scales[entry], want[name].dtype, reuse=False)
+            except (RuntimeError, ValueError) as e:
+                raise tierstore.StoreError(f"{where}: the fp8 weight {name} does not fit its "
+                                           f"scales {entry}: {e}") from e
     for name, t in state.items():
         if tuple(t.shape) != tuple(want[name].shape):
             raise tierstore.StoreError(f"{where}: dense weight {name} is {list(t.shape)}, the "

@@ -49,6 +49,7 @@ class Output:
     shape: tuple[int, ...]
     dtype: torch.dtype  # the model's dtype of it (floats are cast to the export's)
     experts: int = 0  # a fused tensor written one expert's slice at a time: the number of experts
+    packed: bool = False  # a quantized tensor as shipped, written in its own dtype
 
 
 @dataclass
@@ -62,6 +63,10 @@ class Group:
     outputs: list[Output] = field(default_factory=list)
     # per expert: the name the one-expert run gives -> the output it is (for each expert)
     expert_names: list[dict[str, str]] = field(default_factory=list)
+    # Quantized sources (tierstore.hf.quant_export): which stored tensor of each the group
+    # converts (0 packed, 1 scales), and the names its outputs are written under.
+    part: int | None = None
+    renamed: dict[str, str] = field(default_factory=dict)
 
     def source_names(self) -> list[str]:
         return [n for n, _ in self.sources]

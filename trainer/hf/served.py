@@ -55,7 +55,8 @@ class ServedModel:
 
     def __init__(self, model: nn.Module, layers: Sequence[ExpertLayer],
                  modules: dict[str, nn.Module], device: torch.device, dtype: torch.dtype,
-                 expert_shapes: Sequence[Sequence[int]]) -> None:
+                 expert_shapes: Sequence[Sequence[int]], *,
+                 stored_bytes: int | None = None) -> None:
         self.model = model
         self.layers = {layer.key: layer for layer in layers}
         self.moe_layers = [layer.key for layer in layers]
@@ -66,6 +67,10 @@ class ServedModel:
         # except in looped models, which run some layers again.
         self.visit_order = list(self.moe_layers)
         self._numel = sum(math.prod(s) for s in expert_shapes)
+        # Quantized experts: the bytes one takes as stored, which is what the sources fetch
+        # and hold (the experts function dequantizes each into a reused buffer).
+        self._stored_bytes = stored_bytes
+        self.fetch_dtype: torch.dtype | None = None if stored_bytes is not None else dtype
         self._next = {a.key: b.key for a, b in zip(layers, layers[1:])}
         named = dict(model.named_modules())
         hidden = int(getattr(model.config.get_text_config(), "hidden_size", 0) or 0)
@@ -84,7 +89,10 @@ class ServedModel:
         return self.layers[layer].entry_names(expert)
 
     def expert_bytes(self) -> int:
-        """Bytes of one expert in the compute dtype."""
+        """Bytes of one expert as the sources hold it: in the compute dtype, or as stored
+        where it is quantized."""
+        if self._stored_bytes is not None:
+            return self._stored_bytes
         return self._numel * torch.empty(0, dtype=self.dtype).element_size()
 
     def next_moe_layer(self, layer: int) -> int | None:

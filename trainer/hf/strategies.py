@@ -50,7 +50,7 @@ def make_source(mode: str, store: tierstore.Store, served: ServedModel, *,
                 policy_args: Mapping[str, Any] | None = None, host_pool: bool = False) -> Any:
     """The source of ``mode`` (not ``auto``; see :func:`choose_mode`). ``budget``: bytes of
     experts it may hold (default: the store's prefetch budget for the device)."""
-    dev, dt = served.device, served.dtype
+    dev, dt = served.device, served.fetch_dtype  # None: quantized, kept as stored
     if mode == "ring" and served.visit_order != served.moe_layers:
         raise tierstore.StoreError(
             "the ring streams the MoE layers in module order, once a pass; this model runs "

@@ -84,6 +84,11 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
             raise tierstore.StoreError(f"store {st.path} holds a run of a trainer preset, "
                                        "which `tierstore train --resume` continues; a "
                                        "trainable load needs a store import-hf filled")
+        if loaded.stored.quant is not None:
+            raise tierstore.StoreError(
+                f"store {st.path} holds {loaded.stored.quant} experts as shipped, which are not "
+                "trained yet; train adapters over them (load without trainable=True), or "
+                "import the checkpoint's bf16 weights to fine-tune the experts")
         layout = hf_finetune.served_layout(loaded.served, st)
         if not all((layout.counts_name(k), STEP_KIND) in st for k in layout.keys):
             # Counts are written after their layer's experts: one missing means an

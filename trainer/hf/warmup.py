@@ -28,7 +28,11 @@ WIDTH = 64  # the zero experts' intermediate width
 
 
 class NarrowExperts:
-    """A source whose every expert is zeros :data:`WIDTH` wide (see the module docstring)."""
+    """A source whose every expert is zeros :data:`WIDTH` wide (see the module docstring),
+    in the compute dtype, never packed (``shapes``: each layer's parameters as
+    ``transformers`` holds one expert's)."""
+
+    dequantized = True  # the experts function uses them as they are
 
     def __init__(self, served: ServedModel, modules: Mapping[int, nn.Module],
                  shapes: Mapping[int, Sequence[Sequence[int]]]) -> None:
@@ -38,7 +42,7 @@ class NarrowExperts:
         for key, layer in served.layers.items():
             module = modules[key]
             self.weights[key] = tuple(torch.zeros(s, **kw)
-                                      for s in _narrow(layer, module, shapes[key]))
+                                      for s in _narrow(layer.plain(), module, shapes[key]))
 
     def experts(self, layer: int, ids: list[int], x: Tensor) -> Mapping[int, tuple[Tensor, ...]]:
         self.visits.append(layer)

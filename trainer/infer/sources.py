@@ -18,8 +18,14 @@ from .budget import too_small
 
 
 def _expert_tensors(got: Mapping[Any, Tensor], names: Sequence[str], device: torch.device,
-                    dtype: torch.dtype) -> ExpertWeights:
+                    dtype: torch.dtype | None) -> ExpertWeights:
     return tuple(got[n].to(device=device, dtype=dtype) for n in names)
+
+
+def fetch_dtype(model: Any) -> torch.dtype | None:
+    """The dtype a model's experts are fetched in: its own, or None (as stored) where the
+    model dequantizes them after the fetch."""
+    return getattr(model, "fetch_dtype", model.dtype)
 
 
 class ResidentSource(ExpertSource):
@@ -27,7 +33,7 @@ class ResidentSource(ExpertSource):
 
     def __init__(self, store: tierstore.Store, model: Any) -> None:
         self.weights: dict[int, dict[int, ExpertWeights]] = {}
-        dev, dt = model.device, model.dtype
+        dev, dt = model.device, fetch_dtype(model)
         for layer in model.moe_layers:
             per = {e: model.expert_names(layer, e) for e in range(model.n_experts)}
             got = store.get_many([n for names in per.values() for n in names])
@@ -71,7 +77,7 @@ class OnDemandSource(ExpertSource):
     def _load(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertWeights]:
         assert self.model is not None, "begin_pass was not called"
         t0 = time.perf_counter()
-        dev, dt = self.model.device, self.model.dtype
+        dev, dt = self.model.device, fetch_dtype(self.model)
         per = {e: self.model.expert_names(layer, e) for e in ids}
         names = [n for one in per.values() for n in one]
         self._give_back()  # the layer or group before is done with

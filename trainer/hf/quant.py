@@ -1,0 +1,247 @@
+"""Quantized checkpoints kept as shipped: gpt-oss's MXFP4 experts and DeepSeek-V3's 128x128
+block FP8 (also Qwen3-FP8, GLM-4.5-FP8, Kimi-K2).
+
+A checkpoint's ``quantization_config`` names its method (:func:`quant_method`); the two
+above are imported compact, any other is refused in one line naming it. For the import's
+plan (``transformers``' conversion mapping, :mod:`tierstore.hf.convert`) each quantized
+tensor stands in as the weight it dequantizes to (:func:`fold`): its packed tensor and its
+scales are then converted one expert at a time through the same converter, each on its
+own, and stored as entries of their own beside each other (:data:`SUFFIXES`).
+
+Dequantization is thin torch code that runs on whatever device the packed bytes are on,
+into a buffer reused from call to call (:class:`Dequantizer`), and gives exactly what
+``transformers`` gives:
+
+* MXFP4: ``transformers.integrations.mxfp4.convert_moe_packed_tensors`` (its e2m1 table,
+  ``ldexp`` by the E8M0 exponent, the transpose to ``[in, out]``), mirrored one expert at
+  a time, both nibbles of a byte looked up at once in a 256-entry table of pairs of its
+  values;
+* FP8: ``Fp8Dequantize._dequantize_one`` of ``transformers.integrations.finegrained_fp8``
+  (fp32 product of the e4m3 weight and its block's ``weight_scale_inv``, then the cast),
+  mirrored, since it is a private method.
+
+``tests/test_hf_quant.py`` checks both against ``transformers``' own, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .checkpoint import HFImportError, TensorHeader
+
+MXFP4 = "mxfp4"
+FP8 = "fp8"
+FP8_BLOCK = 128
+# Entry-name suffixes of a quantized parameter's two tensors: (packed, scales).
+SUFFIXES = {MXFP4: ("_blocks", "_scales"), FP8: ("", "_scale_inv")}
+PACKED_DTYPES = {MXFP4: torch.uint8, FP8: torch.float8_e4m3fn}
+SCALE_DTYPES = {MXFP4: torch.uint8, FP8: torch.float32}
+E2M1 = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
+        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def quant_method(hf: dict[str, Any], where: str) -> str | None:
+    """The quantization a ``config.json`` declares, if any: :data:`MXFP4` or :data:`FP8`
+    (128x128 blocks, e4m3); :class:`HFImportError` naming any other."""
+    quant = hf.get("quantization_config")
+    if quant is None:
+        return None
+    family = hf.get("model_type", "model")
+    if not isinstance(quant, dict):
+        raise HFImportError(f"{where}: quantization_config is not an object; use the model's "
+                            "original config.json")
+    method = quant.get("quant_method")
+    if method == MXFP4:
+        return MXFP4
+    if method == FP8:
+        block = quant.get("weight_block_size")
+        fmt = quant.get("fmt", "e4m3")
+        if block != [FP8_BLOCK, FP8_BLOCK] or fmt != "e4m3":
+            raise HFImportError(f"{where}: a {family} checkpoint in fp8 with blocks {block!r} "
+                                f"and format {fmt!r}: tierstore imports fp8 in 128x128 blocks of "
+                                "e4m3 (as DeepSeek ships it); import the bf16 weights")
+        return FP8
+    raise HFImportError(f"{where}: a {family} checkpoint quantized with {method or 'an unnamed method'}: "
+                        "tierstore imports mxfp4 (gpt-oss) and 128x128 block fp8 (DeepSeek-V3) "
+                        "checkpoints; import the checkpoint's bf16 or fp32 weights")
+
+
+@dataclass
+class QuantSource:
+    """A checkpoint weight held quantized: its packed tensor and its scales."""
+
+    packed: str
+    scales: str
+    format: str
+
+
+def _st_code(dtype: torch.dtype) -> str:
+    from .shards import ST_CODES
+
+    return ST_CODES[dtype]
+
+
+def fold(heads: dict[str, TensorHeader], method: str, dtype: torch.dtype
+         ) -> tuple[dict[str, TensorHeader], dict[str, QuantSource]]:
+    """The checkpoint's headers as the plan sees them (each quantized weight as the
+    ``dtype`` tensor it dequantizes to, its scales gone), and those weights' sources.
+    Every packed tensor's scales must be there with the shape its blocks imply; each misfit
+    is one line naming the tensor."""
+    fix = "re-download the checkpoint or save it again"
+    out = dict(heads)
+    quant: dict[str, QuantSource] = {}
+    if method == MXFP4:
+        for key, h in heads.items():
+            if not key.endswith("_blocks"):
+                continue
+            base = key[: -len("_blocks")]
+            s = heads.get(base + "_scales")
+            if s is None:
+                raise HFImportError(f"{h.path}: {key} has no {base}_scales beside it; {fix}")
+            if h.dtype != "U8" or s.dtype != "U8" or len(h.shape) != 4 or h.shape[-1] != 16 \
+                    or list(s.shape) != list(h.shape[:-1]):
+                raise HFImportError(f"{h.path}: {key} {h.dtype} {h.shape} and its scales "
+                                    f"{s.dtype} {s.shape} are not MXFP4 blocks [E, rows, groups, "
+                                    f"16] with uint8 scales [E, rows, groups]; {fix}")
+            e, rows, groups, _ = h.shape
+            # transformers dequantizes [E, rows, groups * 32] and transposes the last two.
+            out[base] = TensorHeader(h.path, _st_code(dtype), [e, groups * 32, rows])
+            del out[key], out[base + "_scales"]
+            quant[base] = QuantSource(key, base + "_scales", MXFP4)
+    else:
+        for key, h in heads.items():
+            if h.dtype != "F8_E4M3":
+                continue
+            s = heads.get(key + "_scale_inv")
+            if s is None:
+                raise HFImportError(f"{h.path}: fp8 tensor {key} has no {key}_scale_inv beside "
+                                    f"it; {fix}")
+            ok = len(h.shape) == 2 and all(d % FP8_BLOCK == 0 for d in h.shape)
+            want = [d // FP8_BLOCK for d in h.shape] if ok else None
+            if not ok or s.dtype != "F32" or list(s.shape) != want:
+                raise HFImportError(f"{h.path}: fp8 tensor {key} {h.shape} with scales "
+                                    f"{s.dtype} {s.shape}: tierstore reads 2-D weights of "
+                                    f"whole 128x128 blocks, one fp32 scale each; {fix}")
+            out[key] = TensorHeader(h.path, _st_code(dtype), list(h.shape))
+            del out[key + "_scale_inv"]
+            quant[key] = QuantSource(key, key + "_scale_inv", FP8)
+    return out, quant
+
+
+# Operations a quantized expert parameter may be converted with, packed and scales alike:
+# stacking experts and joining projections along a side of whole blocks keep each scale
+# over its own block.
+QUANT_OPS = {FP8: ("MergeModulelist", "Concatenate"), MXFP4: ()}
+
+
+def check_ops(family: str, target: str, transform: Any, fmt: str) -> None:
+    for op in getattr(transform, "operations", []):
+        if type(op).__name__ not in QUANT_OPS[fmt]:
+            raise HFImportError(f"{family}: transformers builds {target} with "
+                                f"{type(op).__name__}, which tierstore cannot apply to {fmt} "
+                                "weights kept packed; import the checkpoint's bf16 weights")
+
+
+def parts(attr: str, fmt: str) -> list[str]:
+    """The entry suffixes of quantized parameter ``attr``: packed, then scales."""
+    return [attr + s for s in SUFFIXES[fmt]]
+
+
+def packed_shapes(fmt: str, logical: list[int]) -> tuple[list[int], list[int]]:
+    """One expert's packed and scales shapes for a parameter of ``logical`` shape (as
+    ``transformers`` holds it dequantized)."""
+    if fmt == MXFP4:
+        inner, rows = logical  # [in, out]: the blocks run along the input
+        return [rows, inner // 32, 16], [rows, inner // 32]
+    return list(logical), [logical[0] // FP8_BLOCK, logical[1] // FP8_BLOCK]
+
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """``w [R, C]`` (sides multiples of 128) as e4m3 and one fp32 ``weight_scale_inv`` per
+    128x128 block: ``Fp8Quantize._quantize_one`` of ``transformers`` (a private method,
+    mirrored), what ``from_pretrained`` with ``FineGrainedFP8Config`` makes of a bf16 or
+    fp32 weight."""
+    rows, cols = w.shape
+    blocks = w.to(torch.float32).reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK,
+                                         FP8_BLOCK)
+    max_abs = blocks.abs().amax(dim=(-3, -1))
+    scales = FP8_MAX / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    scales = torch.where(max_abs > 0, scales, torch.ones_like(scales))  # zeros stay zeros
+    inv = (1.0 / scales).to(torch.float32)
+    q = torch.clamp(blocks * scales.unsqueeze(-1).unsqueeze(-3), min=-FP8_MAX, max=FP8_MAX)
+    return q.to(torch.float8_e4m3fn).reshape(rows, cols), inv
+
+
+class Dequantizer:
+    """Dequantizes one expert's packed weight into a buffer kept for the next call of the
+    same shape, dtype and device (the experts function uses it before the next expert)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], Tensor] = {}
+        self._luts: dict[tuple[Any, ...], Tensor] = {}
+
+    def _buffer(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device, reuse: bool) -> Tensor:
+        if not reuse:
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (tag, shape, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+    def __call__(self, fmt: str, packed: Tensor, scales: Tensor, dtype: torch.dtype, *,
+                 reuse: bool = True) -> Tensor:
+        if fmt == MXFP4:
+            return self.mxfp4(packed, scales, dtype, reuse=reuse)
+        return self.fp8(packed, scales, dtype, reuse=reuse)
+
+    def mxfp4(self, blocks: Tensor, scales: Tensor, dtype: torch.dtype, *,
+              reuse: bool = True) -> Tensor:
+        """``blocks [rows, G, 16]`` uint8 and E8M0 ``scales [rows, G]`` as ``[G * 32, rows]``
+        in ``dtype``: ``convert_moe_packed_tensors`` of one expert."""
+        rows, groups, width = blocks.shape
+        dev = blocks.device
+        pairs = self._luts.get((dtype, dev))
+        if pairs is None:  # byte b -> (e2m1[b & 15], e2m1[b >> 4]): the low nibble first
+            lut = torch.tensor(E2M1, dtype=dtype, device=dev)
+            pairs = self._luts[(dtype, dev)] = torch.stack(
+                [lut.repeat(16), lut.repeat_interleave(16)], dim=1)
+        n = rows * groups * width
+        index = self._buffer("mxfp4-index", (n,), torch.int32, dev, reuse)
+        index.copy_(blocks.reshape(n))
+        work = self._buffer("mxfp4", (rows * groups, width * 2), dtype, dev, reuse)
+        # One gather of both nibbles' values: the values transformers' table gives each.
+        torch.index_select(pairs, 0, index, out=work.view(n, 2))
+        exp = scales.reshape(rows * groups, 1).to(torch.int32) - 127
+        torch.ldexp(work, exp, out=work)
+        out = self._buffer("mxfp4-t", (groups * width * 2, rows), dtype, dev, reuse)
+        out.copy_(work.view(rows, groups * width * 2).t())
+        return out
+
+    def fp8(self, weight: Tensor, scale_inv: Tensor, dtype: torch.dtype, *,
+            reuse: bool = True) -> Tensor:
+        """e4m3 ``weight [R, C]`` times its blocks' fp32 ``scale_inv [R/b, C/b]``, in fp32,
+        cast to ``dtype``: ``Fp8Dequantize._dequantize_one``."""
+        rows, cols = weight.shape
+        sr, sc = scale_inv.shape
+        dev = weight.device
+        work = self._buffer("fp8", (rows, cols), torch.float32, dev, reuse)
+        work.copy_(weight)
+        q = work.view(sr, rows // sr, sc, cols // sc)
+        torch.mul(q, scale_inv.to(torch.float32).view(sr, 1, sc, 1), out=q)
+        if dtype == torch.float32:
+            return work
+        out = self._buffer("fp8-out", (rows, cols), dtype, dev, reuse)
+        out.copy_(work)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
