@@ -163,6 +163,12 @@ class ExpertAdamW(torch.optim.Optimizer):
         self.loaded.store.tick()
         return loss
 
+    def settle(self) -> None:
+        """Bring every expert up to date with the steps taken so far, as a checkpoint or an
+        export needs it (:func:`tierstore.hf.save_checkpoint` calls it before its snapshot).
+        Under the lazy rule an expert that missed a step owes nothing: there is nothing to
+        do."""
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for w in self.experts.tensors():
             if set_to_none:
