@@ -73,7 +73,7 @@ def reference(server: Any, tmp_path_factory: pytest.TempPathFactory
     out = {}
     for family in FAMILIES:
         hf = root / family / "hf"
-        make_hf_model(family, hf, attention_dropout=0.1, **EXPERTS[family])
+        make_hf_model(family, hf, attention_dropout=0.1, **EXPERTS[family])  # saved to hf
         tierstore.hf.import_hf(hf, root / family / "ref", progress=False)
         log = root / family / "ref.log"
         assert run(server, root / family / "ref", log, family=family) == 0
@@ -163,3 +163,75 @@ def test_sigkill_at_random_instants_then_resume_is_bit_identical(
     assert run(server, store, log, family=family) == 0
     assert_same_run(ref, ref_log, store, lines(log))
     assert killed > 0
+
+
+# --------------------------------------------------------------------------- transformers.Trainer
+
+
+class Crash(transformers.TrainerCallback):
+    """Stops the run at the end of a step, the store already past the last checkpoint."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.at:
+            raise KeyboardInterrupt
+
+
+def trainer_run(store: Path, out: Path, rows: torch.Tensor, crash: int | None = None,
+                resume: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``transformers.Trainer`` over ``store`` with :class:`CheckpointCallback`: four steps
+    of two micro-batches, a checkpoint every two; returns the losses logged and the dense
+    weights."""
+    torch.manual_seed(0)
+    model = tierstore.hf.load(store, trainable=True, device="cpu", host_cache="64KiB")
+    opt = tierstore.hf.CombinedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                         tierstore.hf.ExpertAdamW(model, lr=3e-3),
+                                         max_grad_norm=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=1, gradient_accumulation_steps=2,
+        max_steps=4, max_grad_norm=0.0, save_strategy="steps", save_steps=2, report_to=[],
+        logging_strategy="steps", logging_steps=1, use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0, seed=5)
+    callbacks = [tierstore.hf.CheckpointCallback(model), *([Crash(crash)] if crash else [])]
+    trainer = transformers.Trainer(model=model, args=args, optimizers=(opt, sched),
+                                   train_dataset=[{"input_ids": r, "labels": r} for r in rows],
+                                   callbacks=callbacks)
+    try:
+        trainer.train(resume_from_checkpoint=True if resume else None)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        dense = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        model.tierstore.close()
+    return losses, dense
+
+
+def test_trainer_with_the_callback_resumes_to_the_uninterrupted_run(tmp_path: Path) -> None:
+    """``transformers.Trainer``'s own checkpoints (``save_steps``) with
+    :class:`tierstore.hf.CheckpointCallback`: a run stopped after step 3 (its experts updated
+    past ``checkpoint-2``) and resumed with ``resume_from_checkpoint=True`` ends where the
+    uninterrupted run does: losses, dense weights and every store entry bit for bit."""
+    from hf_models import COMMON, prompt_ids
+
+    make_hf_model("mixtral", tmp_path / "hf", num_local_experts=8, attention_dropout=0.1)
+    for name in ("whole", "cut"):
+        tierstore.hf.import_hf(tmp_path / "hf", tmp_path / name, progress=False)
+    rows = prompt_ids(8, 8, COMMON["vocab_size"], seed=5)
+    want, want_dense = trainer_run(tmp_path / "whole", tmp_path / "out-whole", rows)
+    assert len(want) == 4
+    with pytest.raises(KeyboardInterrupt):
+        trainer_run(tmp_path / "cut", tmp_path / "out-cut", rows, crash=3)
+    assert sorted(os.listdir(tmp_path / "out-cut")) == ["checkpoint-2"]
+    got, dense = trainer_run(tmp_path / "cut", tmp_path / "out-cut", rows, resume=True)
+    assert got == want, (got, want)  # the first two from checkpoint-2's log history
+    for name, t in want_dense.items():
+        assert torch.equal(dense[name], t), name
+    with tierstore.open(tmp_path / "whole", host_cache=0) as a, \
+            tierstore.open(tmp_path / "cut", host_cache=0) as b:
+        keys = sorted(set(a.keys()) - {LOOP_ENTRY})  # the Trainer's payload holds no state
+        assert keys == sorted(set(b.keys()) - {LOOP_ENTRY})
+        for key in keys:
+            assert torch.equal(a.get(*key), b.get(*key)), key
+        assert checkpoint_steps(b, "loop") == [2, 4] and b.fsck().ok

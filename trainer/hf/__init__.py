@@ -42,13 +42,14 @@ from .exporter import export_hf
 from .families import causal_lm_families
 from .importer import import_hf
 from .loader import Loaded, build, dtype_of, open_store
-from .resume import Checkpoint, load_checkpoint, save_checkpoint
+from .resume import Checkpoint, CheckpointCallback, load_checkpoint, save_checkpoint
 from .strategies import MODES, make_source, resolve_mode
 from .train import CombinedOptimizer, ExpertAdamW, clip_grad_norm_, load_trainable, save
 
 register()
 
-__all__ = ["IMPLEMENTATION", "MODES", "Checkpoint", "CombinedOptimizer", "ExpertAdamW",
+__all__ = ["IMPLEMENTATION", "MODES", "Checkpoint", "CheckpointCallback", "CombinedOptimizer",
+           "ExpertAdamW",
            "Loaded", "causal_lm_families", "clip_grad_norm_", "export_hf", "import_hf", "load",
            "load_checkpoint", "save", "save_checkpoint"]
 

@@ -17,6 +17,12 @@ moved past it, become the snapshot's), copies its dense weights into the model i
 loads the optimizers, schedulers and RNGs. A store with no checkpoint of a loop gets
 ``loop-0`` of its present state instead, so that a run killed before its first checkpoint
 starts over from the same weights rather than from experts a lost step has updated.
+
+``transformers.Trainer`` checkpoints into directories of its own (``checkpoint-{n}``: the
+dense weights, optimizer, scheduler, RNG and data position) and restores them with
+``train(resume_from_checkpoint=...)``; :class:`CheckpointCallback` keeps the store in step
+with them: snapshot ``loop-{n}`` right before the Trainer writes ``checkpoint-{n}``, and
+the store restored to the snapshot of the step a resumed Trainer starts from.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from tierstore.trainer.train.checkpoint import (
 )
 from tierstore.trainer.train.resident import rng_state, set_rng_state
 from torch import nn
+from transformers.trainer_callback import TrainerCallback
 
 from .train import CombinedOptimizer, ExpertAdamW, _loaded
 
@@ -148,3 +155,52 @@ def load_checkpoint(model: nn.Module, *, optimizers: Optimizers = (),
     steps = max([o.steps for o in _expert_optimizers(opts)], default=0)
     experts.begin(steps + 1)
     return Checkpoint(int(payload["step"]), payload["extra"], tag)
+
+
+class CheckpointCallback(TrainerCallback):
+    """Keeps a trainable model's store in step with ``transformers.Trainer``'s checkpoints::
+
+        trainer = transformers.Trainer(model=model, args=args, optimizers=(opt, sched),
+                                       callbacks=[tierstore.hf.CheckpointCallback(model)])
+        trainer.train(resume_from_checkpoint=True)   # or a checkpoint-{n} directory
+
+    - Whenever the Trainer is about to save ``checkpoint-{n}``, the store takes snapshot
+      ``loop-{n}`` (:func:`save_checkpoint`: the experts' states and the dense weights; the
+      Trainer's directory holds the optimizers, scheduler, RNG and data position). The
+      snapshot comes first, so every complete ``checkpoint-{n}`` directory has its snapshot.
+    - When training begins at step ``n`` (a resume), the store is restored to ``loop-{n}``
+      and the dense weights are read back from it. At step 0 it is restored to ``loop-0``
+      if there is one (the run starts over), else ``loop-0`` is taken.
+
+    ``keep``: the snapshots kept (default: ``args.save_total_limit``, else 2); a directory
+    the Trainer keeps beyond them cannot be resumed from.
+    """
+
+    def __init__(self, model: nn.Module, keep: int | None = None) -> None:
+        self.model, self.keep = model, keep
+        _loaded(model)  # refuse a model without trainable experts now
+
+    def _keep(self, args: Any) -> int:
+        return self.keep or getattr(args, "save_total_limit", None) or KEEP_CHECKPOINTS
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        loaded = _loaded(self.model)
+        step, store = int(state.global_step), loaded.store
+        steps = checkpoint_steps(store, SERIES)
+        if step == 0 and not steps:
+            save_checkpoint(self.model, 0, keep=self._keep(args))
+            return
+        if step not in steps:
+            have = ", ".join(f"loop-{s}" for s in steps) or "none"
+            raise ValueError(f"store {store.path} has no snapshot loop-{step} for the Trainer's "
+                             f"step {step} (it holds {have}); resume from a checkpoint it "
+                             "has, or drop them to start a new run")
+        loaded.experts.drop_all()
+        restore_checkpoint(store, LOOP_ENTRY, SERIES, step)
+        hf_finetune.read_dense(store, hf_finetune.dense_entries(loaded.served.model,
+                                                                loaded.stored))
+        loaded.experts.begin(step + 1)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if control.should_save:
+            save_checkpoint(self.model, int(state.global_step), keep=self._keep(args))

@@ -134,8 +134,9 @@ def commit_checkpoint(store: tierstore.Store, step: int, entry: tuple[str, str],
     tag = checkpoint_tag(step, series)
     store.put(entry[0], pack(payload), kind=entry[1])
     if step in checkpoint_steps(store, series):
-        # Training only moves past the latest checkpoint, so this is a snapshot someone
-        # named by hand; the checkpoint of this step replaces it.
+        # Training only moves past the checkpoint it resumed from, so this is a snapshot
+        # someone named by hand, or one a run resumed from an earlier checkpoint has gone
+        # past again: the checkpoint of this step replaces it.
         store.drop_snapshot(tag)
     store.snapshot(tag)
     for old in checkpoint_steps(store, series)[:-keep]:
@@ -144,20 +145,24 @@ def commit_checkpoint(store: tierstore.Store, step: int, entry: tuple[str, str],
 
 
 def restore_checkpoint(store: tierstore.Store, entry: tuple[str, str],
-                       series: str = STEP_SERIES) -> dict[str, Any] | None:
-    """Make the store's live entries its latest checkpoint of ``series`` and return that
-    checkpoint's payload (what :func:`commit_checkpoint` put in ``entry``); ``None`` when
-    the store holds no checkpoint of the series, and then nothing is changed."""
+                       series: str = STEP_SERIES, step: int | None = None
+                       ) -> dict[str, Any] | None:
+    """Make the store's live entries its latest checkpoint of ``series`` (or that of
+    ``step``) and return that checkpoint's payload (what :func:`commit_checkpoint` put in
+    ``entry``); ``None`` when the store holds no such checkpoint, and then nothing is
+    changed."""
     steps = checkpoint_steps(store, series)
-    if not steps:
+    if step is None:
+        step = steps[-1] if steps else None
+    if step is None or step not in steps:
         return None
-    tag = checkpoint_tag(steps[-1], series)
+    tag = checkpoint_tag(step, series)
     store.restore(tag)
     raw = _read_entry(store, entry)
     if raw is None:
         raise TrainerError(f"store {store.path}: checkpoint {tag} has no {entry[0]} entry")
     payload = unpack(raw)
-    if payload.get("step") != steps[-1]:
+    if payload.get("step") != step:
         raise TrainerError(f"store {store.path}: checkpoint {tag} holds the state of step "
                            f"{payload.get('step')}")
     return payload
