@@ -125,12 +125,18 @@ def assert_same_run(ref: Path, ref_log: list[dict[str, Any]], store: Path,
         assert b.fsck().ok
 
 
+def fresh(hf: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A fresh import of the model for a run of kills, and the run's log."""
+    store = tmp_path / "st"
+    tierstore.hf.import_hf(hf, store, progress=False)
+    return store, tmp_path / "run.log"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sigkill_at_each_point_then_resume_is_bit_identical(
         family: str, server: Any, reference: Any, tmp_path: Path) -> None:
     hf, ref, ref_log = reference[family]
-    store, log = tmp_path / "st", tmp_path / "run.log"
-    tierstore.hf.import_hf(hf, store, progress=False)
+    store, log = fresh(hf, tmp_path)
     for kill in CHAIN:
         assert run(server, store, log, kill, family) == -9, f"no kill at {kill}"
     assert run(server, store, log, family=family) == 0
@@ -148,8 +154,7 @@ def test_sigkill_at_each_point_then_resume_is_bit_identical(
 def test_sigkill_at_random_instants_then_resume_is_bit_identical(
         family: str, server: Any, reference: Any, tmp_path: Path) -> None:
     hf, ref, ref_log = reference[family]
-    store, log = tmp_path / "st", tmp_path / "run.log"
-    tierstore.hf.import_hf(hf, store, progress=False)
+    store, log = fresh(hf, tmp_path)
     killed = 0
     for seed in range(RANDOM_KILLS):
         code = run(server, store, log, f"random:{seed}", family)
@@ -159,7 +164,7 @@ def test_sigkill_at_random_instants_then_resume_is_bit_identical(
             assert_same_run(ref, ref_log, store, lines(log))
             shutil.rmtree(store)
             log.unlink()
-            tierstore.hf.import_hf(hf, store, progress=False)
+            fresh(hf, tmp_path)
     assert run(server, store, log, family=family) == 0
     assert_same_run(ref, ref_log, store, lines(log))
     assert killed > 0

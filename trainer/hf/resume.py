@@ -136,25 +136,32 @@ def load_checkpoint(model: nn.Module, *, optimizers: Optimizers = (),
     store = loaded.store
     if not checkpoint_steps(store, SERIES):
         save_checkpoint(model, 0, optimizers=opts, schedulers=scheds)
-    experts = loaded.experts
-    experts.drop_all()  # prefetched copies are of the live versions the restore replaces
-    payload = restore_checkpoint(store, LOOP_ENTRY, SERIES)
-    assert payload is not None
+    payload = _restore(loaded, None)
     tag = checkpoint_tag(int(payload["step"]), SERIES)
     for what, mine, saved in (("optimizers", opts, payload["optimizers"]),
                               ("schedulers", scheds, payload["schedulers"])):
         if len(mine) != len(saved):
             raise ValueError(f"checkpoint {tag} holds {len(saved)} {what}, {len(mine)} given: "
                              "pass those save_checkpoint was given, in the same order")
-    hf_finetune.read_dense(store, hf_finetune.dense_entries(loaded.served.model, loaded.stored))
     for o, sd in zip(opts, payload["optimizers"], strict=True):
         o.load_state_dict(sd)
     for s, sd in zip(scheds, payload["schedulers"], strict=True):
         s.load_state_dict(sd)
     set_rng_state(payload["rng"])
     steps = max([o.steps for o in _expert_optimizers(opts)], default=0)
-    experts.begin(steps + 1)
+    loaded.experts.begin(steps + 1)
     return Checkpoint(int(payload["step"]), payload["extra"], tag)
+
+
+def _restore(loaded: Any, step: int | None) -> dict[str, Any]:
+    """The store back to checkpoint ``loop-{step}`` (the latest for None), the dense weights
+    read back into the model in place; returns the checkpoint's payload."""
+    loaded.experts.drop_all()  # prefetched copies are of the live versions the restore replaces
+    payload = restore_checkpoint(loaded.store, LOOP_ENTRY, SERIES, step)
+    assert payload is not None
+    hf_finetune.read_dense(loaded.store,
+                           hf_finetune.dense_entries(loaded.served.model, loaded.stored))
+    return payload
 
 
 class CheckpointCallback(TrainerCallback):
@@ -195,10 +202,7 @@ class CheckpointCallback(TrainerCallback):
             raise ValueError(f"store {store.path} has no snapshot loop-{step} for the Trainer's "
                              f"step {step} (it holds {have}); resume from a checkpoint it "
                              "has, or drop them to start a new run")
-        loaded.experts.drop_all()
-        restore_checkpoint(store, LOOP_ENTRY, SERIES, step)
-        hf_finetune.read_dense(store, hf_finetune.dense_entries(loaded.served.model,
-                                                                loaded.stored))
+        _restore(loaded, step)
         loaded.experts.begin(step + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
