@@ -418,10 +418,16 @@ def bench_infer(store: str | None, model_dir: str | None, shape: str, layers: in
               show_default=True,
               help="The store's NVMe I/O engine (auto: Linux AIO where it runs; "
                    "posix-direct: the thread-pool fallback).")
+@click.option("--peer", type=click.Choice(["deepspeed"]),
+              help="With --model-dir: also the checkpoint under DeepSpeed ZeRO-3 with "
+                   "parameters and optimizer states offloaded to NVMe (a folder in the "
+                   "scratch directory), same batches and steps, in a fresh process; needs "
+                   "the peers extra.")
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
 def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: int,
                 batch_size: int | None, seq_len: int | None, device: str, store: str | None,
-                model_dir: str | None, engine: str, json_out: str | None) -> None:
+                model_dir: str | None, engine: str, peer: str | None,
+                json_out: str | None) -> None:
     """Step time of the store trainer against the resident trainer (same model, data and
     seed): median step times, their ratio (target <= 1.15), stall fraction, hit rate.
     With --model-dir, of fine-tuning an imported checkpoint over the store against the same
@@ -436,7 +442,7 @@ def bench_train(model: str, steps: int, warmup: int, rounds: int, host_cache: in
                             host_cache=host_cache, store=store, device=device,
                             overrides={k: v for k, v in given.items() if v is not None},
                             json_out=json_out, echo=click.echo, model_dir=model_dir,
-                            engine=engine)
+                            engine=engine, peer=peer)
         except ValueError as e:
             click.echo(f"tierstore bench train: {e}", err=True)
             return 2

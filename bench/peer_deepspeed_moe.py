@@ -353,10 +353,12 @@ def run_ours(model: str, steps: int, store_dir: str, batch_size: int, seq_len: i
 
 # --- the driver --------------------------------------------------------------------------
 
-def _spawn(args: list[str], timeout: float) -> dict[str, Any]:
+def _spawn(args: list[str], timeout: float, module: str = MODULE) -> dict[str, Any]:
+    """``python -m module *args`` in a single-process DeepSpeed world; the last JSON line it
+    prints, or its failure as a refusal."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    cmd = [sys.executable, "-m", MODULE, *args]
+    cmd = [sys.executable, "-m", module, *args]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:

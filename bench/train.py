@@ -14,7 +14,10 @@ With ``model_dir`` the model is a Hugging Face checkpoint instead of a preset: t
 fine-tunes a fresh import of it (``tierstore import-hf``, not timed) through its own
 ``transformers`` class, and the resident side fine-tunes the same ``transformers`` model with
 every weight in memory and ``torch.optim.AdamW`` on one parameter per expert
-(``trainer.train.hf_resident``), on the same tokenized text.
+(``trainer.train.hf_resident``), on the same tokenized text. ``peer="deepspeed"`` adds, after
+the rounds, the same checkpoint under DeepSpeed ZeRO-3 with its parameters and optimizer
+states offloaded to NVMe (:mod:`.peer_deepspeed_hf`), on the same batches for the same
+steps, in a fresh process: its step time against the store side's, and its peak RSS.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 from tierstore.trainer import TrainConfig, model_size, train_resident, train_store
 from tierstore.trainer.train.layout import preset_layout
-from tierstore.trainer.train.resident import corpus_for, resolve_model_config
+from tierstore.trainer.train.resident import corpus_for, resolve_model_config, training_batches
 from tierstore.trainer.train.store_trainer import cuda_budget
 
 import tierstore
@@ -76,16 +79,21 @@ def run_train_bench(
     echo: Callable[[str], Any] = print,
     model_dir: str | None = None,
     engine: str = "auto",
+    peer: str | None = None,
 ) -> dict[str, Any]:
     """Run the comparison; returns (and optionally writes) the report. ``model_dir``: a
     Hugging Face checkpoint to fine-tune instead of the preset ``model``; ``engine``: the
-    store's NVMe I/O engine (``tierstore.open``'s ``engine``)."""
+    store's NVMe I/O engine (``tierstore.open``'s ``engine``); ``peer``: ``"deepspeed"``
+    to add DeepSpeed ZeRO-3 with NVMe offload on ``model_dir``."""
     if steps < 1 or warmup < 0 or rounds < 1:
         raise ValueError("--steps and --rounds must be at least 1, --warmup at least 0")
+    if peer is not None and (peer != "deepspeed" or model_dir is None):
+        raise ValueError("--peer deepspeed needs --model-dir (a Hugging Face checkpoint)")
     tc = TrainConfig(eval_every=0, **(overrides or {}))
     total = warmup + steps
     scratch = store or tempfile.mkdtemp(prefix="tierstore-bench-train-", dir=".")
     os.makedirs(scratch, exist_ok=True)
+    ds: dict[str, Any] | None = None
     try:
         cfg: Any = None
         if model_dir is not None:
@@ -126,6 +134,8 @@ def run_train_bench(
                 last = _measured(hist, warmup)
                 echo(f"  round {r + 1} {side:8s} median step "
                      f"{statistics.median(m['step_time_s'] for m in last) * 1e3:.1f} ms")
+        if peer == "deepspeed" and model_dir is not None:
+            ds = _deepspeed(model_dir, tc, corpus, total, warmup, os.path.join(scratch, "ds"))
     finally:
         if store is None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -153,6 +163,15 @@ def run_train_bench(
          f"store {st['step_time_s'] * 1e3:.1f} ms/step ({st['tokens_per_s']:,.0f} tok/s), "
          f"stall {st['stall_frac']:.1%}, hit rate {st['hit_rate']:.1%}")
     echo(f"store / resident step time: {report['step_time_ratio']:.3f} (target <= 1.15)")
+    if ds is not None:
+        report["deepspeed"] = ds
+        if ds.get("ran"):
+            report["deepspeed_step_time_ratio"] = ds["step_time_s"] / st["step_time_s"]
+            echo(f"deepspeed zero-3 nvme {ds['step_time_s'] * 1e3:.1f} ms/step, peak RSS "
+                 f"{ds['peak_rss_bytes'] / 2**20:,.0f} MiB; deepspeed / store step time: "
+                 f"{report['deepspeed_step_time_ratio']:.3f}")
+        else:
+            echo(f"deepspeed zero-3 nvme did not run: {ds.get('cannot_run')}")
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
@@ -217,3 +236,13 @@ def _in_memory(model_dir: str, steps: int, tc: TrainConfig, corpus: Any, device:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return train_hf_resident(model, steps, 0, tc, corpus=corpus, device=device,
                              autocast=autocast, rule=tc.update_rule or "dense")[0]
+
+
+def _deepspeed(model_dir: str, tc: TrainConfig, corpus: Any, steps: int, warmup: int,
+               scratch: str) -> dict[str, Any]:
+    """The peer on the batches the store side trained on (its sampler, seed 0)."""
+    from .peer_deepspeed_hf import run_hf_peer
+
+    sampler, _ = training_batches(tc, 0, corpus)
+    batches = [sampler.next_batch() for _ in range(steps * tc.grad_accum)]
+    return run_hf_peer(model_dir, batches, tc.grad_accum, tc.lr, warmup, scratch)

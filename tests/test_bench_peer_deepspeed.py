@@ -68,3 +68,60 @@ def test_peer_measures_or_names_refusals(tmp_path: Path) -> None:
     # Every refusal names what refused: a DeepSpeed source line or the measurement itself.
     for r in res["refused"]:
         assert r["raised_at"] or r["type"] in ("NoNVMeWrites", "TimeoutExpired"), r
+
+
+# -- the Hugging Face checkpoint beside `bench train --model-dir` ---------------------------
+
+
+def test_hf_peer_is_a_clean_result_without_deepspeed(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    from tierstore.bench.peer_deepspeed_hf import run_hf_peer
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    res = run_hf_peer(str(tmp_path), [], 1, 1e-4, 0, str(tmp_path / "scratch"))
+    assert res == {"system": "deepspeed", "ran": False, "refused": [],
+                   "cannot_run": "deepspeed is not installed"}
+    assert not (tmp_path / "scratch").exists()  # nothing made
+
+
+def test_bench_train_peer_needs_a_model_dir() -> None:
+    from click.testing import CliRunner
+
+    from tierstore.cli import main
+
+    res = CliRunner().invoke(main, ["bench", "train", "--model", "tiny", "--peer", "deepspeed"])
+    assert res.exit_code == 2 and "--peer deepspeed needs --model-dir" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.slow  # DeepSpeed's ZeRO-3 start and its JIT-built ops take minutes on 2 cores
+def test_bench_train_with_the_deepspeed_peer_measures_or_names_its_refusal(
+        tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    import json
+
+    from click.testing import CliRunner
+    from hf_models import make_hf_model
+
+    from tierstore.cli import main
+
+    make_hf_model("deepseek_v3", tmp_path / "hf", n_routed_experts=8, hidden_size=256,
+                  moe_intermediate_size=512, intermediate_size=512)
+    out = tmp_path / "train.json"
+    res = CliRunner().invoke(main, [
+        "bench", "train", "--model-dir", str(tmp_path / "hf"), "--steps", "2", "--warmup", "1",
+        "--rounds", "1", "--host-cache", "1MiB", "--batch-size", "2", "--seq-len", "16",
+        "--store", str(tmp_path / "scratch"), "--peer", "deepspeed", "--json", str(out)],
+        catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    ds = json.loads(out.read_text())["deepspeed"]
+    assert ds["model_class"] == "DeepseekV3ForCausalLM"
+    if ds["ran"]:
+        assert ds["step_time_s"] > 0 and len(ds["losses"]) == 3 and ds["nvme_offload"]
+        assert ds["peak_rss_bytes"] > 0 and "deepspeed / store step time" in res.output
+    else:  # refused by a check of DeepSpeed's own, named with its source line
+        (refusal,) = ds["refused"]
+        assert refusal["raised_at"].startswith("deepspeed/"), refusal
+        assert "did not run" in res.output

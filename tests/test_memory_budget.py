@@ -347,3 +347,68 @@ def test_expert_mode_and_on_demand_pool_their_share_with_the_host_cache(tiny: Pa
     tight = GenerationBudget(device=sized.reserved + one, kv_cache=sized.kv_cache,
                              activations=sized.activations)
     assert pooled_host_cache(tight, host, one, cfg.top_k) == (host, one)
+
+
+# -- fine-tuning in a loop of one's own (tierstore.hf.load(store, trainable=True)) ---------
+
+# Mixtral-shaped: 8 MoE layers of 8 experts of 1.5 MiB (fp32): 96 MiB of expert weights,
+# 288 MiB of expert states with both AdamW moments.
+FT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_local_experts=8,
+                num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
+FT_HOST, FT_DEVICE = 8 * MiB, 24 * MiB  # a step of one token: 2 experts x 8 layers x 1.5 MiB
+FT_CHILD = """
+import sys, torch, tierstore.hf
+store, host, dev = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+model = tierstore.hf.load(store, trainable=True, device="cpu", host_cache=host,
+                          device_budget=dev, fetch="direct")
+dense = torch.optim.AdamW(model.parameters(), lr=1e-4)
+experts = tierstore.hf.ExpertAdamW(model, lr=1e-4)
+ck = tierstore.hf.load_checkpoint(model, optimizers=[dense, experts])
+for step in range(1, 3):
+    x = torch.randint(3, model.config.vocab_size, (1, 1))
+    model(input_ids=x, labels=x).loss.backward()
+    tierstore.hf.clip_grad_norm_(model, 1.0)
+    dense.step(); experts.step(); dense.zero_grad(); experts.zero_grad()
+tierstore.hf.save_checkpoint(model, 2, optimizers=[dense, experts])
+print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024)
+"""
+
+
+@pytest.fixture(scope="module")
+def finetune_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int, int]]:
+    """An imported model made trainable (fp32 masters, zero moments: what the first
+    trainable load writes, done here with a larger cache), its dense weights' bytes and its
+    expert states' bytes."""
+    root = tmp_path_factory.mktemp("budget-finetune")
+    make_hf_model("mixtral", root / "hf", **FT_SHAPE)
+    from tierstore.hf import import_hf, load
+
+    import_hf(root / "hf", root / "store", progress=False)
+    shutil.rmtree(root / "hf")
+    load(root / "store", trainable=True, device="cpu", host_cache="64MiB").tierstore.close()
+    with tierstore.open(root / "store", host_cache=0) as st:
+        keys = st.keys()
+        dense = sum(st.info(n).nbytes for n, k in keys if k == "param" and ".experts." not in n)
+        experts = sum(st.info(n, k).nbytes for n, k in keys if ".experts." in n)
+    yield root / "store", dense, experts
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_hf_finetune_stays_within_its_budget(finetune_store: tuple[Path, int, int],
+                                            baseline: int) -> None:
+    """Two steps and a checkpoint of a user's loop over a store whose expert states are
+    36 times the host cache and 12 times the device budget stay within the interpreter with
+    torch + 7 x the dense parameters + the host cache + twice the device budget (the step's
+    expert weights and their gradients) + the fixed overhead; the experts all held in
+    memory would break that bound."""
+    store, dense, experts = finetune_store
+    bound = baseline + 7 * dense + FT_HOST + 2 * FT_DEVICE + FIXED_OVERHEAD_BYTES
+    # Holding every expert's weights and moments beside the same dense states would not fit
+    # under it (by 104 MiB).
+    assert baseline + 7 * dense + experts > bound + 64 * MiB, (experts / MiB, bound / MiB)
+    rc, out, err, peak = run_child([sys.executable, "-c", FT_CHILD, str(store), str(FT_HOST),
+                                    str(FT_DEVICE)])
+    assert rc == 0, err
+    reported = int(out.strip().splitlines()[-1])
+    assert max(reported, peak) <= bound, (reported / MiB, peak / MiB, bound / MiB)

@@ -17,7 +17,9 @@ routing, caches and ``generate``::
 (:mod:`tierstore.hf.train`): ``model.parameters()`` are the dense weights, for any torch
 optimizer, and :class:`ExpertAdamW` trains the experts, their masters and moments in the
 store; :func:`clip_grad_norm_` clips both by one norm, :class:`CombinedOptimizer` steps both
-(for ``transformers.Trainer``), :func:`save` puts the dense weights in the store too.
+(for ``transformers.Trainer``), :func:`save` puts the dense weights in the store too;
+:func:`save_checkpoint` and :func:`load_checkpoint` (:mod:`tierstore.hf.resume`) checkpoint
+the loop as a store snapshot and resume it bit for bit.
 
 :func:`import_hf` (``tierstore import-hf``) puts any checkpoint of a family whose experts
 ``transformers`` dispatches through that interface into a store, mapped with
@@ -40,13 +42,16 @@ from .exporter import export_hf
 from .families import causal_lm_families
 from .importer import import_hf
 from .loader import Loaded, build, dtype_of, open_store
+from .resume import Checkpoint, CheckpointCallback, load_checkpoint, save_checkpoint
 from .strategies import MODES, make_source, resolve_mode
 from .train import CombinedOptimizer, ExpertAdamW, clip_grad_norm_, load_trainable, save
 
 register()
 
-__all__ = ["IMPLEMENTATION", "MODES", "CombinedOptimizer", "ExpertAdamW", "Loaded",
-           "causal_lm_families", "clip_grad_norm_", "export_hf", "import_hf", "load", "save"]
+__all__ = ["IMPLEMENTATION", "MODES", "Checkpoint", "CheckpointCallback", "CombinedOptimizer",
+           "ExpertAdamW",
+           "Loaded", "causal_lm_families", "clip_grad_norm_", "export_hf", "import_hf", "load",
+           "load_checkpoint", "save", "save_checkpoint"]
 
 
 def load(store: str | os.PathLike[str] | tierstore.Store, *, trainable: bool = False,

@@ -203,6 +203,13 @@ class ExpertAdamW(torch.optim.Optimizer):
         self.loaded.store.tick()
         return loss
 
+    def settle(self) -> int:
+        """Bring every expert up to date with the steps taken so far, as a snapshot of the
+        user's own or an export needs it (:func:`tierstore.hf.save_checkpoint`,
+        :func:`save` and ``export-hf`` do it themselves). Under the lazy rule an expert that
+        missed a step owes nothing. Returns how many experts moved."""
+        return self.experts.catch_up_all()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for w in self.experts.tensors():
             if set_to_none:

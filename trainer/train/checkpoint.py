@@ -101,7 +101,7 @@ RUN_ENTRY = ("trainer.run", "meta")
 DENSE_ENTRY = ("trainer.dense", "checkpoint")
 CHECKPOINT_VERSION = 1
 KEEP_CHECKPOINTS = 2
-_TAG = re.compile(r"^step-(\d+)$")
+STEP_SERIES = "step"  # `tierstore train`'s checkpoints: step-{n}
 
 PathLike = str | os.PathLike[str]
 
@@ -117,14 +117,61 @@ def step_counts_name(layer: int) -> str:
     return f"layers.{layer}.experts"
 
 
-def checkpoint_tag(step: int) -> str:
-    return f"step-{step}"
+def checkpoint_tag(step: int, series: str = STEP_SERIES) -> str:
+    return f"{series}-{step}"
 
 
-def checkpoint_steps(store: tierstore.Store) -> list[int]:
-    """Steps of the checkpoints (``step-{n}`` snapshots) the store holds, ascending."""
-    found = (_TAG.match(s.tag) for s in store.snapshots())
+def checkpoint_steps(store: tierstore.Store, series: str = STEP_SERIES) -> list[int]:
+    """Steps of the checkpoints (``step-{n}`` snapshots, or those of another ``series``:
+    ``loop-{n}``, a user's loop's) the store holds, ascending."""
+    tag = re.compile(rf"^{re.escape(series)}-(\d+)$")
+    found = (tag.match(s.tag) for s in store.snapshots())
     return sorted(int(m.group(1)) for m in found if m)
+
+
+def commit_checkpoint(store: tierstore.Store, step: int, entry: tuple[str, str],
+                      payload: dict[str, Any], series: str = STEP_SERIES,
+                      keep: int = KEEP_CHECKPOINTS) -> str:
+    """The commit of every checkpoint: ``payload`` (``torch.save`` bytes) into ``entry``,
+    then the snapshot ``{series}-{step}``, whose single catalog transaction records it with
+    every other entry (whatever the caller put before), then the older snapshots of the
+    series beyond the latest ``keep`` dropped. A crash before the snapshot commits leaves
+    the previous checkpoints current; after it, this one. Returns the tag."""
+    tag = checkpoint_tag(step, series)
+    store.put(entry[0], pack(payload), kind=entry[1])
+    if step in checkpoint_steps(store, series):
+        # Training only moves past the checkpoint it resumed from, so this is a snapshot
+        # someone named by hand, or one a run resumed from an earlier checkpoint has gone
+        # past again: the checkpoint of this step replaces it.
+        store.drop_snapshot(tag)
+    store.snapshot(tag)
+    for old in checkpoint_steps(store, series)[:-keep]:
+        store.drop_snapshot(checkpoint_tag(old, series))
+    return tag
+
+
+def restore_checkpoint(store: tierstore.Store, entry: tuple[str, str],
+                       series: str = STEP_SERIES, step: int | None = None
+                       ) -> dict[str, Any] | None:
+    """Make the store's live entries its latest checkpoint of ``series`` (or that of
+    ``step``) and return that checkpoint's payload (what :func:`commit_checkpoint` put in
+    ``entry``); ``None`` when the store holds no such checkpoint, and then nothing is
+    changed."""
+    steps = checkpoint_steps(store, series)
+    if step is None:
+        step = steps[-1] if steps else None
+    if step is None or step not in steps:
+        return None
+    tag = checkpoint_tag(step, series)
+    store.restore(tag)
+    raw = _read_entry(store, entry)
+    if raw is None:
+        raise TrainerError(f"store {store.path}: checkpoint {tag} has no {entry[0]} entry")
+    payload = unpack(raw)
+    if payload.get("step") != step:
+        raise TrainerError(f"store {store.path}: checkpoint {tag} holds the state of step "
+                           f"{payload.get('step')}")
+    return payload
 
 
 # --------------------------------------------------------------------------- serialisation
@@ -301,16 +348,8 @@ def start_run(store: tierstore.Store, net: TrainNet, tc: TrainConfig, seed: int,
             raise TrainerError(f"{where} already holds a training run ({last}); pass --resume "
                                "to continue it, or train in a new store")
         _check_identity(saved, net.record, tc, seed, where)
-        ckpts = checkpoint_steps(store)
-        if ckpts:
-            store.restore(checkpoint_tag(ckpts[-1]))
-            dense = _read_entry(store, DENSE_ENTRY)
-            if dense is None:
-                raise TrainerError(f"{where}: checkpoint step-{ckpts[-1]} has no dense state")
-            payload = unpack(dense)
-            if payload.get("step") != ckpts[-1]:
-                raise TrainerError(f"{where}: checkpoint step-{ckpts[-1]} holds the dense state "
-                                   f"of step {payload.get('step')}")
+        payload = restore_checkpoint(store, DENSE_ENTRY)
+        if payload is not None:
             net.load_dense(store, payload)
             opt.load_state_dict(payload["optimizer"])
             sampler.load_state_dict(payload["sampler"])
@@ -345,15 +384,7 @@ def write_checkpoint(store: tierstore.Store, step: int, *, seed: int, net: Train
         "sampler": sampler.state_dict(), "rng": rng_state(), "metrics": dict(metrics),
         **net.dense_payload(store),
     }
-    store.put(DENSE_ENTRY[0], pack(payload), kind=DENSE_ENTRY[1])
-    if step in checkpoint_steps(store):
-        # Training only moves past the latest checkpoint, so this is a snapshot someone
-        # named by hand; the checkpoint of this step replaces it.
-        store.drop_snapshot(tag)
-    store.snapshot(tag)
-    for old in checkpoint_steps(store)[:-KEEP_CHECKPOINTS]:
-        store.drop_snapshot(checkpoint_tag(old))
-    return tag
+    return commit_checkpoint(store, step, DENSE_ENTRY, payload)
 
 
 def latest_dense_state(store: tierstore.Store) -> dict[str, Any] | None:

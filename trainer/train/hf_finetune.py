@@ -160,15 +160,8 @@ class HFNet(TrainNet):
         write_dense(store, self.entries)
         return {"dense": "entries"}
 
-    @torch.no_grad()
     def load_dense(self, store: tierstore.Store, payload: dict[str, Any]) -> None:
-        got = store.get_many([entry for entry, _ in self.entries.values()])
-        for entry, p in self.entries.values():
-            t = got[entry]
-            if tuple(t.shape) != tuple(p.shape):
-                raise TrainerError(f"store {store.path}: {entry} is {list(t.shape)}, the model "
-                                   f"needs {list(p.shape)}")
-            p.copy_(t)
+        read_dense(store, self.entries)
 
     def tokenizer(self, store: tierstore.Store) -> tokenizers.Tokenizer:
         tok = load_tokenizer(store)
@@ -192,6 +185,19 @@ def dense_entries(model: Any, stored: StoredModel) -> dict[str, tuple[str, Tenso
 def write_dense(store: tierstore.Store, entries: dict[str, tuple[str, Tensor]]) -> None:
     """Put :func:`dense_entries`' tensors into their entries, floating ones as fp32."""
     store.put_many([(entry, "param", _master(t)) for entry, t in entries.values()])
+
+
+@torch.no_grad()
+def read_dense(store: tierstore.Store, entries: dict[str, tuple[str, Tensor]]) -> None:
+    """Copy the store's :func:`dense_entries` into the model's tensors, in place (an
+    optimizer holding them keeps them)."""
+    got = store.get_many([entry for entry, _ in entries.values()])
+    for entry, p in entries.values():
+        t = got[entry]
+        if tuple(t.shape) != tuple(p.shape):
+            raise TrainerError(f"store {store.path}: {entry} is {list(t.shape)}, the model "
+                               f"needs {list(p.shape)}")
+        p.copy_(t)
 
 
 def _master(t: Tensor) -> Tensor:
