@@ -1,7 +1,8 @@
 """A rank of a distributed training run for tests/test_dist_train.py, started by torchrun.
 
-``python tests/dist_child.py SPEC.json``: SPEC holds ``model`` (a preset name, or a model
-config dict), ``steps``, ``seed``, ``train`` (TrainConfig fields), ``corpus_bytes``,
+``python tests/dist_child.py SPEC.json``: SPEC holds ``model`` (a preset name, a model
+config dict, or null: the model ``import-hf`` put in the node stores), ``steps``, ``seed``,
+``train`` (TrainConfig fields), ``corpus_bytes``,
 ``store`` (a path with ``{node}`` for this node's index), ``paradigm``, ``credits``,
 ``checkpoint_every``, ``resume``, ``metrics`` and ``out``, and optionally ``kill``:
 ``[phase, n, rank]``, at which that rank SIGKILLs itself: a checkpoint's ``snapshot`` or

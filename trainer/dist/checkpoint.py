@@ -80,7 +80,7 @@ def _gather(world: World, value: Any) -> list[Any]:
     return out
 
 
-def _fail_together(world: World, error: str | None) -> None:
+def fail_together(world: World, error: str | None) -> None:
     """Raise on every rank if any rank found ``error`` (the first one, by rank)."""
     errors = [e for e in _gather(world, error) if e]
     if errors:
@@ -248,7 +248,7 @@ def start_run(world: World, store: tierstore.Store, run_dir: Path, experts: Owne
             error = f"{where} holds another run ({_difference(saved, mine, world.size)})"
         elif saved is None and (manifests.numbers(run_dir) or store.names("layers.")):
             error = f"{where} holds expert entries or checkpoints of no run of this trainer"
-    _fail_together(world, error)
+    fail_together(world, error)
     manifest = choose_checkpoint(world, store, run_dir, cfg.n_experts) if resume else None
     if world.is_node_leader:  # manifests of a checkpoint newer than the one resumed
         for n in manifests.numbers(run_dir):
@@ -297,7 +297,7 @@ def _resume(world: World, store: tierstore.Store, cfg: TrainModel, mine: dict[st
         except tierstore.StoreError as e:
             error = (f"node {world.node}'s store {store.path} cannot be brought to {what}: "
                      f"{e}; once that is fixed, rerun with --resume")
-    _fail_together(world, error)
+    fail_together(world, error)
     box: list[Any] = [None]
     if world.rank == 0:
         try:

@@ -46,7 +46,6 @@ from ..model import MoEModel
 from ..presets import TrainModel, config_from_dict
 from ..train.data import Corpus
 from ..train.metrics import MetricsLog, peak_rss, run_steps, store_counters, store_metrics
-from ..train.optim import clip_coef
 from ..train.resident import (
     Metrics,
     TrainConfig,
@@ -55,8 +54,10 @@ from ..train.resident import (
     training_batches,
 )
 from .checkpoint import PhaseHook, dense_payload, saved_identity, start_run, write_checkpoint
-from .collectives import all_reduce_sum_, sum_over_ranks
+from .collectives import all_reduce_sum_, clip_global, sum_over_ranks
+from ..train.hf_finetune import imported
 from .exchange import ExpertParallel, choose_paradigms, janus_ratio
+from .hf_trainer import train_imported
 from .faults import FaultWatch
 from .owned import OwnedExperts
 from .sidecar import DaemonSettings, default_run_dir, start_node_daemon
@@ -99,6 +100,7 @@ def train_distributed(
     overrides: dict[str, Any] | None = None,
     on_step: Callable[[Metrics], None] | None = None,
     on_phase: PhaseHook | None = None,
+    rule: str = "lazy",
 ) -> list[Metrics]:
     """Train ``model`` on every rank of the torchrun world until ``steps`` steps are done;
     returns this rank's metrics of the steps this call ran.
@@ -122,6 +124,10 @@ def train_distributed(
     ``metrics_path``: one JSON object per step per rank, ``{path}.rank{r}``.
     ``on_phase(phase, n)`` is called at the points of a checkpoint (``snapshot``,
     ``manifest``) and of a re-shard (``moved``, ``sent``): see :mod:`.reshard`.
+
+    ``model=None`` where the node stores hold a model ``tierstore import-hf`` put there (the
+    same checkpoint in every node's store) fine-tunes it expert-parallel through its own
+    ``transformers`` class (:mod:`.hf_trainer`); ``rule`` is the experts' AdamW rule there.
     """
     if steps < 0 or checkpoint_every < 0:
         raise ValueError("steps and checkpoint_every must be >= 0")
@@ -145,6 +151,24 @@ def train_distributed(
         raise watch.failed(e) from None
     finished = False
     try:
+        stored = imported(store)
+        if stored is not None and model is not None:
+            raise AgreedError(f"store {store.path} holds an imported {stored.family} model, "
+                              "which is what it trains: drop --model")
+        if stored is not None:
+            # The node stores hold an import: the family's own transformers model, fine-tuned
+            # expert-parallel over the tierstore experts backend (.hf_trainer).
+            history = train_imported(
+                world, store, run, steps, seed,
+                replace(train or TrainConfig(), **(overrides or {})), resume=resume,
+                checkpoint_every=checkpoint_every, paradigm=paradigm, rule=rule,
+                metrics_path=metrics_path, corpus=corpus, corpus_paths=corpus_paths,
+                on_step=on_step, on_phase=on_phase, watch=watch)
+            watch.close()
+            finished = True
+            return history
+        if model is None and not resume:
+            model = "tiny"
         cfg, tc, seed = _settings(world, store, model, train, seed, resume, overrides or {})
         check_divides(cfg.n_experts, world.size)
         global_tc = replace(tc, batch_size=tc.batch_size * world.size)
@@ -268,7 +292,7 @@ class _Loop:
                 p.grad = torch.zeros_like(p)
             dense_grads.append(p.grad)
         all_reduce_sum_(dense_grads)
-        norm = self._clip(dense_grads, source.owned.grads())
+        norm = clip_global(dense_grads, source.owned.grads(), world, tc.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         touched = source.owned.update(lr, tc)
@@ -294,22 +318,6 @@ class _Loop:
         if (self.checkpoint_every > 0 and done % self.checkpoint_every == 0) or done == steps:
             self.checkpoint(done, m)
         return m
-
-    def _clip(self, dense: list[Tensor], owned: list[Tensor]) -> Tensor:
-        """The global norm over dense (replicated) and expert (owned once) gradients, and
-        clipping by it, as one process would."""
-        def squares(grads: list[Tensor]) -> Tensor:
-            return torch.tensor([sum(float(torch.linalg.vector_norm(g, 2)) ** 2
-                                     for g in grads)], dtype=torch.float64)
-
-        expert_sq = sum_over_ranks(squares(owned), self.world)
-        norm = torch.sqrt(squares(dense)[0] + expert_sq[0]).float()
-        if self.tc.clip is not None:
-            coef = clip_coef(norm, self.tc.clip)
-            with torch.no_grad():
-                for g in [*dense, *owned]:
-                    g.mul_(coef.to(g.device))
-        return norm
 
     def _total_moved(self, figures: dict[str, Any]) -> int:
         mine = sum(v for k, v in figures.items() if k.endswith("_bytes") and

@@ -17,6 +17,11 @@ orientation (``is_transposed``), biases and post-expert norm, and the routing we
 applied in fp32 and summed over the k slots as ``batched_mm`` does. Experts run in
 ascending id order, each looked up just before it runs, so a source may still be loading
 the later ones.
+
+A source with a ``forward_layer(module, layer, hidden_states, top_k_index,
+top_k_weights)`` method takes the whole call instead: an expert-parallel source dispatches
+the routed rows to the ranks that own their experts and combines what comes back, with
+:func:`expert_output` on the owners, so the family's model code stays ``transformers``'.
 """
 
 from __future__ import annotations
@@ -119,6 +124,11 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     n_tok, k = top_k_index.shape
     layer.top_k = k
     layer.calls += 1
+    parallel = getattr(layer.source, "forward_layer", None)
+    if parallel is not None:
+        # An expert-parallel source: the routed rows go to the ranks that own their experts
+        # and come back computed (tierstore.trainer.dist.hf_parallel), inside this call.
+        return parallel(module, layer, hidden_states, top_k_index, top_k_weights)  # type: ignore[no-any-return]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, ascending ids
     ids, counts = torch.unique_consecutive(flat[order], return_counts=True)

@@ -1,0 +1,139 @@
+"""Expert-parallel fine-tuning of imported Hugging Face checkpoints under torchrun (gloo,
+this machine): the family's own ``transformers`` model on every rank, the routed rows sent
+to their experts' owners inside the registered ``tierstore`` experts function.
+
+- W = 2 equals the single-process fine-tune (``train_store`` over one store) on the same
+  global batch: per-step losses within 1e-5, every weight (each node's owned experts, the
+  dense weights) within 1e-5. DeepSeek-V3 (a shared expert, group-limited routing) by the
+  distributed trainer, as one node of two ranks sharing its store and daemon; Mixtral (the
+  global batch's router loss) in a loop of the user's own over ``tierstore.hf.load(...,
+  process_group=...)``, as two nodes of one rank with a store each.
+- A rank SIGKILLed mid-step: the other ends within the bound with one line naming it, the
+  stores stay fsck-clean, and ``--resume`` equals the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_finetune_hf
+import tierstore.hf
+import torch
+from test_dist_train import launch, metrics, stop_daemons
+from test_finetune_hf import make_model, weights
+from tierstore.hf.layout import stored_model
+from tierstore.trainer.train.data import Corpus
+from tierstore.trainer.train.resident import TrainConfig
+from tierstore.trainer.train.store_trainer import train_store
+
+import tierstore
+
+pytestmark = pytest.mark.timeout(600)
+LOOP = Path(__file__).with_name("dist_hf_loop.py")
+# test_finetune_hf's fixtures: its corpus, and a tokenizer trained on it.
+corpus = test_finetune_hf.corpus
+tokenizer_file = test_finetune_hf.tokenizer_file
+CORPUS_BYTES = 96 * 1024  # test_finetune_hf's corpus fixture
+# As test_finetune_hf: a clip that bites, two micro-batches, a fine-tuning learning rate.
+TRAIN = {"seq_len": 8, "grad_accum": 2, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 1,
+         "decay_steps": 4, "clip": 0.5, "eval_every": 0}
+STEPS, SEED = 3, 3
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left(tmp_path: Path) -> Any:
+    yield
+    stop_daemons(tmp_path)
+
+
+def owned_weights(tmp: Path, nodes: int, per_node: int) -> dict[str, torch.Tensor]:
+    """Every weight of the distributed run: each expert from its owner's node store, the
+    dense entries from node 0's."""
+    w = nodes * per_node
+    out: dict[str, torch.Tensor] = {}
+    for node in range(nodes):
+        with tierstore.open(tmp / f"node{node}", host_cache=0) as st:
+            sm = stored_model(st)
+            n = sm.experts[0].num_experts
+            mine = range(node * per_node * n // w, (node + 1) * per_node * n // w)
+            names = [f"{m.prefix}.{e}.{part}" for m in sm.experts for e in mine
+                     for _, parts in m.params for part in parts]
+            if node == 0:
+                names += list(sm.dense.values())
+            out.update({str(k): v for k, v in st.get_many(names).items()})
+    return out
+
+
+def single_process(tmp: Path, global_batch: int, corpus: Corpus) -> list[dict[str, Any]]:
+    tc = TrainConfig(batch_size=global_batch, **TRAIN)
+    return train_store(None, STEPS, seed=SEED, train=tc, corpus=corpus,
+                       store_path=tmp / "single", host_cache="4MiB")
+
+
+def prepare(family: str, tmp: Path, nodes: int, tokenizer_file: Path) -> None:
+    """The checkpoint, imported into every node's store, the single process's and one kept
+    as it starts."""
+    make_model(family, tmp / "hf", tokenizer_file)
+    for path in [*(f"node{i}" for i in range(nodes)), "single", "start"]:
+        tierstore.hf.import_hf(tmp / "hf", tmp / path, progress=False)
+
+
+def check_weights(tmp: Path, nodes: int, per_node: int) -> None:
+    """Every weight of the distributed run within 1e-5 of the single process's, far finer
+    than what training moved; every store fsck-clean."""
+    want, got = weights(tmp / "single"), owned_weights(tmp, nodes, per_node)
+    begin = weights(tmp / "start")
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, atol=1e-5, rtol=0, msg=name)
+    moved = max(float((want[n] - begin[n]).abs().max()) for n in want)
+    assert moved > 20 * 1e-5
+    for i in range(nodes):
+        with tierstore.open(tmp / f"node{i}", host_cache=0) as st:
+            assert st.fsck().ok
+
+
+def test_train_distributed_equals_one_process(corpus: Corpus, tokenizer_file: Path,
+                                              tmp_path: Path) -> None:
+    """DeepSeek-V3 (a shared expert, group-limited routing) on one node of two ranks that
+    share its store through the node's daemon, by ``train_distributed`` (what ``tierstore
+    train --distributed --store NODE_STORE`` runs)."""
+    nodes, per_node = 1, 2
+    prepare("deepseek_v3", tmp_path, nodes, tokenizer_file)
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "host_cache": 4 << 20}
+    codes = launch(tmp_path, "run", nodes, per_node, steps=STEPS, spec=spec)
+    assert codes == [0] * nodes, (tmp_path / "run.node0.log").read_text()[-3000:]
+    ref = single_process(tmp_path, nodes * per_node, corpus)
+    for r in range(nodes * per_node):
+        got = metrics(tmp_path, "run", r)
+        assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+        for a, b in zip(ref, got):
+            for key in ("loss", "aux_loss", "grad_norm"):
+                assert abs(a[key] - b[key]) < 1e-5, (b["step"], key, a[key], b[key])
+            assert b["grad_norm"] > 2 * TRAIN["clip"]  # the clip scaled every gradient
+            assert b["tokens_intra_bytes"] > 0  # rows went to the other rank's experts
+    check_weights(tmp_path, nodes, per_node)
+
+
+def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
+                                     tmp_path: Path) -> None:
+    """Mixtral (a router loss, the global batch's) on two nodes of one rank, each with its
+    own store, in a loop of the user's own over ``tierstore.hf.load(store, trainable=True,
+    process_group=...)`` (tests/dist_hf_loop.py)."""
+    nodes, per_node = 2, 1
+    prepare("mixtral", tmp_path, nodes, tokenizer_file)
+    spec = {"train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "out": str(tmp_path / "losses.json")}
+    codes = launch(tmp_path, "loop", nodes, per_node, steps=STEPS, spec=spec, child=LOOP)
+    assert codes == [0] * nodes, (tmp_path / "loop.node0.log").read_text()[-3000:]
+    ref = single_process(tmp_path, nodes * per_node, corpus)
+    assert all(m["aux_loss"] > 0.5 for m in ref)  # the router loss is in play
+    got = json.loads((tmp_path / "losses.json").read_text())
+    assert len(got) == STEPS
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b) < 1e-5, (a["loss"], b)
+    check_weights(tmp_path, nodes, per_node)
