@@ -6,8 +6,8 @@ config dict, or null: the model ``import-hf`` put in the node stores), ``steps``
 ``store`` (a path with ``{node}`` for this node's index), ``paradigm``, ``credits``,
 ``checkpoint_every``, ``resume``, ``metrics`` and ``out``, and optionally ``kill``:
 ``[phase, n, rank]``, at which that rank SIGKILLs itself: a checkpoint's ``snapshot`` or
-``manifest`` of step n, or a re-shard's n-th expert ``moved`` (written on its new node) or
-``sent`` (deleted on its old one); and ``pause``: ``[phase, step, rank, folder]``, at which
+``manifest`` of step n, a re-shard's n-th expert ``moved`` (written on its new node) or
+``sent`` (deleted on its old one), or (fine-tuning an import) step n's ``backward``; and ``pause``: ``[phase, step, rank, folder]``, at which
 that rank makes ``folder/paused`` and waits until ``folder/go`` exists (a run held live while
 a test tries something).
 Rank 0 writes its metrics and final dense state to ``out``."""

@@ -4,17 +4,19 @@ to their experts' owners inside the registered ``tierstore`` experts function.
 
 - W = 2 equals the single-process fine-tune (``train_store`` over one store) on the same
   global batch: per-step losses within 1e-5, every weight (each node's owned experts, the
-  dense weights) within 1e-5. DeepSeek-V3 (a shared expert, group-limited routing) by the
-  distributed trainer, as one node of two ranks sharing its store and daemon; Mixtral (the
-  global batch's router loss) in a loop of the user's own over ``tierstore.hf.load(...,
-  process_group=...)``, as two nodes of one rank with a store each.
-- A rank SIGKILLed mid-step: the other ends within the bound with one line naming it, the
-  stores stay fsck-clean, and ``--resume`` equals the uninterrupted run.
+  dense weights) within 1e-5. Mixtral (the global batch's router loss) in a loop of the
+  user's own over ``tierstore.hf.load(..., process_group=...)``, as two nodes of one rank
+  with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by the
+  distributed trainer, as one node of two ranks sharing its store and daemon.
+- There, a rank SIGKILLed mid-step: the other ends within the bound with one line naming
+  it, the store stays fsck-clean, and ``--resume`` continues to the single process's
+  result (each torchrun launch costs ~20 s here: the kill and the equality share one run).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import pytest
 import test_finetune_hf
 import tierstore.hf
 import torch
-from test_dist_train import launch, metrics, stop_daemons
+from test_dist_train import launch, metrics, rank_stderr, stop_daemons
 from test_finetune_hf import make_model, weights
 from tierstore.hf.layout import stored_model
 from tierstore.trainer.train.data import Corpus
@@ -41,6 +43,7 @@ CORPUS_BYTES = 96 * 1024  # test_finetune_hf's corpus fixture
 TRAIN = {"seq_len": 8, "grad_accum": 2, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 1,
          "decay_steps": 4, "clip": 0.5, "eval_every": 0}
 STEPS, SEED = 3, 3
+BOUND_S = 90.0  # the other ranks end this soon after a rank dies (as test_dist_faults)
 
 
 @pytest.fixture(autouse=True)
@@ -96,29 +99,6 @@ def check_weights(tmp: Path, nodes: int, per_node: int) -> None:
             assert st.fsck().ok
 
 
-def test_train_distributed_equals_one_process(corpus: Corpus, tokenizer_file: Path,
-                                              tmp_path: Path) -> None:
-    """DeepSeek-V3 (a shared expert, group-limited routing) on one node of two ranks that
-    share its store through the node's daemon, by ``train_distributed`` (what ``tierstore
-    train --distributed --store NODE_STORE`` runs)."""
-    nodes, per_node = 1, 2
-    prepare("deepseek_v3", tmp_path, nodes, tokenizer_file)
-    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
-            "host_cache": 4 << 20}
-    codes = launch(tmp_path, "run", nodes, per_node, steps=STEPS, spec=spec)
-    assert codes == [0] * nodes, (tmp_path / "run.node0.log").read_text()[-3000:]
-    ref = single_process(tmp_path, nodes * per_node, corpus)
-    for r in range(nodes * per_node):
-        got = metrics(tmp_path, "run", r)
-        assert [m["step"] for m in got] == list(range(1, STEPS + 1))
-        for a, b in zip(ref, got):
-            for key in ("loss", "aux_loss", "grad_norm"):
-                assert abs(a[key] - b[key]) < 1e-5, (b["step"], key, a[key], b[key])
-            assert b["grad_norm"] > 2 * TRAIN["clip"]  # the clip scaled every gradient
-            assert b["tokens_intra_bytes"] > 0  # rows went to the other rank's experts
-    check_weights(tmp_path, nodes, per_node)
-
-
 def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
                                      tmp_path: Path) -> None:
     """Mixtral (a router loss, the global batch's) on two nodes of one rank, each with its
@@ -136,4 +116,49 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     assert len(got) == STEPS
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b) < 1e-5, (a["loss"], b)
+    check_weights(tmp_path, nodes, per_node)
+
+
+def same_steps(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
+    for m in got:
+        a = ref[m["step"] - 1]
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert abs(a[key] - m[key]) < 1e-5, (m["step"], key, a[key], m[key])
+        assert m["grad_norm"] > 2 * TRAIN["clip"]  # the clip scaled every gradient
+        assert m["tokens_intra_bytes"] > 0  # rows went to the other rank's experts
+
+
+def test_train_distributed_equals_one_process_through_a_kill_and_resume(
+        corpus: Corpus, tokenizer_file: Path, tmp_path: Path) -> None:
+    """DeepSeek-V3 (a shared expert, group-limited routing) by ``train_distributed`` (what
+    ``tierstore train --distributed --store NODE_STORE`` runs) on one node of two ranks
+    that share its store through the node's daemon, a checkpoint every step. Rank 1 is
+    SIGKILLed in step 2 between its backward pass and the update: rank 0, blocked in the
+    gradients' all-reduce, ends within the bound with one line naming rank 1; the store is
+    fsck-clean. Step 1, and the steps that ``--resume`` runs from the step-1 checkpoint,
+    equal the single process's, and so do the final weights."""
+    nodes, per_node = 1, 2
+    prepare("deepseek_v3", tmp_path, nodes, tokenizer_file)
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "host_cache": 4 << 20}
+    codes = launch(tmp_path, "a", nodes, per_node, steps=STEPS, checkpoint_every=1,
+                   kill=["backward", 2, 1], spec=spec)
+    ended = time.time()
+    assert codes != [0], (tmp_path / "a.node0.log").read_text()[-3000:]
+    # Rank 1 died right after step 1's line: within the bound of that.
+    assert ended - (tmp_path / "a.jsonl.rank1").stat().st_mtime < BOUND_S
+    assert rank_stderr(tmp_path, "a", 0, per_node) == [
+        "tierstore: rank 0: stopped because rank 1 (node 0) ended without a word (killed, or "
+        "out of memory: its node's torchrun output says which); rerun with --resume to "
+        "continue from the last complete checkpoint"]
+    stop_daemons(tmp_path)
+    with tierstore.open(tmp_path / "node0", host_cache=0) as st:
+        assert st.fsck().ok
+    assert launch(tmp_path, "b", nodes, per_node, steps=STEPS, resume=True, spec=spec) == [0]
+    ref = single_process(tmp_path, nodes * per_node, corpus)
+    for r in range(nodes * per_node):
+        first, resumed = metrics(tmp_path, "a", r), metrics(tmp_path, "b", r)
+        assert [m["step"] for m in first] == [1]
+        assert [m["step"] for m in resumed] == list(range(2, STEPS + 1))
+        same_steps(ref, first + resumed)
     check_weights(tmp_path, nodes, per_node)

@@ -217,6 +217,8 @@ class _Loop:
             (loss / tc.grad_accum).backward()
             sums += torch.tensor([float(parts["ce"]), float(parts["aux_loss"]),
                                   float(parts["z_loss"])], dtype=torch.float64)
+        if self.on_phase is not None:  # mid-step: the gradients are in, nothing written
+            self.on_phase("backward", step + 1)
         dense = self.source.reduce_gradients(self.dense, states.grads())
         norm = self.source.clip(dense, states.grads(), tc.clip)
         self.opt.step()

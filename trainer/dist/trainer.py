@@ -123,7 +123,8 @@ def train_distributed(
     same numbers; fewer, larger messages between nodes).
     ``metrics_path``: one JSON object per step per rank, ``{path}.rank{r}``.
     ``on_phase(phase, n)`` is called at the points of a checkpoint (``snapshot``,
-    ``manifest``) and of a re-shard (``moved``, ``sent``): see :mod:`.reshard`.
+    ``manifest``) and of a re-shard (``moved``, ``sent``): see :mod:`.reshard`; fine-tuning
+    an import, also mid-step ``n``, after its backward passes (``backward``).
 
     ``model=None`` where the node stores hold a model ``tierstore import-hf`` put there (the
     same checkpoint in every node's store) fine-tunes it expert-parallel through its own
