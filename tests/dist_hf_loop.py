@@ -4,7 +4,7 @@ trainable=True, process_group=True)``: what tests/test_dist_finetune_hf.py runs.
 ``python tests/dist_hf_loop.py SPEC.json``: SPEC holds ``store`` (a path with ``{node}``),
 ``steps``, ``seed``, ``train`` (TrainConfig fields; ``batch_size`` per rank),
 ``corpus_bytes`` and ``out``. Every rank draws the global batch and trains its slice; rank 0
-writes the per-step losses to ``out``."""
+writes the per-step losses and the exchanges' figures to ``out``."""
 
 from __future__ import annotations
 
@@ -62,10 +62,11 @@ def main() -> None:
         dist.all_reduce(total)
         losses.append(float(total[0]) / (tc.grad_accum * w))
     tierstore.hf.save(model)
+    figures = model.tierstore.parallel.step_figures()  # what the exchanges moved, all steps
     model.tierstore.close()
     if rank == 0:
         with open(spec["out"], "w") as f:
-            json.dump(losses, f)
+            json.dump({"losses": losses, "figures": figures}, f)
     dist.destroy_process_group()
 
 

@@ -112,8 +112,12 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     assert codes == [0] * nodes, (tmp_path / "loop.node0.log").read_text()[-3000:]
     ref = single_process(tmp_path, nodes * per_node, corpus)
     assert all(m["aux_loss"] > 0.5 for m in ref)  # the router loss is in play
-    got = json.loads((tmp_path / "losses.json").read_text())
+    out = json.loads((tmp_path / "losses.json").read_text())
+    got = out["losses"]
     assert len(got) == STEPS
+    # Token-centric (Janus's ratio is far below 1 here): rows crossed to node 1's experts.
+    assert out["figures"]["paradigm"] == {"0": "token", "1": "token", "2": "token"}
+    assert out["figures"]["tokens_cross_bytes"] > 0
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b) < 1e-5, (a["loss"], b)
     check_weights(tmp_path, nodes, per_node)
@@ -125,14 +129,18 @@ def same_steps(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
         for key in ("loss", "aux_loss", "grad_norm"):
             assert abs(a[key] - m[key]) < 1e-5, (m["step"], key, a[key], m[key])
         assert m["grad_norm"] > 2 * TRAIN["clip"]  # the clip scaled every gradient
-        assert m["tokens_intra_bytes"] > 0  # rows went to the other rank's experts
+        # Data-centric: experts came from the other rank and gradients went back; no rows.
+        assert m["paradigm"] == {"1": "data", "2": "data"}
+        assert m["experts_intra_bytes"] > 0 and m["grads_intra_bytes"] > 0
+        assert m["tokens_intra_bytes"] == 0
 
 
 def test_train_distributed_equals_one_process_through_a_kill_and_resume(
         corpus: Corpus, tokenizer_file: Path, tmp_path: Path) -> None:
     """DeepSeek-V3 (a shared expert, group-limited routing) by ``train_distributed`` (what
     ``tierstore train --distributed --store NODE_STORE`` runs) on one node of two ranks
-    that share its store through the node's daemon, a checkpoint every step. Rank 1 is
+    that share its store through the node's daemon, data-centric (the ranks pull the
+    experts their tokens need), a checkpoint every step. Rank 1 is
     SIGKILLed in step 2 between its backward pass and the update: rank 0, blocked in the
     gradients' all-reduce, ends within the bound with one line naming rank 1; the store is
     fsck-clean. Step 1, and the steps that ``--resume`` runs from the step-1 checkpoint,
@@ -142,7 +150,7 @@ def test_train_distributed_equals_one_process_through_a_kill_and_resume(
     spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
             "host_cache": 4 << 20}
     codes = launch(tmp_path, "a", nodes, per_node, steps=STEPS, checkpoint_every=1,
-                   kill=["backward", 2, 1], spec=spec)
+                   kill=["backward", 2, 1], spec=spec, paradigm="data")
     ended = time.time()
     assert codes != [0], (tmp_path / "a.node0.log").read_text()[-3000:]
     # Rank 1 died right after step 1's line: within the bound of that.
@@ -154,7 +162,8 @@ def test_train_distributed_equals_one_process_through_a_kill_and_resume(
     stop_daemons(tmp_path)
     with tierstore.open(tmp_path / "node0", host_cache=0) as st:
         assert st.fsck().ok
-    assert launch(tmp_path, "b", nodes, per_node, steps=STEPS, resume=True, spec=spec) == [0]
+    assert launch(tmp_path, "b", nodes, per_node, steps=STEPS, resume=True, spec=spec,
+                  paradigm="data") == [0]
     ref = single_process(tmp_path, nodes * per_node, corpus)
     for r in range(nodes * per_node):
         first, resumed = metrics(tmp_path, "a", r), metrics(tmp_path, "b", r)

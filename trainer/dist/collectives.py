@@ -185,6 +185,13 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], traffic: Traffic | N
     return all_to_all_rows(x, send, recv)
 
 
+def inverse_permutation(order: Tensor) -> Tensor:
+    """``inv`` with ``inv[order[i]] == i``: ``x[order][inv]`` is ``x`` again."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
+
+
 def sum_over_ranks(t: Tensor, world: World) -> Tensor:
     """``t`` (a host tensor of figures) summed over the ranks, back on the host: NCCL only
     reduces device tensors."""

@@ -24,6 +24,8 @@ the outputs' gradients to the owners and the rows' gradients back, so each owned
 gradient is the sum over the global batch, and the router's gradient flows through
 ``top_k_weights`` on the rank that routed.
 
+A data-centric layer (:mod:`.hf_pull`) pulls the experts to the tokens instead.
+
 The router's load-balancing loss is a function of the whole batch's routing (the fraction
 of tokens each expert got times its mean router probability). :func:`global_router_loss`
 makes the family's own ``load_balancing_loss_func`` see the global batch: the router logits
@@ -45,8 +47,17 @@ import torch.distributed as dist
 from tierstore.hf.backend import ExpertLayer, expert_output
 from torch import Tensor, nn
 
-from .collectives import Traffic, all_reduce_sum_, clip_global, exchange, exchange_counts
+from .collectives import (
+    Traffic,
+    all_reduce_sum_,
+    clip_global,
+    exchange,
+    exchange_counts,
+    inverse_permutation,
+)
 from ..train.layout import ExpertLayout
+from .exchange import PARADIGMS, ratio_of
+from .hf_pull import Pulls
 from .world import World, init_world, owned
 
 # The update rules the experts' AdamW knows; ``lazy`` is the store trainer's.
@@ -54,21 +65,28 @@ RULES = ("lazy",)
 
 
 class HFExpertParallel:
-    """The experts source of every experts module on this rank (token-centric).
+    """The experts source of every experts module on this rank.
 
     ``states`` serves the experts this rank owns (an
-    :class:`~trainer.train.expert_states.ExpertStates` over the node's store, or anything
-    that answers ``states(layer_key, ids) -> {e: tensors}``)."""
+    :class:`~trainer.train.expert_states.ExpertStates` over the node's store).
+    ``paradigms``: ``token`` or ``data`` per MoE layer key (:func:`choose`); token-centric
+    where it names none."""
 
-    def __init__(self, world: World, states: Any, n_experts: int) -> None:
+    def __init__(self, world: World, states: Any, n_experts: int,
+                 paradigms: Mapping[int, str] | None = None) -> None:
         self.world, self.states, self.n_experts = world, states, n_experts
         self.ids = owned(world.rank, n_experts, world.size)
+        self.paradigms = dict(paradigms or {})
         self.traffic = Traffic(world)
+        self.pulls = Pulls(world, states, n_experts, self.traffic)
         self.comm_s = 0.0
+        self.used: dict[int, str] = {}
 
     def begin(self) -> None:
         self.traffic.reset()
-        self.comm_s = 0.0
+        self.pulls.reset()
+        self.comm_s = self.pulls.comm_s = 0.0
+        self.used = {}
 
     # The experts source protocol (experts() is for a source that computes locally).
 
@@ -80,6 +98,10 @@ class HFExpertParallel:
 
     def forward_layer(self, module: nn.Module, layer: ExpertLayer, x: Tensor,
                       top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        mode = self.paradigms.get(layer.key, "token")
+        self.used[layer.key] = mode
+        if mode == "data":
+            return self.pulls.forward(module, layer, x, top_k_index, top_k_weights)
         w, e_total = self.world.size, self.n_experts
         n_tok, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
@@ -97,9 +119,7 @@ class HFExpertParallel:
         t0 = time.perf_counter()
         y_sorted = exchange(out, recv, send, None, self.world, self.traffic)
         self.comm_s += time.perf_counter() - t0
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = y_sorted[inverse].view(n_tok, k, -1)
+        y = y_sorted[inverse_permutation(order)].view(n_tok, k, -1)
         # As the backend in one process: the routing weights in fp32, summed over k.
         return (y * top_k_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
@@ -122,21 +142,21 @@ class HFExpertParallel:
             return rows[:0]
         # In the rows' dtype: a rank that got no rows answers in it too (autocast).
         out_sorted = torch.cat(pieces).to(rows.dtype)
-        undo = torch.empty_like(by_expert)
-        undo[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-        return out_sorted[undo]
+        return out_sorted[inverse_permutation(by_expert)]
 
     # -- the step's end ---------------------------------------------------------------
 
     @torch.no_grad()
-    def reduce_gradients(self, dense: Sequence[Tensor], owned_grads: Sequence[Tensor]
-                         ) -> list[Tensor]:
-        """Each rank's loss being its own batch's mean: the dense gradients averaged over the
-        ranks, and the owned experts' (summed over the ranks by the exchanges' backward)
-        divided by the world size, so that every gradient is the global batch's mean loss's.
-        A dense parameter no rank's loss reached keeps no gradient (AdamW skips it, as in
-        one process); one that some rank's reached gets zeros where it has none. Returns
-        the dense gradients."""
+    def reduce_gradients(self, dense: Sequence[Tensor]) -> list[Tensor]:
+        """After the step's last backward, each rank's loss being its own batch's mean: the
+        pulled experts' gradients go back to their owners, the dense gradients are averaged
+        over the ranks, and the owned experts' (summed over the ranks by the exchanges'
+        backward and the returned gradients) divided by the world size, so that every
+        gradient is the global batch's mean loss's. A dense parameter no rank's loss
+        reached keeps no gradient (AdamW skips it, as in one process); one that some rank's
+        reached gets zeros where it has none. Returns the dense gradients."""
+        self.pulls.return_grads()
+        owned_grads = self.states.grads()
         has = torch.tensor([p.grad is not None for p in dense], dtype=torch.int64)
         dist.all_reduce(has)
         grads = []
@@ -157,7 +177,22 @@ class HFExpertParallel:
         return clip_global(dense, owned_grads, self.world, max_norm)
 
     def step_figures(self) -> dict[str, Any]:
-        return {**self.traffic.figures(), "comm_s": self.comm_s}
+        return {**self.traffic.figures(), "comm_s": self.comm_s + self.pulls.comm_s,
+                "paradigm": {str(k): v for k, v in sorted(self.used.items())}}
+
+
+def choose(layout: ExpertLayout, hidden: int, paradigm: str, tokens_per_rank: int,
+           world: World) -> dict[int, str]:
+    """The paradigm of every MoE layer: ``paradigm``, or with ``auto`` data-centric where
+    Janus's ratio (:func:`.exchange.ratio_of`, for the layer's own expert size) exceeds 1."""
+    if paradigm not in PARADIGMS:
+        raise ValueError(f"paradigm must be one of {', '.join(PARADIGMS)}, not {paradigm!r}")
+    out = {}
+    for key in layout.keys:
+        lay = layout.layer(key)
+        r = ratio_of(hidden, layout.top_k, lay.numel, layout.n_experts, tokens_per_rank, world)
+        out[key] = paradigm if paradigm != "auto" else ("data" if r > 1 else "token")
+    return out
 
 
 class _GatherRows(torch.autograd.Function):

@@ -4,7 +4,8 @@ What :func:`~.trainer.train_distributed` runs when the node stores hold an impor
 (``tierstore train --distributed --store NODE_STORE`` without ``--model``). Every node's
 store is filled by ``import-hf`` of the same checkpoint. On every rank the family's own
 ``transformers`` model is built from the node's store (:class:`HFNet`, dense weights as fp32
-parameters), and its experts modules are served by :class:`.hf_parallel.HFExpertParallel`:
+parameters), and its experts modules are served by :class:`.hf_parallel.HFExpertParallel`
+(token-centric blocks, or data-centric ones, :mod:`.hf_pull`, per layer by Janus's ratio):
 
 - rank ``r`` owns experts ``[r*E/W, (r+1)*E/W)`` of every MoE layer. At the first start it
   makes them trainable in its node's store (fp32 masters, zero moments, its own step-count
@@ -28,8 +29,6 @@ protocol; resuming needs the world it was taken with.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
 import time
@@ -41,7 +40,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 import tierstore
 
@@ -49,7 +47,7 @@ from ..train.checkpoint import DENSE_ENTRY, RUN_ENTRY, initialise_imported, unpa
 from ..train.data import Corpus
 from ..train.expert_states import ExpertStates
 from ..train.hf_finetune import HFNet, model_corpus, write_dense
-from ..train.metrics import MetricsLog, peak_rss, run_steps, store_counters, store_metrics
+from ..train.metrics import MetricsLog, run_steps, store_counters
 from ..train.resident import (
     Metrics,
     TrainConfig,
@@ -58,11 +56,11 @@ from ..train.resident import (
     set_rng_state,
     training_batches,
 )
-from . import manifests, records
-from .checkpoint import PhaseHook, choose_checkpoint, fail_together, write_checkpoint
-from .collectives import sum_over_ranks
-from .hf_parallel import RULES, HFExpertParallel, global_router_loss, owned_layout
+from . import records
+from .checkpoint import PhaseHook, claim_stores, write_checkpoint
+from .hf_parallel import RULES, HFExpertParallel, choose, global_router_loss, owned_layout
 from .manifests import FORMAT
+from .stepmetrics import step_record
 from .world import AgreedError, World, barrier, check_divides
 
 PathLike = str | os.PathLike[str]
@@ -76,13 +74,10 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
                    on_step: Callable[[Metrics], None] | None = None,
                    on_phase: PhaseHook | None = None, watch: Any = None) -> list[Metrics]:
     """Fine-tune the node stores' imported model on every rank (module docstring) until
-    ``steps`` steps are done; ``tc.batch_size`` is the per-rank batch. ``paradigm``: only
-    token-centric blocks run over an imported model (``auto`` is token). ``rule``: the
+    ``steps`` steps are done; ``tc.batch_size`` is the per-rank batch. ``paradigm``:
+    ``token``, ``data`` or ``auto`` (per MoE layer, by Janus's ratio). ``rule``: the
     experts' AdamW rule (:data:`.hf_parallel.RULES`). ``watch``: the run's
     :class:`~.faults.FaultWatch`, told when training begins."""
-    if paradigm not in ("token", "auto"):
-        raise AgreedError(f"an imported model trains token-centric (--paradigm token or "
-                          f"auto), not {paradigm!r}")
     if rule not in RULES:
         raise AgreedError(f"the experts' update rule is one of {', '.join(RULES)}, not {rule!r}")
     stored = _stored(store)
@@ -109,7 +104,9 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
     states = ExpertStates(store, layout, world.device, "direct", tokens, read_ahead=False,
                           zero_copy=False)
     try:
-        source = HFExpertParallel(world, states, layout.n_experts)
+        hidden = int(net.module.config.get_text_config().hidden_size)
+        paradigms = choose(layout, hidden, paradigm, tc.batch_size * tc.seq_len, world)
+        source = HFExpertParallel(world, states, layout.n_experts, paradigms)
         net.loaded.attach_trainable(states, source)
         ident = {"format": FORMAT, "imported": stored.family, "hf_config": stored.hf_config,
                  "train_config": asdict(global_tc), "seed": seed, "rule": rule}
@@ -120,7 +117,8 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
         if world.rank == 0:
             print(f"distributed: {world.size} ranks on {world.n_nodes} node(s), fine-tuning "
                   f"an imported {stored.family} model, {len(mine)} of {layout.n_experts} "
-                  f"experts per rank per MoE layer, token-centric, {rule} AdamW", flush=True)
+                  f"experts per rank per MoE layer, {rule} AdamW, paradigm per MoE layer: "
+                  + ", ".join(f"{k}={v}" for k, v in paradigms.items()), flush=True)
         loop = _Loop(world, store, run_dir, net, opt, states, source, sampler, tc,
                      global_tc, ident, checkpoint_every, on_phase, number)
         path = (None if metrics_path is None
@@ -146,26 +144,9 @@ def _start(world: World, store: tierstore.Store, run_dir: Path, layout: Any, min
            sampler: Any) -> tuple[int, int]:
     """Bring the stores, model, optimizer and sampler to where training starts: ``(first
     step, next checkpoint number)``."""
-    where = f"node {world.node}'s store {store.path}"
-    error = None
-    if world.is_node_leader:
-        saved = records.read(store, RUN_ENTRY)
-        if saved is not None and not resume:
-            error = (f"{where} already holds a distributed fine-tune; pass --resume to "
-                     "continue it, or import the model into new stores")
-        elif saved is not None and saved != json.loads(json.dumps(ident)):
-            error = f"{where} holds another run (another model, batch, seed or rule)"
-    fail_together(world, error)
-    manifest = (choose_checkpoint(world, store, run_dir, layout.n_experts) if resume
-                else None)
-    if world.is_node_leader:  # manifests of a checkpoint newer than the one resumed
-        for n in manifests.numbers(run_dir):
-            if manifest is None or n > manifest["number"]:
-                manifests.remove(run_dir, n)
+    manifest = claim_stores(world, store, run_dir, ident, resume, layout.n_experts,
+                            lambda saved: "another model, batch, seed or update rule")
     if manifest is None:
-        if world.is_node_leader:
-            store.put(RUN_ENTRY[0], records.as_tensor(ident), kind=RUN_ENTRY[1])
-            records.node_id(store)
         initialise_imported(store, layout, mine)
         barrier(world)
         return 0, 1
@@ -219,7 +200,7 @@ class _Loop:
                                   float(parts["z_loss"])], dtype=torch.float64)
         if self.on_phase is not None:  # mid-step: the gradients are in, nothing written
             self.on_phase("backward", step + 1)
-        dense = self.source.reduce_gradients(self.dense, states.grads())
+        dense = self.source.reduce_gradients(self.dense)
         norm = self.source.clip(dense, states.grads(), tc.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -227,18 +208,8 @@ class _Loop:
         states.end()
         self.store.tick()
         figures = self.source.step_figures()
-        sums = sum_over_ranks(sums, world) / (tc.grad_accum * world.size)
-        dt = time.perf_counter() - t0
-        n_tok = tc.grad_accum * self.global_tc.batch_size * tc.seq_len
-        m: Metrics = {
-            "step": step + 1, "loss": float(sums[0]), "aux_loss": float(sums[1]),
-            "z_loss": float(sums[2]), "grad_norm": float(norm), "lr": lr, "tokens": n_tok,
-            "step_time_s": dt, "tokens_per_s": n_tok / dt if dt > 0 else math.inf,
-            "rank": world.rank, "node": world.node, "world_size": world.size,
-            "experts_touched": touched, "peak_rss_bytes": peak_rss(),
-            **store_metrics(before, store_counters(self.store)), **figures,
-            "stall_s": figures["comm_s"], "stall_frac": figures["comm_s"] / dt if dt else 0.0,
-        }
+        m = step_record(world, self.store, step, tc, self.global_tc, t0, sums, norm, lr,
+                        touched, before, figures)
         done = step + 1
         if (self.checkpoint_every > 0 and done % self.checkpoint_every == 0) or done == steps:
             self.checkpoint(done, m)

@@ -25,7 +25,6 @@ Checkpoints are all-or-nothing over the nodes (:mod:`.checkpoint`).
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import sys
@@ -45,7 +44,7 @@ import tierstore
 from ..model import MoEModel
 from ..presets import TrainModel, config_from_dict
 from ..train.data import Corpus
-from ..train.metrics import MetricsLog, peak_rss, run_steps, store_counters, store_metrics
+from ..train.metrics import MetricsLog, run_steps, store_counters
 from ..train.resident import (
     Metrics,
     TrainConfig,
@@ -61,6 +60,7 @@ from .hf_trainer import train_imported
 from .faults import FaultWatch
 from .owned import OwnedExperts
 from .sidecar import DaemonSettings, default_run_dir, start_node_daemon
+from .stepmetrics import step_record
 from .world import (
     AgreedError,
     DistributedError,
@@ -300,30 +300,14 @@ class _Loop:
         figures = source.step_figures()
         source.end()
         self.store.tick()
-        sums = sum_over_ranks(sums, world) / (tc.grad_accum * world.size)
-        dt = time.perf_counter() - t0
-        n_tok = tc.grad_accum * self.global_tc.batch_size * tc.seq_len
-        m: Metrics = {
-            "step": step + 1, "loss": float(sums[0]), "aux_loss": float(sums[1]),
-            "z_loss": float(sums[2]), "grad_norm": float(norm), "lr": lr, "tokens": n_tok,
-            "step_time_s": dt, "tokens_per_s": n_tok / dt if dt > 0 else math.inf,
-            "rank": world.rank, "node": world.node, "world_size": world.size,
-            "experts_touched": touched, "peak_rss_bytes": peak_rss(),
-            **store_metrics(before, store_counters(self.store)), **figures,
-            "stall_s": figures["comm_s"], "stall_frac": figures["comm_s"] / dt if dt else 0.0,
-        }
-        m["moved_bytes_total"] = self._total_moved(figures)
+        m = step_record(world, self.store, step, tc, self.global_tc, t0, sums, norm, lr,
+                        touched, before, figures)
         done = step + 1
         if tc.eval_every > 0 and (done % tc.eval_every == 0 or done == steps):
             m["val_loss"] = self.evaluate()
         if (self.checkpoint_every > 0 and done % self.checkpoint_every == 0) or done == steps:
             self.checkpoint(done, m)
         return m
-
-    def _total_moved(self, figures: dict[str, Any]) -> int:
-        mine = sum(v for k, v in figures.items() if k.endswith("_bytes") and
-                   k.split("_")[0] in ("tokens", "experts", "grads"))
-        return int(sum_over_ranks(torch.tensor([mine], dtype=torch.int64), self.world)[0])
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -129,13 +129,20 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
         # An expert-parallel source: the routed rows go to the ranks that own their experts
         # and come back computed (tierstore.trainer.dist.hf_parallel), inside this call.
         return parallel(module, layer, hidden_states, top_k_index, top_k_weights)  # type: ignore[no-any-return]
+    return local_forward(module, layer, layer.source, hidden_states, top_k_index, top_k_weights)
+
+
+def local_forward(module: nn.Module, layer: ExpertLayer, source: Any, hidden_states: Tensor,
+                  top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """The experts of ``module`` on this process's tokens, their weights from ``source``
+    (an expert-parallel source that pulled them computes here too)."""
+    n_tok, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, ascending ids
     ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
     id_list, count_list = ids.tolist(), counts.tolist()
     # Ids past the module's experts are expert-parallel sentinels: owned elsewhere.
     routed = [e for e in id_list if 0 <= e < layer.num_experts]
-    source = layer.source
     found: Mapping[int, Sequence[Tensor]] = source.experts(layer.key, routed, hidden_states) \
         if routed else {}
     token_of = order // k

@@ -135,7 +135,7 @@ def reduce_gradients(model: nn.Module) -> None:
     do without a process group."""
     loaded = _loaded(model)
     if loaded.parallel is not None:
-        loaded.parallel.reduce_gradients(list(model.parameters()), loaded.experts.grads())
+        loaded.parallel.reduce_gradients(list(model.parameters()))
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
