@@ -171,3 +171,31 @@ def test_train_distributed_equals_one_process_through_a_kill_and_resume(
         assert [m["step"] for m in resumed] == list(range(2, STEPS + 1))
         same_steps(ref, first + resumed)
     check_weights(tmp_path, nodes, per_node)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("paradigm", ["token", "data"])
+def test_four_ranks_on_two_nodes_equal_one_process(paradigm: str, corpus: Corpus,
+                                                   tokenizer_file: Path,
+                                                   tmp_path: Path) -> None:
+    """W = 4: two nodes of two ranks, each node its own store and daemon (Mixtral, by
+    ``train_distributed``), in either paradigm."""
+    nodes, per_node = 2, 2
+    prepare("mixtral", tmp_path, nodes, tokenizer_file)
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "host_cache": 4 << 20}
+    codes = launch(tmp_path, "run", nodes, per_node, steps=STEPS, spec=spec, paradigm=paradigm)
+    assert codes == [0] * nodes, (tmp_path / "run.node0.log").read_text()[-3000:]
+    ref = single_process(tmp_path, nodes * per_node, corpus)
+    runs = [metrics(tmp_path, "run", r) for r in range(nodes * per_node)]
+    for got in runs:
+        assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+        for m in got:
+            a = ref[m["step"] - 1]
+            for key in ("loss", "aux_loss", "grad_norm"):
+                assert abs(a[key] - m[key]) < 1e-5, (m["step"], key, a[key], m[key])
+            assert set(m["paradigm"].values()) == {paradigm}
+    moved = "experts" if paradigm == "data" else "tokens"
+    for step in range(STEPS):  # each step, something crossed between the nodes
+        assert sum(got[step][f"{moved}_cross_bytes"] for got in runs) > 0
+    check_weights(tmp_path, nodes, per_node)
