@@ -4,7 +4,9 @@ trainable=True, process_group=True)``: what tests/test_dist_finetune_hf.py runs.
 ``python tests/dist_hf_loop.py SPEC.json``: SPEC holds ``store`` (a path with ``{node}``),
 ``steps``, ``seed``, ``train`` (TrainConfig fields; ``batch_size`` per rank),
 ``corpus_bytes`` and ``out``. Every rank draws the global batch and trains its slice; rank 0
-writes the per-step losses and the exchanges' figures to ``out``."""
+writes the per-step losses and the exchanges' figures to ``out``. Before training, every rank
+probes the pipelining of the token-centric blocks (:func:`probe_pipeline`); training then
+runs in ``pipeline`` chunks (SPEC's, default 1)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import os
 import sys
 from dataclasses import replace
+from typing import Any
 
 import tierstore.hf
 import torch
@@ -20,6 +23,38 @@ from tierstore.hf.tokenizer import load_tokenizer
 from tierstore.trainer.train.data import load_corpus
 from tierstore.trainer.train.hf_finetune import hf_losses, model_corpus
 from tierstore.trainer.train.resident import TrainConfig, param_groups, training_batches
+
+
+def probe_pipeline(model: Any, experts: Any, x: torch.Tensor, y: torch.Tensor, rank: int,
+                   b: int) -> dict[str, Any]:
+    """This rank's slice of one batch through the token-centric blocks in 1, 2 and 4
+    chunks and with ``auto`` (its first pass measures each block unchunked, its second
+    runs the choice), forward and backward, nothing stepped: for each setting whether the
+    loss, logits, dense and owned experts' gradients equal one chunk's bit for bit, and
+    its pipeline counters; and what auto chose."""
+    x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    parallel = model.tierstore.parallel
+
+    def run(pipeline: int | str) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        parallel.pipeline = pipeline
+        parallel.begin()
+        out = model(input_ids=x, labels=y, shift_labels=y, use_cache=False)
+        out.loss.backward()
+        got = [out.loss.detach(), out.logits.detach()]
+        got += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        got += [g.clone() for g in model.tierstore.experts.grads()]
+        model.zero_grad(set_to_none=True)
+        experts.zero_grad()
+        return got, parallel.step_figures()
+
+    base, figures = run(1)
+    report: dict[str, Any] = {"1": {"same": True, **figures}}
+    for i, setting in enumerate((2, 4, "auto", "auto")):
+        got, figures = run(setting)
+        same = len(got) == len(base) and all(torch.equal(a, c) for a, c in zip(base, got))
+        report[f"{setting}" if i < 2 else f"auto{i - 1}"] = {"same": same, **figures}
+    report["chosen"] = {str(k): v for k, v in parallel.chunks.items()}
+    return report
 
 
 def main() -> None:
@@ -41,6 +76,9 @@ def main() -> None:
     experts = tierstore.hf.ExpertAdamW(model, lr=tc.lr, betas=tc.betas, eps=tc.eps,
                                        weight_decay=tc.weight_decay)
     b = tc.batch_size
+    probe = probe_pipeline(model, experts, *training_batches(global_tc, spec["seed"],
+                                                             corpus)[0].next_batch(), rank, b)
+    model.tierstore.parallel.pipeline = spec.get("pipeline", 1)
     losses = []
     for step in range(spec["steps"]):
         for opt in (dense, experts):
@@ -66,7 +104,7 @@ def main() -> None:
     model.tierstore.close()
     if rank == 0:
         with open(spec["out"], "w") as f:
-            json.dump({"losses": losses, "figures": figures}, f)
+            json.dump({"losses": losses, "figures": figures, "probe": probe}, f)
     dist.destroy_process_group()
 
 

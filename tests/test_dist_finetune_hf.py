@@ -8,7 +8,10 @@ to their experts' owners inside the registered ``tierstore`` experts function.
   user's own over ``tierstore.hf.load(..., process_group=...)``, as two nodes of one rank
   with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by the
   distributed trainer, as one node of two ranks sharing its store and daemon.
-- There, a rank SIGKILLed mid-step: the other ends within the bound with one line naming
+- MPMoE's pipelining of the token-centric blocks: 2 and 4 chunks and ``auto`` give the
+  loss, logits and every gradient of one chunk bit for bit, and the counters show chunks
+  computed while another chunk's exchange was in flight.
+- A rank SIGKILLed mid-step: the other ends within the bound with one line naming
   it, the store stays fsck-clean, and ``--resume`` continues to the single process's
   result (each torchrun launch costs ~20 s here: the kill and the equality share one run).
 """
@@ -103,11 +106,12 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
                                      tmp_path: Path) -> None:
     """Mixtral (a router loss, the global batch's) on two nodes of one rank, each with its
     own store, in a loop of the user's own over ``tierstore.hf.load(store, trainable=True,
-    process_group=...)`` (tests/dist_hf_loop.py)."""
+    process_group=...)`` (tests/dist_hf_loop.py), its token-centric blocks pipelined in two
+    chunks; before training, the pipelining probe (bit-identical in 1, 2, 4 chunks)."""
     nodes, per_node = 2, 1
     prepare("mixtral", tmp_path, nodes, tokenizer_file)
     spec = {"train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
-            "out": str(tmp_path / "losses.json")}
+            "out": str(tmp_path / "losses.json"), "pipeline": 2}
     codes = launch(tmp_path, "loop", nodes, per_node, steps=STEPS, spec=spec, child=LOOP)
     assert codes == [0] * nodes, (tmp_path / "loop.node0.log").read_text()[-3000:]
     ref = single_process(tmp_path, nodes * per_node, corpus)
@@ -115,9 +119,21 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     out = json.loads((tmp_path / "losses.json").read_text())
     got = out["losses"]
     assert len(got) == STEPS
-    # Token-centric (Janus's ratio is far below 1 here): rows crossed to node 1's experts.
+    # Token-centric (Janus's ratio is far below 1 here): rows crossed to node 1's experts,
+    # each block in two chunks.
     assert out["figures"]["paradigm"] == {"0": "token", "1": "token", "2": "token"}
     assert out["figures"]["tokens_cross_bytes"] > 0
+    assert out["figures"]["pipeline_chunks"] == 2 * 3 * TRAIN["grad_accum"]
+    # MPMoE's pipelining: 2 and 4 chunks, and auto's choice, bit-identical to one chunk,
+    # forward and backward; a chunk computed while another's exchange was in flight.
+    probe = out["probe"]
+    for setting, chunks in (("1", 0), ("2", 6), ("4", 12)):
+        assert probe[setting]["same"] and probe[setting]["pipeline_chunks"] == chunks, setting
+        assert (probe[setting]["pipeline_overlapped_s"] > 0) == (chunks > 0), setting
+        assert probe[setting]["tokens_cross_bytes"] == probe["1"]["tokens_cross_bytes"]
+    assert probe["auto1"]["same"] and probe["auto2"]["same"]
+    assert set(probe["chosen"]) == {"0", "1", "2"}
+    assert set(probe["chosen"].values()) <= {1, 2, 4}
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b) < 1e-5, (a["loss"], b)
     check_weights(tmp_path, nodes, per_node)

@@ -20,6 +20,7 @@ def _postfix(m: Metrics) -> str:
 def run_distributed(*, store: str | None, connect: str | None, run_dir: str | None,
                     model: str | None, steps: int, seed: int | None, daemon: dict[str, Any],
                     paradigm: str, credits: int | None, hierarchical: bool,
+                    pipeline: str | None,
                     checkpoint_every: int, resume: bool,
                     metrics: str | None, corpus: Sequence[str], overrides: dict[str, Any],
                     device: str, echo: Callable[[str], Any] = print) -> list[Metrics]:
@@ -45,7 +46,7 @@ def run_distributed(*, store: str | None, connect: str | None, run_dir: str | No
         history = train_distributed(
             model, steps, seed if seed is not None or resume else 0,
             store_path=store, connect=connect, run_dir=run_dir, **daemon,
-            paradigm=paradigm, credits=credits, hierarchical=hierarchical,
+            paradigm=paradigm, credits=credits, hierarchical=hierarchical, pipeline=pipeline,
             checkpoint_every=checkpoint_every,
             resume=resume, metrics_path=metrics, corpus_paths=list(corpus) or None,
             device=resolve_device(device), overrides=overrides, on_step=on_step)

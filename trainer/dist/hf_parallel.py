@@ -58,6 +58,15 @@ from .collectives import (
 from ..train.layout import ExpertLayout
 from .exchange import PARADIGMS, ratio_of
 from .hf_pull import Pulls
+from .pipeline import (
+    CHUNK_CHOICES,
+    Overlap,
+    agree_model,
+    best_chunks,
+    check_pipeline,
+    model_time,
+    pipelined_block,
+)
 from .world import World, init_world, owned
 
 # The update rules the experts' AdamW knows; ``lazy`` is the store trainer's.
@@ -70,21 +79,27 @@ class HFExpertParallel:
     ``states`` serves the experts this rank owns (an
     :class:`~trainer.train.expert_states.ExpertStates` over the node's store).
     ``paradigms``: ``token`` or ``data`` per MoE layer key (:func:`choose`); token-centric
-    where it names none."""
+    where it names none. ``pipeline``: the chunks a token-centric block is split into
+    (:mod:`.pipeline`), or ``auto``: per block, by MPMoE's model of the times its first
+    call measures (unchunked)."""
 
     def __init__(self, world: World, states: Any, n_experts: int,
-                 paradigms: Mapping[int, str] | None = None) -> None:
+                 paradigms: Mapping[int, str] | None = None, pipeline: int | str = 1) -> None:
         self.world, self.states, self.n_experts = world, states, n_experts
         self.ids = owned(world.rank, n_experts, world.size)
         self.paradigms = dict(paradigms or {})
+        self.pipeline = check_pipeline(pipeline, n_experts // world.size)
+        self.chunks: dict[int, int] = {}  # per layer, as auto chose
         self.traffic = Traffic(world)
         self.pulls = Pulls(world, states, n_experts, self.traffic)
+        self.overlap = Overlap()
         self.comm_s = 0.0
         self.used: dict[int, str] = {}
 
     def begin(self) -> None:
         self.traffic.reset()
         self.pulls.reset()
+        self.overlap = Overlap()
         self.comm_s = self.pulls.comm_s = 0.0
         self.used = {}
 
@@ -102,6 +117,9 @@ class HFExpertParallel:
         self.used[layer.key] = mode
         if mode == "data":
             return self.pulls.forward(module, layer, x, top_k_index, top_k_weights)
+        n = self.pipeline if isinstance(self.pipeline, int) else self.chunks.get(layer.key)
+        if n != 1:
+            return self._pipelined(module, layer, x, top_k_index, top_k_weights, n)
         w, e_total = self.world.size, self.n_experts
         n_tok, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
@@ -122,6 +140,33 @@ class HFExpertParallel:
         y = y_sorted[inverse_permutation(order)].view(n_tok, k, -1)
         # As the backend in one process: the routing weights in fp32, summed over k.
         return (y * top_k_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+    def _pipelined(self, module: nn.Module, layer: ExpertLayer, x: Tensor, top_k_index: Tensor,
+                   top_k_weights: Tensor, n: int | None) -> Tensor:
+        """The block in ``n`` chunks; ``None``: auto's first call, unchunked, measured."""
+        overlap = self.overlap if n is not None else Overlap()
+        y = pipelined_block(x, top_k_index, top_k_weights, n or 1, self.n_experts,
+                            self.world, lambda rows, ids: self._compute(module, layer, rows, ids),
+                            overlap, self.traffic)
+        if n is None:
+            self.chunks[layer.key] = self._choose(layer, overlap)
+            self.overlap.merge(overlap)
+        return y
+
+    def _choose(self, layer: ExpertLayer, measured: Overlap) -> int:
+        """MPMoE's choice for ``layer`` from its first, unchunked call's times, agreed by
+        the ranks (the slowest rank's), and said once."""
+        alpha, beta, nbytes, compute = agree_model(measured, self.world)
+        per_rank = self.n_experts // self.world.size
+        n = best_chunks([c for c in CHUNK_CHOICES if per_rank % c == 0], alpha, beta, nbytes,
+                        compute)
+        if self.world.rank == 0:
+            ms = [model_time(c, alpha, beta, nbytes, compute) * 1e3 for c in (n, 1)]
+            print(f"pipeline: {layer.module_name}: {n} chunk(s) (alpha {alpha * 1e6:.0f} us, "
+                  f"beta {beta * 1e9:.2f} ns/B, {nbytes / 1e3:.1f} kB, compute "
+                  f"{compute * 1e3:.2f} ms; model {ms[0]:.2f} ms, unchunked {ms[1]:.2f} ms)",
+                  flush=True)
+        return n
 
     def _compute(self, module: nn.Module, layer: ExpertLayer, rows: Tensor,
                  got_ids: Tensor) -> Tensor:
@@ -177,8 +222,10 @@ class HFExpertParallel:
         return clip_global(dense, owned_grads, self.world, max_norm)
 
     def step_figures(self) -> dict[str, Any]:
-        return {**self.traffic.figures(), "comm_s": self.comm_s + self.pulls.comm_s,
-                "paradigm": {str(k): v for k, v in sorted(self.used.items())}}
+        return {**self.traffic.figures(),
+                "comm_s": self.comm_s + self.pulls.comm_s + self.overlap.comm_s,
+                "paradigm": {str(k): v for k, v in sorted(self.used.items())},
+                **self.overlap.figures()}
 
 
 def choose(layout: ExpertLayout, hidden: int, paradigm: str, tokens_per_rank: int,
@@ -230,11 +277,11 @@ def install_router_loss(model: nn.Module, world: World) -> Callable[[], None]:
         if original is None or getattr(original, "_tierstore_global", False):
             continue
         patched.append((mod, original))
-        setattr(mod, "load_balancing_loss_func", _globally(original, world))
+        mod.load_balancing_loss_func = _globally(original, world)
 
     def restore() -> None:
         for mod, original in patched:
-            setattr(mod, "load_balancing_loss_func", original)
+            mod.load_balancing_loss_func = original
 
     return restore
 

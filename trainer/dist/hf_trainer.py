@@ -72,11 +72,13 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
                    metrics_path: PathLike | None = None, corpus: Corpus | None = None,
                    corpus_paths: PathLike | Sequence[PathLike] | None = None,
                    on_step: Callable[[Metrics], None] | None = None,
-                   on_phase: PhaseHook | None = None, watch: Any = None) -> list[Metrics]:
+                   on_phase: PhaseHook | None = None, watch: Any = None,
+                   pipeline: int | str = "auto") -> list[Metrics]:
     """Fine-tune the node stores' imported model on every rank (module docstring) until
     ``steps`` steps are done; ``tc.batch_size`` is the per-rank batch. ``paradigm``:
     ``token``, ``data`` or ``auto`` (per MoE layer, by Janus's ratio). ``rule``: the
-    experts' AdamW rule (:data:`.hf_parallel.RULES`). ``watch``: the run's
+    experts' AdamW rule (:data:`.hf_parallel.RULES`). ``pipeline``: the chunks of a
+    token-centric block, or ``auto`` (:mod:`.pipeline`). ``watch``: the run's
     :class:`~.faults.FaultWatch`, told when training begins."""
     if rule not in RULES:
         raise AgreedError(f"the experts' update rule is one of {', '.join(RULES)}, not {rule!r}")
@@ -106,7 +108,7 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
     try:
         hidden = int(net.module.config.get_text_config().hidden_size)
         paradigms = choose(layout, hidden, paradigm, tc.batch_size * tc.seq_len, world)
-        source = HFExpertParallel(world, states, layout.n_experts, paradigms)
+        source = HFExpertParallel(world, states, layout.n_experts, paradigms, pipeline)
         net.loaded.attach_trainable(states, source)
         ident = {"format": FORMAT, "imported": stored.family, "hf_config": stored.hf_config,
                  "train_config": asdict(global_tc), "seed": seed, "rule": rule}

@@ -101,6 +101,7 @@ def train_distributed(
     on_step: Callable[[Metrics], None] | None = None,
     on_phase: PhaseHook | None = None,
     rule: str = "lazy",
+    pipeline: int | str | None = None,
 ) -> list[Metrics]:
     """Train ``model`` on every rank of the torchrun world until ``steps`` steps are done;
     returns this rank's metrics of the steps this call ran.
@@ -128,7 +129,9 @@ def train_distributed(
 
     ``model=None`` where the node stores hold a model ``tierstore import-hf`` put there (the
     same checkpoint in every node's store) fine-tunes it expert-parallel through its own
-    ``transformers`` class (:mod:`.hf_trainer`); ``rule`` is the experts' AdamW rule there.
+    ``transformers`` class (:mod:`.hf_trainer`); ``rule`` is the experts' AdamW rule there,
+    and ``pipeline`` the chunks of its token-centric blocks (``auto`` by default;
+    :mod:`.pipeline`), which a preset's run refuses.
     """
     if steps < 0 or checkpoint_every < 0:
         raise ValueError("steps and checkpoint_every must be >= 0")
@@ -164,10 +167,14 @@ def train_distributed(
                 replace(train or TrainConfig(), **(overrides or {})), resume=resume,
                 checkpoint_every=checkpoint_every, paradigm=paradigm, rule=rule,
                 metrics_path=metrics_path, corpus=corpus, corpus_paths=corpus_paths,
-                on_step=on_step, on_phase=on_phase, watch=watch)
+                on_step=on_step, on_phase=on_phase, watch=watch,
+                pipeline="auto" if pipeline is None else pipeline)
             watch.close()
             finished = True
             return history
+        if pipeline is not None:
+            raise AgreedError("--pipeline splits the token-centric blocks of an imported "
+                              "model (a store import-hf filled); a preset's are not split")
         if model is None and not resume:
             model = "tiny"
         cfg, tc, seed = _settings(world, store, model, train, seed, resume, overrides or {})
