@@ -123,7 +123,8 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     # each block in two chunks.
     assert out["figures"]["paradigm"] == {"0": "token", "1": "token", "2": "token"}
     assert out["figures"]["tokens_cross_bytes"] > 0
-    assert out["figures"]["pipeline_chunks"] == 2 * 3 * TRAIN["grad_accum"]
+    # (the loop never restarts the counters: every step's, 2 chunks x 3 blocks x 2 passes)
+    assert out["figures"]["pipeline_chunks"] == 2 * 3 * TRAIN["grad_accum"] * STEPS
     # MPMoE's pipelining: 2 and 4 chunks, and auto's choice, bit-identical to one chunk,
     # forward and backward; a chunk computed while another's exchange was in flight.
     probe = out["probe"]
