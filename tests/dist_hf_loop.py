@@ -79,6 +79,7 @@ def main() -> None:
     probe = probe_pipeline(model, experts, *training_batches(global_tc, spec["seed"],
                                                              corpus)[0].next_batch(), rank, b)
     model.tierstore.parallel.pipeline = spec.get("pipeline", 1)
+    model.tierstore.parallel.begin()  # the counters from here on are the training's alone
     losses = []
     for step in range(spec["steps"]):
         for opt in (dense, experts):
