@@ -1,12 +1,13 @@
 """A rank of a distributed training run for tests/test_dist_train.py, started by torchrun.
 
-``python tests/dist_child.py SPEC.json``: SPEC holds ``model`` (a preset name, or a model
-config dict), ``steps``, ``seed``, ``train`` (TrainConfig fields), ``corpus_bytes``,
+``python tests/dist_child.py SPEC.json``: SPEC holds ``model`` (a preset name, a model
+config dict, or null: the model ``import-hf`` put in the node stores), ``steps``, ``seed``,
+``train`` (TrainConfig fields), ``corpus_bytes``,
 ``store`` (a path with ``{node}`` for this node's index), ``paradigm``, ``credits``,
 ``checkpoint_every``, ``resume``, ``metrics`` and ``out``, and optionally ``kill``:
 ``[phase, n, rank]``, at which that rank SIGKILLs itself: a checkpoint's ``snapshot`` or
-``manifest`` of step n, or a re-shard's n-th expert ``moved`` (written on its new node) or
-``sent`` (deleted on its old one); and ``pause``: ``[phase, step, rank, folder]``, at which
+``manifest`` of step n, a re-shard's n-th expert ``moved`` (written on its new node) or
+``sent`` (deleted on its old one), or (fine-tuning an import) step n's ``backward``; and ``pause``: ``[phase, step, rank, folder]``, at which
 that rank makes ``folder/paused`` and waits until ``folder/go`` exists (a run held live while
 a test tries something).
 Rank 0 writes its metrics and final dense state to ``out``."""

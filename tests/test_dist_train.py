@@ -60,25 +60,28 @@ def _port() -> int:
 def launch(tmp: Path, name: str, nodes: int, per_node: int, *, steps: int,
            paradigm: str = "token", resume: bool = False, checkpoint_every: int = 0,
            kill: list[Any] | None = None, device: str = "cpu",
-           hierarchical: bool = False) -> list[int]:
+           hierarchical: bool = False, spec: dict[str, Any] | None = None,
+           child: Path = CHILD) -> list[int]:
     """Run one distributed training: ``nodes`` torchrun agents of ``per_node`` ranks on this
     machine, node ``i``'s store ``tmp/node{i}``; returns the agents' exit codes."""
     agents = start(tmp, name, nodes, per_node, steps=steps, paradigm=paradigm, resume=resume,
                    checkpoint_every=checkpoint_every, kill=kill, device=device,
-                   hierarchical=hierarchical)
+                   hierarchical=hierarchical, spec=spec, child=child)
     return [p.wait(timeout=500) for p in agents]
 
 
 def start(tmp: Path, name: str, nodes: int, per_node: int, *, steps: int,
           paradigm: str = "token", resume: bool = False, checkpoint_every: int = 0,
           kill: list[Any] | None = None, device: str = "cpu",
-          hierarchical: bool = False) -> list[subprocess.Popen[bytes]]:
-    """:func:`launch`, returning the running agents."""
+          hierarchical: bool = False, spec: dict[str, Any] | None = None,
+          child: Path = CHILD) -> list[subprocess.Popen[bytes]]:
+    """:func:`launch`, returning the running agents. ``spec``: fields of the ranks' spec
+    (tests/dist_child.py) set over this module's; ``child``: the script each rank runs."""
     spec = {"model": "tiny", "steps": steps, "seed": SEED, "corpus_bytes": CORPUS_BYTES,
             "train": {**TRAIN, "batch_size": GLOBAL_BATCH // (nodes * per_node)},
             "store": str(tmp / "node{node}"), "paradigm": paradigm, "resume": resume,
             "checkpoint_every": checkpoint_every, "metrics": str(tmp / f"{name}.jsonl"),
-            "kill": kill, "device": device, "hierarchical": hierarchical}
+            "kill": kill, "device": device, "hierarchical": hierarchical, **(spec or {})}
     spec_path = tmp / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     port = _port()
@@ -90,7 +93,7 @@ def start(tmp: Path, name: str, nodes: int, per_node: int, *, steps: int,
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
                  "--node-rank", str(i), "--nproc-per-node", str(per_node), "--master-addr",
                  "127.0.0.1", "--master-port", str(port), "--log-dir",
-                 str(tmp / f"{name}.logs" / f"node{i}"), "--tee", "3", str(CHILD),
+                 str(tmp / f"{name}.logs" / f"node{i}"), "--tee", "3", str(child),
                  str(spec_path)],
                 env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs

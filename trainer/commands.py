@@ -274,6 +274,11 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               show_default=True,
               help="--distributed: send tokens to the experts' owners (token), pull experts to "
                    "the tokens (data, Janus), or choose per MoE block by Janus's ratio (auto).")
+@click.option("--pipeline",
+              help="--distributed, an imported model's token-centric blocks: split each into "
+                   "N chunks, one chunk's all-to-all in flight while another computes (MPMoE; "
+                   "bit-identical to 1), or auto: per block, by MPMoE's model of the times its "
+                   "first call measures [auto].")
 @click.option("--credits", type=click.IntRange(min=1),
               help="--distributed, data-centric blocks: the most pulled experts a rank holds at "
                    "once; a block that would need more sends tokens instead [no bound].")
@@ -294,7 +299,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
           batch_size: int | None,
           seq_len: int | None, lr: float | None, grad_accum: int | None, dtype: str | None,
           eval_every: int | None, distributed: bool, paradigm: str, credits: int | None,
-          hierarchical: bool, run_dir: str | None) -> None:
+          hierarchical: bool, run_dir: str | None, pipeline: str | None) -> None:
     """Train an MoE model whose experts live in a store: dense parameters on the device,
     expert weights and AdamW moments in STORE, fetched per step for the experts the routers
     picked and written back through the host cache. With --resident, the same model held in
@@ -328,9 +333,10 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
             raise click.UsageError("--device-budget and --fetch queue do not apply to "
                                    "--distributed, which reads the experts each step needs "
                                    "with get_many (--fetch direct) and has no step budget")
-    elif paradigm != "auto" or credits is not None or run_dir is not None or hierarchical:
-        raise click.UsageError("--paradigm, --credits, --hierarchical-a2a and --run-dir go "
-                               "with --distributed")
+    elif (paradigm != "auto" or credits is not None or run_dir is not None or hierarchical
+          or pipeline is not None):
+        raise click.UsageError("--paradigm, --credits, --hierarchical-a2a, --pipeline and "
+                               "--run-dir go with --distributed")
     if update_rule is not None and (distributed or resident):
         raise click.UsageError("--update-rule is the store trainer's: drop it with "
                                "--resident and --distributed")
@@ -362,7 +368,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                                         "backing": backing, "pmem_path": pmem_path,
                                         "pmem_size": pmem_size,
                                         "slab_size": _given(given, "slab_size", slab_size)},
-                                paradigm=paradigm, credits=credits,
+                                paradigm=paradigm, credits=credits, pipeline=pipeline,
                                 hierarchical=hierarchical,
                                 checkpoint_every=checkpoint_every, resume=resume,
                                 metrics=metrics, corpus=corpus, overrides=overrides,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,7 @@ def _gather(world: World, value: Any) -> list[Any]:
     return out
 
 
-def _fail_together(world: World, error: str | None) -> None:
+def fail_together(world: World, error: str | None) -> None:
     """Raise on every rank if any rank found ``error`` (the first one, by rank)."""
     errors = [e for e in _gather(world, error) if e]
     if errors:
@@ -229,6 +230,38 @@ def _check_stores(world: World, nodes: dict[int, dict[str, Any]], m: dict[str, A
                 "manifest away to resume from an earlier checkpoint")
 
 
+def claim_stores(world: World, store: tierstore.Store, run_dir: Path, ident: dict[str, Any],
+                 resume: bool, n_experts: int, difference: Callable[[Any], str],
+                 stray: str | None = None) -> dict[str, Any] | None:
+    """Check every node's store for the run ``ident`` (one already there needs ``resume``
+    and the same identity, ``difference(saved)`` saying how another differs; without a run,
+    expert entries under ``stray`` or manifests mean the store is someone else's) and
+    choose the checkpoint to resume from. Returns its manifest; ``None`` for a new run,
+    whose identity is then recorded in every node's store (before its experts are made)."""
+    where = f"node {world.node}'s store {store.path}"
+    error = None
+    if world.is_node_leader:
+        saved = records.read(store, RUN_ENTRY)
+        if saved is not None and not resume:
+            error = (f"{where} already holds a training run; pass --resume to continue it, "
+                     "or train in new stores")
+        elif saved is not None and saved != json.loads(json.dumps(ident)):
+            error = f"{where} holds another run ({difference(saved)})"
+        elif saved is None and (manifests.numbers(run_dir)
+                                or (stray is not None and store.names(stray))):
+            error = f"{where} holds expert entries or checkpoints of no run of this trainer"
+    fail_together(world, error)
+    manifest = choose_checkpoint(world, store, run_dir, n_experts) if resume else None
+    if world.is_node_leader:  # manifests of a checkpoint newer than the one resumed
+        for n in manifests.numbers(run_dir):
+            if manifest is None or n > manifest["number"]:
+                manifests.remove(run_dir, n)
+        if manifest is None:
+            store.put(RUN_ENTRY[0], records.as_tensor(ident), kind=RUN_ENTRY[1])
+            records.node_id(store)
+    return manifest
+
+
 def start_run(world: World, store: tierstore.Store, run_dir: Path, experts: OwnedExperts,
               cfg: TrainModel, tc: TrainConfig, seed: int, resume: bool, net: MoEModel,
               opt: torch.optim.Optimizer, sampler: BatchSampler,
@@ -236,28 +269,10 @@ def start_run(world: World, store: tierstore.Store, run_dir: Path, experts: Owne
     """Bring every node's store and this rank's model, optimizer, sampler and RNGs to where
     training starts. Returns ``(first step, next checkpoint number, re-sharded)``; when
     re-sharded the caller takes a checkpoint before training on."""
-    where = f"node {world.node}'s store {store.path}"
     mine = identity(cfg, tc, seed)
-    error = None
-    if world.is_node_leader:
-        saved = records.read(store, RUN_ENTRY)
-        if saved is not None and not resume:
-            error = (f"{where} already holds a training run; pass --resume to continue it, "
-                     "or train in new stores")
-        elif saved is not None and saved != json.loads(json.dumps(mine)):
-            error = f"{where} holds another run ({_difference(saved, mine, world.size)})"
-        elif saved is None and (manifests.numbers(run_dir) or store.names("layers.")):
-            error = f"{where} holds expert entries or checkpoints of no run of this trainer"
-    _fail_together(world, error)
-    manifest = choose_checkpoint(world, store, run_dir, cfg.n_experts) if resume else None
-    if world.is_node_leader:  # manifests of a checkpoint newer than the one resumed
-        for n in manifests.numbers(run_dir):
-            if manifest is None or n > manifest["number"]:
-                manifests.remove(run_dir, n)
+    manifest = claim_stores(world, store, run_dir, mine, resume, cfg.n_experts,
+                            lambda saved: _difference(saved, mine, world.size), "layers.")
     if manifest is None:
-        if world.is_node_leader:
-            store.put(RUN_ENTRY[0], records.as_tensor(mine), kind=RUN_ENTRY[1])
-            records.node_id(store)
         experts.initialise(seed)
         barrier(world)
         return 0, 1, False
@@ -297,7 +312,7 @@ def _resume(world: World, store: tierstore.Store, cfg: TrainModel, mine: dict[st
         except tierstore.StoreError as e:
             error = (f"node {world.node}'s store {store.path} cannot be brought to {what}: "
                      f"{e}; once that is fixed, rerun with --resume")
-    _fail_together(world, error)
+    fail_together(world, error)
     box: list[Any] = [None]
     if world.rank == 0:
         try:

@@ -20,6 +20,7 @@ def _postfix(m: Metrics) -> str:
 def run_distributed(*, store: str | None, connect: str | None, run_dir: str | None,
                     model: str | None, steps: int, seed: int | None, daemon: dict[str, Any],
                     paradigm: str, credits: int | None, hierarchical: bool,
+                    pipeline: str | None,
                     checkpoint_every: int, resume: bool,
                     metrics: str | None, corpus: Sequence[str], overrides: dict[str, Any],
                     device: str, echo: Callable[[str], Any] = print) -> list[Metrics]:
@@ -33,7 +34,8 @@ def run_distributed(*, store: str | None, connect: str | None, run_dir: str | No
     if store is None:
         raise ValueError("--distributed needs --store: this node's store directory")
     rank = int(os.environ.get("RANK", "0"))
-    model_arg = model if model is not None else (None if resume else "tiny")
+    # No --model: the node stores' import, the run --resume continues, or the tiny preset
+    # (train_distributed decides, from what the stores hold).
     with tqdm(total=steps, desc=f"train x{os.environ.get('WORLD_SIZE', '?')}", unit="step",
               disable=None if rank == 0 else True, dynamic_ncols=True) as bar:
 
@@ -42,9 +44,9 @@ def run_distributed(*, store: str | None, connect: str | None, run_dir: str | No
             bar.set_postfix_str(_postfix(m), refresh=False)
 
         history = train_distributed(
-            model_arg, steps, seed if seed is not None or model_arg is None else 0,
+            model, steps, seed if seed is not None or resume else 0,
             store_path=store, connect=connect, run_dir=run_dir, **daemon,
-            paradigm=paradigm, credits=credits, hierarchical=hierarchical,
+            paradigm=paradigm, credits=credits, hierarchical=hierarchical, pipeline=pipeline,
             checkpoint_every=checkpoint_every,
             resume=resume, metrics_path=metrics, corpus_paths=list(corpus) or None,
             device=resolve_device(device), overrides=overrides, on_step=on_step)

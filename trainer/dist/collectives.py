@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..train.optim import clip_coef
 from .world import World
 
 
@@ -184,6 +185,13 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], traffic: Traffic | N
     return all_to_all_rows(x, send, recv)
 
 
+def inverse_permutation(order: Tensor) -> Tensor:
+    """``inv`` with ``inv[order[i]] == i``: ``x[order][inv]`` is ``x`` again."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
+
+
 def sum_over_ranks(t: Tensor, world: World) -> Tensor:
     """``t`` (a host tensor of figures) summed over the ranks, back on the host: NCCL only
     reduces device tensors."""
@@ -203,3 +211,22 @@ def all_reduce_sum_(tensors: Sequence[Tensor], group: Any = None) -> None:
         n = t.numel()
         t.copy_(flat[offset:offset + n].view_as(t))
         offset += n
+
+
+def clip_global(dense: Sequence[Tensor], owned: Sequence[Tensor], world: World,
+                clip: float | None) -> Tensor:
+    """The global norm over dense gradients (replicated, summed over the ranks already)
+    and expert gradients (each held by its owner only), and clipping by it, as one process
+    does; returns the norm before clipping."""
+    def squares(grads: Sequence[Tensor]) -> Tensor:
+        return torch.tensor([sum(float(torch.linalg.vector_norm(g, 2)) ** 2
+                                 for g in grads)], dtype=torch.float64)
+
+    expert_sq = sum_over_ranks(squares(owned), world)
+    norm = torch.sqrt(squares(dense)[0] + expert_sq[0]).float()
+    if clip is not None:
+        coef = clip_coef(norm, clip)
+        with torch.no_grad():
+            for g in [*dense, *owned]:
+                g.mul_(coef.to(g.device))
+    return norm

@@ -67,6 +67,7 @@ from .collectives import (
     count_matrix,
     exchange,
     exchange_counts,
+    inverse_permutation,
 )
 from .owned import OwnedExperts
 from .world import DistributedError, World, owner
@@ -79,11 +80,18 @@ def janus_ratio(cfg: TrainModel, tokens_per_rank: int, world: World) -> float:
     for an FFN expert of ``8*H*H`` parameters; here for the experts' own size): tokens per
     rank ``T = B*S*k``, ``n`` nodes, ``E`` experts per rank. R > 1: pulling experts moves
     fewer bytes between nodes than sending tokens."""
-    t = tokens_per_rank * cfg.top_k
-    h = model_config(cfg).hidden_size
     expert_params = sum(a * b for a, b in cfg.expert_shapes().values())
-    per_rank = cfg.n_experts // world.size
-    return 2 * h * t / (max(1, world.n_nodes) * expert_params * per_rank)
+    return ratio_of(model_config(cfg).hidden_size, cfg.top_k, expert_params, cfg.n_experts,
+                    tokens_per_rank, world)
+
+
+def ratio_of(hidden: int, top_k: int, expert_params: int, n_experts: int,
+             tokens_per_rank: int, world: World) -> float:
+    """Janus's R for a block of ``n_experts`` experts of ``expert_params`` parameters each,
+    ``top_k`` routed per token of width ``hidden``, ``tokens_per_rank`` tokens per rank."""
+    per_rank = n_experts // world.size
+    t = tokens_per_rank * top_k
+    return 2 * hidden * t / (max(1, world.n_nodes) * expert_params * per_rank)
 
 
 def choose_paradigms(cfg: TrainModel, paradigm: str, tokens_per_rank: int,
@@ -99,6 +107,49 @@ def choose_paradigms(cfg: TrainModel, paradigm: str, tokens_per_rank: int,
         else:
             out[layer] = "data" if janus_ratio(cfg, tokens_per_rank, world) > 1 else "token"
     return out
+
+
+def pull_plan(world: World, n_experts: int, new: Tensor, held: Tensor
+              ) -> list[tuple[int, int, int, int]]:
+    """Transfers for the ``[W, E]`` masks ``new`` (experts each rank needs and does not
+    hold) and ``held`` (what each rank holds from earlier micro-batches): ``(e, src,
+    dst, stage)``, stage 1 from the owner, stage 2 from a rank of the same node that
+    holds it (the node's receiver). Identical on every rank."""
+    plan = []
+    for e in range(n_experts):
+        needers = [r for r in range(world.size) if bool(new[r, e])]
+        if not needers:
+            continue
+        o = owner(e, n_experts, world.size)
+        for node, ranks in enumerate(world.nodes):
+            here = [r for r in needers if r in ranks and r != o]
+            if not here:
+                continue
+            if node == world.node_of(o):
+                plan += [(e, o, r, 1) for r in here]
+                continue
+            holders = [r for r in ranks if bool(held[r, e])]
+            if holders:  # already on this node: it does not cross again
+                plan += [(e, holders[0], r, 2) for r in here]
+            else:
+                plan.append((e, o, here[0], 1))
+                plan += [(e, here[0], r, 2) for r in here[1:]]
+    return plan
+
+
+def exchange_rows(world: World, traffic: Traffic, to: list[int], frm: list[int],
+                  rows: list[Tensor], width: int, device: torch.device, what: str) -> Tensor:
+    """One all-to-all of ``width``-element fp32 rows: ``rows[i]`` to rank ``to[i]``
+    (ascending); returns the rows from ranks ``frm`` (ascending), in that order."""
+    send, recv = [0] * world.size, [0] * world.size
+    for r in to:
+        send[r] += 1
+    for r in frm:
+        recv[r] += 1
+    buf = torch.stack(rows) if rows else torch.empty((0, width), device=device)
+    got = all_to_all_rows(buf, send, recv)
+    traffic.add(what, send, width * 4)
+    return got
 
 
 class ExpertParallel(ExpertSource):
@@ -195,46 +246,19 @@ class ExpertParallel(ExpertSource):
             # answer in bf16, and a rank that got no rows must not expect other bytes per
             # row than its peers send.
             out_sorted = torch.cat(pieces).to(rows.dtype)
-            undo = torch.empty_like(by_expert)
-            undo[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-            out = out_sorted[undo]
+            out = out_sorted[inverse_permutation(by_expert)]
         else:  # nothing routed here; still part of the graph, so the backward exchange runs
             out = rows[:0]
         t0 = time.perf_counter()
         y_sorted = exchange(out, recv, send, back, self.world, self.traffic)
         self.comm_s += time.perf_counter() - t0
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = y_sorted[inverse].view(n_tok, k, -1)
+        y = y_sorted[inverse_permutation(order)].view(n_tok, k, -1)
         return (y.float() * routing.topk_weight.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
     # -- data-centric -----------------------------------------------------------------
 
     def _plan(self, new: Tensor, held: Tensor) -> list[tuple[int, int, int, int]]:
-        """Transfers for the ``[W, E]`` masks ``new`` (experts each rank needs and does not
-        hold) and ``held`` (what each rank holds from earlier micro-batches): ``(e, src,
-        dst, stage)``, stage 1 from the owner, stage 2 from a rank of the same node that
-        holds it (the node's receiver). Identical on every rank."""
-        world, plan = self.world, []
-        for e in range(self.n_experts):
-            needers = [r for r in range(world.size) if bool(new[r, e])]
-            if not needers:
-                continue
-            o = owner(e, self.n_experts, world.size)
-            for node, ranks in enumerate(world.nodes):
-                here = [r for r in needers if r in ranks and r != o]
-                if not here:
-                    continue
-                if node == world.node_of(o):
-                    plan += [(e, o, r, 1) for r in here]
-                    continue
-                holders = [r for r in ranks if bool(held[r, e])]
-                if holders:  # already on this node: it does not cross again
-                    plan += [(e, holders[0], r, 2) for r in here]
-                else:
-                    plan.append((e, o, here[0], 1))
-                    plan += [(e, here[0], r, 2) for r in here[1:]]
-        return plan
+        return pull_plan(self.world, self.n_experts, new, held)
 
     def _owner_mask(self) -> Tensor:
         w, n = self.world.size, self.n_experts
@@ -336,19 +360,10 @@ class ExpertParallel(ExpertSource):
 
     def _exchange_rows(self, to: list[int], frm: list[int], rows: list[Tensor],
                        what: str) -> Tensor:
-        """One all-to-all of expert-sized rows: ``rows[i]`` to rank ``to[i]`` (ascending);
-        returns the rows from ranks ``frm`` (ascending), in that order."""
-        send, recv = [0] * self.world.size, [0] * self.world.size
-        for r in to:
-            send[r] += 1
-        for r in frm:
-            recv[r] += 1
-        buf = (torch.stack(rows) if rows
-               else torch.empty((0, self.expert_numel), device=self.owned.device))
         t0 = time.perf_counter()
-        got = all_to_all_rows(buf, send, recv)
+        got = exchange_rows(self.world, self.traffic, to, frm, rows, self.expert_numel,
+                            self.owned.device, what)
         self.comm_s += time.perf_counter() - t0
-        self.traffic.add(what, send, self.expert_numel * 4)
         return got
 
     def _pulled_grad(self, layer: int, e: int) -> Tensor:

@@ -25,7 +25,6 @@ Checkpoints are all-or-nothing over the nodes (:mod:`.checkpoint`).
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import sys
@@ -45,8 +44,7 @@ import tierstore
 from ..model import MoEModel
 from ..presets import TrainModel, config_from_dict
 from ..train.data import Corpus
-from ..train.metrics import MetricsLog, peak_rss, run_steps, store_counters, store_metrics
-from ..train.optim import clip_coef
+from ..train.metrics import MetricsLog, run_steps, store_counters
 from ..train.resident import (
     Metrics,
     TrainConfig,
@@ -55,11 +53,14 @@ from ..train.resident import (
     training_batches,
 )
 from .checkpoint import PhaseHook, dense_payload, saved_identity, start_run, write_checkpoint
-from .collectives import all_reduce_sum_, sum_over_ranks
+from .collectives import all_reduce_sum_, clip_global, sum_over_ranks
+from ..train.hf_finetune import imported
 from .exchange import ExpertParallel, choose_paradigms, janus_ratio
+from .hf_trainer import train_imported
 from .faults import FaultWatch
 from .owned import OwnedExperts
 from .sidecar import DaemonSettings, default_run_dir, start_node_daemon
+from .stepmetrics import step_record
 from .world import (
     AgreedError,
     DistributedError,
@@ -99,6 +100,8 @@ def train_distributed(
     overrides: dict[str, Any] | None = None,
     on_step: Callable[[Metrics], None] | None = None,
     on_phase: PhaseHook | None = None,
+    rule: str = "lazy",
+    pipeline: int | str | None = None,
 ) -> list[Metrics]:
     """Train ``model`` on every rank of the torchrun world until ``steps`` steps are done;
     returns this rank's metrics of the steps this call ran.
@@ -121,7 +124,14 @@ def train_distributed(
     same numbers; fewer, larger messages between nodes).
     ``metrics_path``: one JSON object per step per rank, ``{path}.rank{r}``.
     ``on_phase(phase, n)`` is called at the points of a checkpoint (``snapshot``,
-    ``manifest``) and of a re-shard (``moved``, ``sent``): see :mod:`.reshard`.
+    ``manifest``) and of a re-shard (``moved``, ``sent``): see :mod:`.reshard`; fine-tuning
+    an import, also mid-step ``n``, after its backward passes (``backward``).
+
+    ``model=None`` where the node stores hold a model ``tierstore import-hf`` put there (the
+    same checkpoint in every node's store) fine-tunes it expert-parallel through its own
+    ``transformers`` class (:mod:`.hf_trainer`); ``rule`` is the experts' AdamW rule there,
+    and ``pipeline`` the chunks of its token-centric blocks (``auto`` by default;
+    :mod:`.pipeline`), which a preset's run refuses.
     """
     if steps < 0 or checkpoint_every < 0:
         raise ValueError("steps and checkpoint_every must be >= 0")
@@ -145,6 +155,28 @@ def train_distributed(
         raise watch.failed(e) from None
     finished = False
     try:
+        stored = imported(store)
+        if stored is not None and model is not None:
+            raise AgreedError(f"store {store.path} holds an imported {stored.family} model, "
+                              "which is what it trains: drop --model")
+        if stored is not None:
+            # The node stores hold an import: the family's own transformers model, fine-tuned
+            # expert-parallel over the tierstore experts backend (.hf_trainer).
+            history = train_imported(
+                world, store, run, steps, seed,
+                replace(train or TrainConfig(), **(overrides or {})), resume=resume,
+                checkpoint_every=checkpoint_every, paradigm=paradigm, rule=rule,
+                metrics_path=metrics_path, corpus=corpus, corpus_paths=corpus_paths,
+                on_step=on_step, on_phase=on_phase, watch=watch,
+                pipeline="auto" if pipeline is None else pipeline)
+            watch.close()
+            finished = True
+            return history
+        if pipeline is not None:
+            raise AgreedError("--pipeline splits the token-centric blocks of an imported "
+                              "model (a store import-hf filled); a preset's are not split")
+        if model is None and not resume:
+            model = "tiny"
         cfg, tc, seed = _settings(world, store, model, train, seed, resume, overrides or {})
         check_divides(cfg.n_experts, world.size)
         global_tc = replace(tc, batch_size=tc.batch_size * world.size)
@@ -268,53 +300,21 @@ class _Loop:
                 p.grad = torch.zeros_like(p)
             dense_grads.append(p.grad)
         all_reduce_sum_(dense_grads)
-        norm = self._clip(dense_grads, source.owned.grads())
+        norm = clip_global(dense_grads, source.owned.grads(), world, tc.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         touched = source.owned.update(lr, tc)
         figures = source.step_figures()
         source.end()
         self.store.tick()
-        sums = sum_over_ranks(sums, world) / (tc.grad_accum * world.size)
-        dt = time.perf_counter() - t0
-        n_tok = tc.grad_accum * self.global_tc.batch_size * tc.seq_len
-        m: Metrics = {
-            "step": step + 1, "loss": float(sums[0]), "aux_loss": float(sums[1]),
-            "z_loss": float(sums[2]), "grad_norm": float(norm), "lr": lr, "tokens": n_tok,
-            "step_time_s": dt, "tokens_per_s": n_tok / dt if dt > 0 else math.inf,
-            "rank": world.rank, "node": world.node, "world_size": world.size,
-            "experts_touched": touched, "peak_rss_bytes": peak_rss(),
-            **store_metrics(before, store_counters(self.store)), **figures,
-            "stall_s": figures["comm_s"], "stall_frac": figures["comm_s"] / dt if dt else 0.0,
-        }
-        m["moved_bytes_total"] = self._total_moved(figures)
+        m = step_record(world, self.store, step, tc, self.global_tc, t0, sums, norm, lr,
+                        touched, before, figures)
         done = step + 1
         if tc.eval_every > 0 and (done % tc.eval_every == 0 or done == steps):
             m["val_loss"] = self.evaluate()
         if (self.checkpoint_every > 0 and done % self.checkpoint_every == 0) or done == steps:
             self.checkpoint(done, m)
         return m
-
-    def _clip(self, dense: list[Tensor], owned: list[Tensor]) -> Tensor:
-        """The global norm over dense (replicated) and expert (owned once) gradients, and
-        clipping by it, as one process would."""
-        def squares(grads: list[Tensor]) -> Tensor:
-            return torch.tensor([sum(float(torch.linalg.vector_norm(g, 2)) ** 2
-                                     for g in grads)], dtype=torch.float64)
-
-        expert_sq = sum_over_ranks(squares(owned), self.world)
-        norm = torch.sqrt(squares(dense)[0] + expert_sq[0]).float()
-        if self.tc.clip is not None:
-            coef = clip_coef(norm, self.tc.clip)
-            with torch.no_grad():
-                for g in [*dense, *owned]:
-                    g.mul_(coef.to(g.device))
-        return norm
-
-    def _total_moved(self, figures: dict[str, Any]) -> int:
-        mine = sum(v for k, v in figures.items() if k.endswith("_bytes") and
-                   k.split("_")[0] in ("tokens", "experts", "grads"))
-        return int(sum_over_ranks(torch.tensor([mine], dtype=torch.int64), self.world)[0])
 
     @torch.no_grad()
     def evaluate(self) -> float:

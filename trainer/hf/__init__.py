@@ -44,21 +44,28 @@ from .importer import import_hf
 from .loader import Loaded, build, dtype_of, open_store
 from .resume import Checkpoint, CheckpointCallback, load_checkpoint, save_checkpoint
 from .strategies import MODES, make_source, resolve_mode
-from .train import CombinedOptimizer, ExpertAdamW, clip_grad_norm_, load_trainable, save
+from .train import (
+    CombinedOptimizer,
+    ExpertAdamW,
+    clip_grad_norm_,
+    load_trainable,
+    reduce_gradients,
+    save,
+)
 
 register()
 
 __all__ = ["IMPLEMENTATION", "MODES", "Checkpoint", "CheckpointCallback", "CombinedOptimizer",
-           "ExpertAdamW",
-           "Loaded", "causal_lm_families", "clip_grad_norm_", "export_hf", "import_hf", "load",
-           "load_checkpoint", "save", "save_checkpoint"]
+           "ExpertAdamW", "Loaded", "causal_lm_families", "clip_grad_norm_", "export_hf",
+           "import_hf", "load", "load_checkpoint", "reduce_gradients", "save",
+           "save_checkpoint"]
 
 
 def load(store: str | os.PathLike[str] | tierstore.Store, *, trainable: bool = False,
          mode: str = "auto", device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, device_budget: int | str | None = None,
          host_cache: int | str | None = None, ring_slots: int | str = "auto",
-         fetch: str = "auto") -> Any:
+         fetch: str = "auto", process_group: Any = None) -> Any:
     """The store's model as its ``transformers`` class, in eval mode, its experts served
     from the store by ``mode`` (``auto``, ``expert``, ``on-demand``, ``ring``,
     ``resident``; ``model.tierstore.mode`` says which ``auto`` chose and
@@ -68,7 +75,8 @@ def load(store: str | os.PathLike[str] | tierstore.Store, *, trainable: bool = F
     experts trained through the store by :class:`ExpertAdamW` (:mod:`tierstore.hf.train`);
     ``mode`` and ``ring_slots`` are the inference sources' and do not apply, ``fetch`` says
     how experts reach the device (``auto``, ``queue``, ``direct``), and ``dtype`` can only
-    be fp32 (compute in bf16 with ``torch.autocast``).
+    be fp32 (compute in bf16 with ``torch.autocast``); ``process_group`` trains it
+    expert-parallel under torchrun (:func:`tierstore.hf.train.load_trainable`).
 
     ``store``: a store directory, a daemon's socket, or an open :class:`tierstore.Store`
     (left open). ``device``: default CUDA where there is one, else the CPU. ``dtype``: the
@@ -85,7 +93,10 @@ def load(store: str | os.PathLike[str] | tierstore.Store, *, trainable: bool = F
             raise ValueError("a trainable model keeps fp32 weights; compute in bf16 with "
                              "torch.autocast")
         return load_trainable(store, device=dev, host_cache=host_cache,
-                              device_budget=device_budget, fetch=fetch)
+                              device_budget=device_budget, fetch=fetch,
+                              process_group=process_group)
+    if process_group is not None:
+        raise ValueError("process_group is for training (trainable=True)")
     st, owns = open_store(store, host_cache=host_cache, device_budget=device_budget)
     try:
         model, loaded = build(st, owns, device=dev, dtype=dtype_of(dtype))

@@ -21,6 +21,11 @@ the later ones.
 A quantized checkpoint's experts (:mod:`tierstore.hf.quant`) reach this function as they are
 stored, packed, through every tier; each routed expert is dequantized here, on the device
 the source put it on, into a buffer the next expert reuses, just before it runs.
+
+A source with a ``forward_layer(module, layer, hidden_states, top_k_index,
+top_k_weights)`` method takes the whole call instead: an expert-parallel source dispatches
+the routed rows to the ranks that own their experts and combines what comes back, with
+:func:`expert_output` on the owners, so the family's model code stays ``transformers``'.
 """
 
 from __future__ import annotations
@@ -156,13 +161,25 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     n_tok, k = top_k_index.shape
     layer.top_k = k
     layer.calls += 1
+    parallel = getattr(layer.source, "forward_layer", None)
+    if parallel is not None:
+        # An expert-parallel source: the routed rows go to the ranks that own their experts
+        # and come back computed (tierstore.trainer.dist.hf_parallel), inside this call.
+        return parallel(module, layer, hidden_states, top_k_index, top_k_weights)  # type: ignore[no-any-return]
+    return local_forward(module, layer, layer.source, hidden_states, top_k_index, top_k_weights)
+
+
+def local_forward(module: nn.Module, layer: ExpertLayer, source: Any, hidden_states: Tensor,
+                  top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """The experts of ``module`` on this process's tokens, their weights from ``source``
+    (an expert-parallel source that pulled them computes here too)."""
+    n_tok, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, ascending ids
     ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
     id_list, count_list = ids.tolist(), counts.tolist()
     # Ids past the module's experts are expert-parallel sentinels: owned elsewhere.
     routed = [e for e in id_list if 0 <= e < layer.num_experts]
-    source = layer.source
     found: Mapping[int, Sequence[Tensor]] = source.experts(layer.key, routed, hidden_states) \
         if routed else {}
     token_of = order // k

@@ -91,6 +91,9 @@ class Loaded:
     notes: list[str] = field(default_factory=list)
     narrow: Any = None  # zero experts for a warm-up pass (tierstore.hf.warmup)
     experts: Any = None  # the trainer's ExpertStates, once attach_trainable gave them
+    # An expert-parallel source (tierstore.trainer.dist.hf_parallel) between the experts
+    # modules and ``experts``, which then holds this rank's own experts only.
+    parallel: Any = None
 
     def attach(self, source: Any, mode: str, *, close_previous: bool = True) -> None:
         """Feed every experts module from ``source`` (closing the one before, unless
@@ -113,22 +116,24 @@ class Loaded:
         for layer in self.served.layers.values():
             layer.source = source
 
-    def attach_trainable(self, states: Any) -> None:
+    def attach_trainable(self, states: Any, parallel: Any = None) -> None:
         """Train the experts: feed every experts module from a trainer's expert states
         (:class:`tierstore.trainer.ExpertStates`), whose experts are fp32 leaves that
         require grad, shared by a step's micro-batches and by recomputations, and put the
         model in training mode. The experts function is the same: autograd gives each
         routed expert's weight gradient, and the router's through ``top_k_weights``. The
         inference source, if any, is closed; forward calls are no longer passes of one.
-        ``experts`` keeps the states (:meth:`close` closes them)."""
+        ``experts`` keeps the states (:meth:`close` closes them). ``parallel``: an
+        expert-parallel source the experts modules call instead, which computes this rank's
+        own experts from ``states``."""
         if self.source is not None:
             self.source.close()
             self.source = None
         self.mode = "train"
-        self.experts = states
+        self.experts, self.parallel = states, parallel
         self.passes.source = None
         for layer in self.served.layers.values():
-            layer.source = states
+            layer.source = states if parallel is None else parallel
         self.served.model.train()
 
     def stats(self) -> dict[str, Any]:

@@ -65,7 +65,8 @@ from .loader import Loaded, build, open_store
 
 def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
                    device: torch.device, host_cache: int | str | None = None,
-                   device_budget: int | str | None = None, fetch: str = "auto") -> Any:
+                   device_budget: int | str | None = None, fetch: str = "auto",
+                   process_group: Any = None) -> Any:
     """What ``tierstore.hf.load(store, trainable=True)`` returns: the model in training
     mode, dense weights fp32, experts trained through the store (see the module docstring).
 
@@ -75,8 +76,21 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
     ``tierstore train``) keeps them, so training continues from its moments. ``fetch``: how
     experts reach ``device`` (``queue``, ``direct`` or ``auto``, as ``tierstore train
     --fetch``); ``device_budget`` also bounds the expert weights one step may hold.
+
+    ``process_group``: expert parallelism under torchrun (``torch.distributed.group.WORLD``,
+    or ``True`` to initialise it from torchrun's environment). ``store`` is then this node's
+    store (``import-hf`` of the same checkpoint on every node; its daemon's socket where the
+    node's ranks share it), this rank trains only the experts it owns (E/W of every MoE
+    layer), and every experts module sends its routed rows to their owners and back
+    (:mod:`tierstore.trainer.dist.hf_parallel`). Each rank feeds its own rows; call
+    :func:`reduce_gradients` after the backward pass, before clipping and stepping.
     """
     mode = resolve_fetch_mode(fetch, device)
+    world = None
+    if process_group is not None:
+        from tierstore.trainer.dist.hf_parallel import join_world
+
+        world = join_world(process_group, device)
     st, owns = open_store(store, host_cache=host_cache, device_budget=device_budget)
     try:
         model, loaded = build(st, owns, device=device, dtype=torch.float32)
@@ -90,17 +104,28 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
                 "trained yet; train adapters over them (load without trainable=True), or "
                 "import the checkpoint's bf16 weights to fine-tune the experts")
         layout = hf_finetune.served_layout(loaded.served, st)
+        mine = None
+        if world is not None:
+            from tierstore.trainer.dist.hf_parallel import owned_layout
+
+            layout, mine = owned_layout(layout, world)
         if not all((layout.counts_name(k), STEP_KIND) in st for k in layout.keys):
             # Counts are written after their layer's experts: one missing means an
             # interrupted or never-run start, which is simply run (again).
-            initialise_imported(st, layout)
+            initialise_imported(st, layout, mine)
         # Sized for a step that touches every expert: the loop's batch is not known here.
         # The rule the store's experts were trained with, dense for a new fine-tune (the
         # forward may run before an ExpertAdamW says which, and must see caught-up experts).
         states = ExpertStates(st, layout, device, mode, tokens_per_step=layout.n_experts,
                               budget=device_budget, rule=rule_of(st, layout) or "dense")
         states.begin(1)
-        loaded.attach_trainable(states)
+        parallel = None
+        if world is not None:
+            from tierstore.trainer.dist.hf_parallel import HFExpertParallel, install_router_loss
+
+            parallel = HFExpertParallel(world, states, layout.n_experts)
+            install_router_loss(model, world)
+        loaded.attach_trainable(states, parallel)
     except BaseException:
         if owns:
             st.close()
@@ -125,15 +150,35 @@ def expert_tensors(model: nn.Module) -> list[Tensor]:
     return _loaded(model).experts.tensors()
 
 
+def reduce_gradients(model: nn.Module) -> None:
+    """After the backward pass of an expert-parallel model (``load(...,
+    process_group=...)``): the dense gradients averaged over the ranks, and each owned
+    expert's gradient (the sum of every rank's, as the exchanges' backward delivers it)
+    divided by the world size. Then every gradient is the mean loss's over the global
+    batch, each rank's batch being one slice of it, as one process computes it. Nothing to
+    do without a process group."""
+    loaded = _loaded(model)
+    if loaded.parallel is not None:
+        loaded.parallel.reduce_gradients(list(model.parameters()))
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: bool | None = None) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the dense parameters and the experts
-    together: one global norm (returned, before clipping) and one factor for all.
+    experts together: one global norm (returned, before clipping) and one factor for all.
+    Expert-parallel, the norm is the global batch's: the dense part (the same on every rank,
+    after :func:`reduce_gradients`) and every rank's own experts (L2 only).
 
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` alone cannot see the
     experts' gradients: they belong to leaves the store hands each step, which are not
     parameters of the model. Clipping the dense part by its own norm and skipping the
     experts gives another update than the model trained in memory."""
+    loaded = _loaded(model)
+    if loaded.parallel is not None:
+        if norm_type != 2.0:
+            raise ValueError("an expert-parallel model clips by the L2 norm")
+        dense = [p.grad for p in model.parameters() if p.grad is not None]
+        return loaded.parallel.clip(dense, loaded.experts.grads(), max_norm)
     params = [*model.parameters(), *expert_tensors(model)]
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                           error_if_nonfinite=error_if_nonfinite,

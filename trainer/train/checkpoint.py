@@ -74,7 +74,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -277,12 +277,14 @@ def initialise_experts(store: tierstore.Store, layout: ExpertLayout, cfg: MoECon
     _write_expert_states(store, layout, states)
 
 
-def initialise_imported(store: tierstore.Store, layout: ExpertLayout) -> None:
+def initialise_imported(store: tierstore.Store, layout: ExpertLayout,
+                        experts: Sequence[int] | None = None) -> None:
     """Make an imported model's experts trainable: each weight as an fp32 master (cast up
     from the imported dtype; left alone when it is fp32 already), zero moments and zero
     step counts, and no dense-rule history. Done again after an interruption it changes
     nothing it had done (the cast is exact), so an interrupted start is simply started
-    again."""
+    again. ``experts``: only these of every layer (a rank of an expert-parallel run makes
+    its own trainable); all by default."""
     store.delete(*HISTORY, missing_ok=True)
 
     def states(layer: int, e: int) -> list[tuple[str, str, Tensor]]:
@@ -297,11 +299,12 @@ def initialise_imported(store: tierstore.Store, layout: ExpertLayout) -> None:
             items += [(name, MOMENTS[0], zero), (name, MOMENTS[1], zero)]
         return items
 
-    _write_expert_states(store, layout, states)
+    _write_expert_states(store, layout, states, experts)
 
 
 def _write_expert_states(store: tierstore.Store, layout: ExpertLayout,
-                         states: Callable[[int, int], list[tuple[str, str, Tensor]]]) -> None:
+                         states: Callable[[int, int], list[tuple[str, str, Tensor]]],
+                         experts: Sequence[int] | None = None) -> None:
     """Put ``states(layer, expert)`` for every expert, then zero step counts per layer.
 
     Writes are flushed whenever about half the host cache has been filled, so that making
@@ -311,7 +314,7 @@ def _write_expert_states(store: tierstore.Store, layout: ExpertLayout,
     flush_every = cache["capacity_bytes"] // 2 if cache else 0
     pending = 0
     for layer in layout.keys:
-        for e in range(layout.n_experts):
+        for e in range(layout.n_experts) if experts is None else experts:
             items = states(layer, e)
             store.put_many(items)
             pending += sum(t.numel() * t.element_size() for _, _, t in items)

@@ -51,6 +51,9 @@ class ExpertLayout:
     layers: tuple[LayerEntries, ...]
     n_experts: int
     top_k: int
+    # Several ranks of a node share its store and each updates only the experts it owns:
+    # each keeps its step counts in an entry of its own, named with this suffix.
+    counts_suffix: str = ""
 
     @cached_property
     def _by_key(self) -> dict[int, LayerEntries]:
@@ -73,7 +76,7 @@ class ExpertLayout:
 
     def counts_name(self, key: int) -> str:
         """The entry (kind ``step``) holding the layer's per-expert AdamW step counts."""
-        return self._by_key[key].prefix
+        return self._by_key[key].prefix + self.counts_suffix
 
     @cached_property
     def _shape_of(self) -> dict[tuple[str, str], tuple[int, ...]]:

@@ -1,0 +1,218 @@
+"""Expert-parallel fine-tuning of imported Hugging Face checkpoints under torchrun (gloo,
+this machine): the family's own ``transformers`` model on every rank, the routed rows sent
+to their experts' owners inside the registered ``tierstore`` experts function.
+
+- W = 2 equals the single-process fine-tune (``train_store`` over one store) on the same
+  global batch: per-step losses within 1e-5, every weight (each node's owned experts, the
+  dense weights) within 1e-5. Mixtral (the global batch's router loss) in a loop of the
+  user's own over ``tierstore.hf.load(..., process_group=...)``, as two nodes of one rank
+  with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by the
+  distributed trainer, as one node of two ranks sharing its store and daemon.
+- MPMoE's pipelining of the token-centric blocks: 2 and 4 chunks and ``auto`` give the
+  loss, logits and every gradient of one chunk bit for bit, and the counters show chunks
+  computed while another chunk's exchange was in flight.
+- A rank SIGKILLed mid-step: the other ends within the bound with one line naming
+  it, the store stays fsck-clean, and ``--resume`` continues to the single process's
+  result (each torchrun launch costs ~20 s here: the kill and the equality share one run).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_finetune_hf
+import tierstore.hf
+import torch
+from test_dist_train import launch, metrics, rank_stderr, stop_daemons
+from test_finetune_hf import make_model, weights
+from tierstore.hf.layout import stored_model
+from tierstore.trainer.train.data import Corpus
+from tierstore.trainer.train.resident import TrainConfig
+from tierstore.trainer.train.store_trainer import train_store
+
+import tierstore
+
+pytestmark = pytest.mark.timeout(600)
+LOOP = Path(__file__).with_name("dist_hf_loop.py")
+# test_finetune_hf's fixtures: its corpus, and a tokenizer trained on it.
+corpus = test_finetune_hf.corpus
+tokenizer_file = test_finetune_hf.tokenizer_file
+CORPUS_BYTES = 96 * 1024  # test_finetune_hf's corpus fixture
+# As test_finetune_hf: a clip that bites, two micro-batches, a fine-tuning learning rate.
+TRAIN = {"seq_len": 8, "grad_accum": 2, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 1,
+         "decay_steps": 4, "clip": 0.5, "eval_every": 0}
+STEPS, SEED = 3, 3
+BOUND_S = 90.0  # the other ranks end this soon after a rank dies (as test_dist_faults)
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left(tmp_path: Path) -> Any:
+    yield
+    stop_daemons(tmp_path)
+
+
+def owned_weights(tmp: Path, nodes: int, per_node: int) -> dict[str, torch.Tensor]:
+    """Every weight of the distributed run: each expert from its owner's node store, the
+    dense entries from node 0's."""
+    w = nodes * per_node
+    out: dict[str, torch.Tensor] = {}
+    for node in range(nodes):
+        with tierstore.open(tmp / f"node{node}", host_cache=0) as st:
+            sm = stored_model(st)
+            n = sm.experts[0].num_experts
+            mine = range(node * per_node * n // w, (node + 1) * per_node * n // w)
+            names = [f"{m.prefix}.{e}.{part}" for m in sm.experts for e in mine
+                     for _, parts in m.params for part in parts]
+            if node == 0:
+                names += list(sm.dense.values())
+            out.update({str(k): v for k, v in st.get_many(names).items()})
+    return out
+
+
+def single_process(tmp: Path, global_batch: int, corpus: Corpus) -> list[dict[str, Any]]:
+    tc = TrainConfig(batch_size=global_batch, **TRAIN)
+    return train_store(None, STEPS, seed=SEED, train=tc, corpus=corpus,
+                       store_path=tmp / "single", host_cache="4MiB")
+
+
+def prepare(family: str, tmp: Path, nodes: int, tokenizer_file: Path) -> None:
+    """The checkpoint, imported into every node's store, the single process's and one kept
+    as it starts."""
+    make_model(family, tmp / "hf", tokenizer_file)
+    for path in [*(f"node{i}" for i in range(nodes)), "single", "start"]:
+        tierstore.hf.import_hf(tmp / "hf", tmp / path, progress=False)
+
+
+def check_weights(tmp: Path, nodes: int, per_node: int) -> None:
+    """Every weight of the distributed run within 1e-5 of the single process's, far finer
+    than what training moved; every store fsck-clean."""
+    want, got = weights(tmp / "single"), owned_weights(tmp, nodes, per_node)
+    begin = weights(tmp / "start")
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, atol=1e-5, rtol=0, msg=name)
+    moved = max(float((want[n] - begin[n]).abs().max()) for n in want)
+    assert moved > 20 * 1e-5
+    for i in range(nodes):
+        with tierstore.open(tmp / f"node{i}", host_cache=0) as st:
+            assert st.fsck().ok
+
+
+def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
+                                     tmp_path: Path) -> None:
+    """Mixtral (a router loss, the global batch's) on two nodes of one rank, each with its
+    own store, in a loop of the user's own over ``tierstore.hf.load(store, trainable=True,
+    process_group=...)`` (tests/dist_hf_loop.py), its token-centric blocks pipelined in two
+    chunks; before training, the pipelining probe (bit-identical in 1, 2, 4 chunks)."""
+    nodes, per_node = 2, 1
+    prepare("mixtral", tmp_path, nodes, tokenizer_file)
+    spec = {"train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "out": str(tmp_path / "losses.json"), "pipeline": 2}
+    codes = launch(tmp_path, "loop", nodes, per_node, steps=STEPS, spec=spec, child=LOOP)
+    assert codes == [0] * nodes, (tmp_path / "loop.node0.log").read_text()[-3000:]
+    ref = single_process(tmp_path, nodes * per_node, corpus)
+    assert all(m["aux_loss"] > 0.5 for m in ref)  # the router loss is in play
+    out = json.loads((tmp_path / "losses.json").read_text())
+    got = out["losses"]
+    assert len(got) == STEPS
+    # Token-centric (Janus's ratio is far below 1 here): rows crossed to node 1's experts,
+    # each block in two chunks.
+    assert out["figures"]["paradigm"] == {"0": "token", "1": "token", "2": "token"}
+    assert out["figures"]["tokens_cross_bytes"] > 0
+    # (the loop never restarts the counters: every step's, 2 chunks x 3 blocks x 2 passes)
+    assert out["figures"]["pipeline_chunks"] == 2 * 3 * TRAIN["grad_accum"] * STEPS
+    # MPMoE's pipelining: 2 and 4 chunks, and auto's choice, bit-identical to one chunk,
+    # forward and backward; a chunk computed while another's exchange was in flight.
+    probe = out["probe"]
+    for setting, chunks in (("1", 0), ("2", 6), ("4", 12)):
+        assert probe[setting]["same"] and probe[setting]["pipeline_chunks"] == chunks, setting
+        assert (probe[setting]["pipeline_overlapped_s"] > 0) == (chunks > 0), setting
+        assert probe[setting]["tokens_cross_bytes"] == probe["1"]["tokens_cross_bytes"]
+    assert probe["auto1"]["same"] and probe["auto2"]["same"]
+    assert set(probe["chosen"]) == {"0", "1", "2"}
+    assert set(probe["chosen"].values()) <= {1, 2, 4}
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b) < 1e-5, (a["loss"], b)
+    check_weights(tmp_path, nodes, per_node)
+
+
+def same_steps(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:
+    for m in got:
+        a = ref[m["step"] - 1]
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert abs(a[key] - m[key]) < 1e-5, (m["step"], key, a[key], m[key])
+        assert m["grad_norm"] > 2 * TRAIN["clip"]  # the clip scaled every gradient
+        # Data-centric: experts came from the other rank and gradients went back; no rows.
+        assert m["paradigm"] == {"1": "data", "2": "data"}
+        assert m["experts_intra_bytes"] > 0 and m["grads_intra_bytes"] > 0
+        assert m["tokens_intra_bytes"] == 0
+
+
+def test_train_distributed_equals_one_process_through_a_kill_and_resume(
+        corpus: Corpus, tokenizer_file: Path, tmp_path: Path) -> None:
+    """DeepSeek-V3 (a shared expert, group-limited routing) by ``train_distributed`` (what
+    ``tierstore train --distributed --store NODE_STORE`` runs) on one node of two ranks
+    that share its store through the node's daemon, data-centric (the ranks pull the
+    experts their tokens need), a checkpoint every step. Rank 1 is
+    SIGKILLed in step 2 between its backward pass and the update: rank 0, blocked in the
+    gradients' all-reduce, ends within the bound with one line naming rank 1; the store is
+    fsck-clean. Step 1, and the steps that ``--resume`` runs from the step-1 checkpoint,
+    equal the single process's, and so do the final weights."""
+    nodes, per_node = 1, 2
+    prepare("deepseek_v3", tmp_path, nodes, tokenizer_file)
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "host_cache": 4 << 20}
+    codes = launch(tmp_path, "a", nodes, per_node, steps=STEPS, checkpoint_every=1,
+                   kill=["backward", 2, 1], spec=spec, paradigm="data")
+    ended = time.time()
+    assert codes != [0], (tmp_path / "a.node0.log").read_text()[-3000:]
+    # Rank 1 died right after step 1's line: within the bound of that.
+    assert ended - (tmp_path / "a.jsonl.rank1").stat().st_mtime < BOUND_S
+    assert rank_stderr(tmp_path, "a", 0, per_node) == [
+        "tierstore: rank 0: stopped because rank 1 (node 0) ended without a word (killed, or "
+        "out of memory: its node's torchrun output says which); rerun with --resume to "
+        "continue from the last complete checkpoint"]
+    stop_daemons(tmp_path)
+    with tierstore.open(tmp_path / "node0", host_cache=0) as st:
+        assert st.fsck().ok
+    assert launch(tmp_path, "b", nodes, per_node, steps=STEPS, resume=True, spec=spec,
+                  paradigm="data") == [0]
+    ref = single_process(tmp_path, nodes * per_node, corpus)
+    for r in range(nodes * per_node):
+        first, resumed = metrics(tmp_path, "a", r), metrics(tmp_path, "b", r)
+        assert [m["step"] for m in first] == [1]
+        assert [m["step"] for m in resumed] == list(range(2, STEPS + 1))
+        same_steps(ref, first + resumed)
+    check_weights(tmp_path, nodes, per_node)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("paradigm", ["token", "data"])
+def test_four_ranks_on_two_nodes_equal_one_process(paradigm: str, corpus: Corpus,
+                                                   tokenizer_file: Path,
+                                                   tmp_path: Path) -> None:
+    """W = 4: two nodes of two ranks, each node its own store and daemon (Mixtral, by
+    ``train_distributed``), in either paradigm."""
+    nodes, per_node = 2, 2
+    prepare("mixtral", tmp_path, nodes, tokenizer_file)
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "host_cache": 4 << 20}
+    codes = launch(tmp_path, "run", nodes, per_node, steps=STEPS, spec=spec, paradigm=paradigm)
+    assert codes == [0] * nodes, (tmp_path / "run.node0.log").read_text()[-3000:]
+    ref = single_process(tmp_path, nodes * per_node, corpus)
+    runs = [metrics(tmp_path, "run", r) for r in range(nodes * per_node)]
+    for got in runs:
+        assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+        for m in got:
+            a = ref[m["step"] - 1]
+            for key in ("loss", "aux_loss", "grad_norm"):
+                assert abs(a[key] - m[key]) < 1e-5, (m["step"], key, a[key], m[key])
+            assert set(m["paradigm"].values()) == {paradigm}
+    moved = "experts" if paradigm == "data" else "tokens"
+    for step in range(STEPS):  # each step, something crossed between the nodes
+        assert sum(got[step][f"{moved}_cross_bytes"] for got in runs) > 0
+    check_weights(tmp_path, nodes, per_node)
