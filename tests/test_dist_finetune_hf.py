@@ -74,7 +74,8 @@ def owned_weights(tmp: Path, nodes: int, per_node: int) -> dict[str, torch.Tenso
 
 
 def single_process(tmp: Path, global_batch: int, corpus: Corpus) -> list[dict[str, Any]]:
-    tc = TrainConfig(batch_size=global_batch, **TRAIN)
+    # The distributed fine-tune has the lazy rule only (the dense one is single-process).
+    tc = TrainConfig(batch_size=global_batch, update_rule="lazy", **TRAIN)
     return train_store(None, STEPS, seed=SEED, train=tc, corpus=corpus,
                        store_path=tmp / "single", host_cache="4MiB")
 
