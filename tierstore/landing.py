@@ -68,16 +68,23 @@ def target(out: torch.Tensor, nbytes: int, length: int) -> Target:
     return Target(direct, host_bytes(out, max(nbytes, direct)))
 
 
+def copy_checked(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
+    """Copy ``src`` into ``dst`` (host memory, as long), returning ``crc`` continued over
+    the bytes: each step is checksummed, then copied from the cache the checksum pulled it
+    into, so the bytes cross the memory bus once for both."""
+    for k in range(0, src.nbytes, STEP):
+        part = src[k : k + STEP]
+        crc = crc32c.crc32c(part, crc)
+        np.copyto(dst[k : k + part.nbytes], part)
+    return crc
+
+
 def land(t: Target, start: int, piece: np.ndarray, crc: int) -> int:
     """Copy ``piece`` (the entry's bytes from ``start`` on, read into a bounce buffer) into
     ``t``'s destination; returns ``crc`` continued over ``piece``."""
     dst = t.dst
     if isinstance(dst, np.ndarray):
-        for k in range(0, piece.nbytes, STEP):
-            part = piece[k : k + STEP]
-            crc = crc32c.crc32c(part, crc)
-            np.copyto(dst[start + k : start + k + part.nbytes], part)
-        return crc
+        return copy_checked(dst[start : start + piece.nbytes], piece, crc)
     crc = crc32c.crc32c(piece, crc)
     # Synchronous, so the bounce buffer may be reused once this returns.
     dst[start : start + piece.nbytes].copy_(torch.from_numpy(piece))
