@@ -97,6 +97,10 @@ def test_bench_tiers_writes_the_table_and_the_entry_size_comparison(tmp_path) ->
         write["write_fresh_gbps"] / write["fresh_ceilings"][write["fresh_ceiling"]], rel=2e-3)
     assert "into never-written (fallocated) space:" in result.output
     assert "nvme  fresh posix-direct" in result.output
+    # The user's call too: a read and a write row per kind of caller's memory.
+    assert {(r["op"], r["kind"]) for r in data["memory_kinds"]} >= {
+        (op, k) for op in ("read", "write") for k in ("torch.empty", "slices at +100")}
+    assert "worst:" in result.output
     (sizes,) = data["entry_sizes"]
     assert (sizes["engine"], sizes["small_bytes"], sizes["large_bytes"]) == (
         "posix-direct", 256 << 10, 16 << 20)
