@@ -152,9 +152,14 @@ def bench() -> None:
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
 @click.option("--plot", "plot_out", type=OUTPUT_FILE,
               help="Write a PNG: GB/s against entry size per tier, ceilings dashed.")
+@click.option("--peer", type=click.Choice(["deepnvme"]),
+              help="Only the NVMe reads into and writes from each kind of caller's memory, "
+                   "beside DeepNVMe's aio_handle and fio (needs deepspeed: pip install "
+                   "'.[peers]', and libaio-dev).")
 def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list[int],
                 total: int, tiers: list[str], engines: list[str], pmem_dir: str | None,
-                repeats: int, json_out: str | None, plot_out: str | None) -> None:
+                repeats: int, json_out: str | None, plot_out: str | None,
+                peer: str | None) -> None:
     """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
     run: NVMe through the store's engines against fio (psync, and io_uring at queue depth 32)
     and DeepNVMe on the same file with the same request size and O_DIRECT flag (NVMe writes
@@ -170,7 +175,8 @@ def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list
         engine_list = tuple(e for e in engine_list if e != "posix-buffered")
     _run(lambda: run_tiers(store, sizes, counts, total, json_out, engines=engine_list,
                            tiers=tuple(tiers), pmem_dir=pmem_dir,
-                           plot_out=plot_out, repeats=repeats, echo=click.echo))
+                           plot_out=plot_out, repeats=repeats, echo=click.echo,
+                           peer=peer))
 
 
 @bench.command(name="cache")

@@ -386,9 +386,17 @@ def run_tiers(
     plot_out: str | None = None,
     repeats: int = 3,
     echo: Callable[[str], object] = print,
+    peer: str | None = None,
 ) -> int:
     """Measure the chosen tiers at every entry size (and thread count, for the NVMe and
-    PMem tiers); print a table, and write JSON and a plot if asked."""
+    PMem tiers); print a table, and write JSON and a plot if asked. The NVMe tier also
+    reads into and writes from each kind of caller's memory beside DeepNVMe
+    (:mod:`bench.tiers_kinds`), printed first, worst kind first; ``peer="deepnvme"``
+    measures only that, and refuses to run without DeepNVMe."""
+    from .tiers_kinds import report_kinds, run_kinds, unavailable
+
+    if peer == "deepnvme" and (why := unavailable()) is not None:
+        raise tierstore.StoreError(why)
     if "nvme" in tiers and shutil.which("fio") is None:
         raise tierstore.StoreError("fio is not installed (apt-get install fio): it measures "
                                    "the ceiling every figure is compared with")
@@ -399,6 +407,7 @@ def run_tiers(
     root = store or tempfile.mkdtemp(prefix="tierstore-bench-", dir=os.getcwd())
     os.makedirs(root, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    kind_rows: list[dict[str, Any]] = []
     sizes_rows: list[dict[str, Any]] = []
     notes: list[str] = []
     gds = gds_unavailable() if "gpu" in tiers else None
@@ -426,6 +435,10 @@ def run_tiers(
             why = deepnvme.unavailable()
             if why is not None:
                 notes.append(f"DeepNVMe ceiling: not measured ({why})")
+        if "nvme" in tiers or peer is not None:
+            kind_rows = run_kinds(root, sizes, max(threads), total, repeats)
+        if peer is not None:
+            plan = []
         for tier, engine, block, t in tqdm(plan, desc="bench tiers", disable=None):
             if tier == "nvme":
                 rows += measure_nvme(root, engine, block, t, total, repeats)
@@ -442,8 +455,12 @@ def run_tiers(
     finally:
         if store is None:
             shutil.rmtree(root, ignore_errors=True)
-    echo(f"{'tier':5} {'op':5} {'engine':15} {'block':>9} {'thr':>3} {'GB/s':>7} "
-         f"{'ceiling':>20} {'GB/s':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}")
+    report_kinds(kind_rows, echo)
+    if peer is not None:
+        rows, notes = [], []
+    if rows:
+        echo(f"{'tier':5} {'op':5} {'engine':15} {'block':>9} {'thr':>3} {'GB/s':>7} "
+             f"{'ceiling':>20} {'GB/s':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         if r["tier"] == "nvme" and r["engine"] == "auto":  # say what auto picked
             r["engine"] = "auto=" + r["engine_described"].split(" ", 1)[0]
@@ -471,8 +488,8 @@ def run_tiers(
         echo(note)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"benchmark": "tiers", "results": rows, "entry_sizes": sizes_rows,
-                       "notes": notes}, f, indent=1)
+            json.dump({"benchmark": "tiers", "results": rows, "memory_kinds": kind_rows,
+                       "entry_sizes": sizes_rows, "notes": notes}, f, indent=1)
     if plot_out:
         plot(rows, plot_out)
     return 0

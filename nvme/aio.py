@@ -1,6 +1,7 @@
-"""Linux native AIO (libaio) engine: deep queues, one system call per batch of requests.
+"""Linux native AIO engine: deep queues, one system call per batch of requests.
 
-The kernel interface, and why it is bound through ctypes, is in :mod:`nvme.libaio`.
+The kernel interface, and why it is bound through ctypes with no library, is in
+:mod:`nvme.libaio`.
 
 How it is driven: :meth:`AioEngine.run` takes a batch of requests, keeps up to ``depth`` of
 them in flight, submits every request that fits in one ``io_submit`` and reaps completions
@@ -140,7 +141,7 @@ class AioEngine(PosixEngine):
         return "aio"
 
     def describe(self) -> str:
-        s = f"aio (libaio) O_DIRECT, queue depth {self.depth}"
+        s = f"aio (Linux AIO) O_DIRECT, queue depth {self.depth}"
         if self._refused:
             s += " (O_DIRECT refused by the filesystem: buffered, synchronous)"
         return s

@@ -8,7 +8,7 @@ engine decides the open flags (O_DIRECT) and, for kvikio, owns a ``CuFile`` hand
   released for the system call, so threads give real queue depth). With ``direct=True`` it
   opens files with ``O_DIRECT`` and falls back to buffered I/O per file where the filesystem
   refuses it (tmpfs, some overlay filesystems).
-- :class:`nvme.aio.AioEngine` (Linux native AIO through libaio) keeps up to 32 requests in
+- :class:`nvme.aio.AioEngine` (Linux native AIO, raw system calls) keeps up to 32 requests in
   flight per batch with one ``io_submit`` and one ``io_getevents`` per round, and no thread
   per request; ``auto`` picks it wherever it runs, this thread-pool engine elsewhere.
 - :class:`KvikioEngine` uses kvikio's ``CuFile``. It runs only when asked for by name:
@@ -327,7 +327,8 @@ def cuda_and_kvikio() -> bool:
 
 def resolve_engine(name: str = "auto") -> str:
     """The engine ``name`` stands for. ``auto`` is Linux AIO (:mod:`nvme.aio`: batched,
-    queue depth 32, O_DIRECT) where libaio loads and the kernel allows ``io_setup``, and
+    queue depth 32, O_DIRECT, raw system calls: no library) where the kernel allows
+    ``io_setup``, and
     POSIX O_DIRECT on a thread pool elsewhere. kvikio runs only when named: it has not been
     measured faster (see the module docstring)."""
     if name != "auto":

@@ -1,20 +1,24 @@
-"""Linux native AIO (libaio), bound through ctypes: the kernel's structures, the library
-and one AIO context with what a batch fills.
+"""Linux native AIO, bound through ctypes to the kernel's system calls: the kernel's
+structures, the calls and one AIO context with what a batch fills.
 
-Why libaio through ctypes, and not io_uring or a compiled extension:
+Why the raw system calls through ctypes, and not libaio, io_uring or a compiled extension:
 
-- **No compiler, no new wheel.** ``io_setup``/``io_submit``/``io_getevents`` are ordinary
-  symbols of ``libaio.so.1`` (Debian's ``libaio1``), so ctypes calls them directly; the
-  fallback when the library is missing is the thread-pool :class:`PosixEngine`, never a
-  broken import. A C extension would have to build on every machine CI and users run.
+- **No system package, no compiler, no new wheel.** ``io_setup``/``io_submit``/
+  ``io_getevents``/``io_destroy`` are system calls; libc's ``syscall()`` makes them from
+  ctypes, so the engine runs on any Linux with the AIO calls enabled, with nothing to
+  install: a fresh machine gets the engine the figures are quoted for. libaio's functions
+  are thin wrappers of the same calls (its ``io_getevents`` peeks at the ring in user
+  space only for a zero timeout, which the engine never passes). A C extension would have
+  to build on every machine CI and users run.
 - **A small, frozen ABI.** ``struct iocb`` and ``struct io_event`` have not changed since
-  Linux 2.6; the whole binding is three ctypes structures and four calls. io_uring from
-  Python means either a binding that lags the kernel or our own ring handling over shared
-  memory, whose correctness rests on memory ordering that ctypes cannot express portably.
+  Linux 2.6; the whole binding is three ctypes structures and four calls, and their
+  numbers are fixed per architecture (:data:`SYSCALLS`). io_uring from Python means either
+  a binding that lags the kernel or our own ring handling over shared memory, whose
+  correctness rests on memory ordering that ctypes cannot express portably.
 - **It is what the peers measure.** DeepNVMe (ZeRO-Infinity) and fio's ``libaio`` run the
   same kernel path, and on this project's disk fio ``libaio`` and ``io_uring`` at queue
   depth 32 are within the disk's run-to-run noise of each other. For O_DIRECT on a block
-  device or ext4/xfs file, libaio is truly asynchronous; for buffered files it is not
+  device or ext4/xfs file, Linux AIO is truly asynchronous; for buffered files it is not
   (io_submit then does the I/O itself), which is why the engine opens files O_DIRECT and
   leaves buffered I/O to the POSIX engine.
 """
@@ -22,7 +26,6 @@ Why libaio through ctypes, and not io_uring or a compiled extension:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import sys
@@ -68,14 +71,58 @@ class Event(ctypes.Structure):
 
 assert ctypes.sizeof(Iocb) == 64 and ctypes.sizeof(Event) == 32
 
+# The AIO system calls' numbers: (io_setup, io_destroy, io_getevents, io_submit).
+SYSCALLS = {
+    "x86_64": (206, 207, 208, 209),
+    "aarch64": (0, 1, 4, 2),  # the generic table (asm-generic/unistd.h)
+    "riscv64": (0, 1, 4, 2),
+    "loongarch64": (0, 1, 4, 2),
+}
+
 _lib: Any = None
 _lib_error: str | None = None
 _lib_lock = threading.Lock()
 
 
+class Calls:
+    """The four AIO calls as libaio spells them, made as raw system calls: each returns
+    its result, or a negative errno (libaio's convention; libc's ``syscall()`` returns -1
+    and sets errno)."""
+
+    def __init__(self, numbers: tuple[int, int, int, int]) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._syscall = libc.syscall
+        self._syscall.restype = ctypes.c_long
+        self._setup, self._destroy, self._getevents, self._submit = (
+            ctypes.c_long(n) for n in numbers)
+
+    def _call(self, *args: Any) -> int:
+        rc = int(self._syscall(*args))
+        return -ctypes.get_errno() if rc == -1 else rc
+
+    def io_setup(self, nr: int, ctx: Any) -> int:
+        return self._call(self._setup, ctypes.c_long(nr), ctx)
+
+    def io_destroy(self, ctx: Any) -> int:
+        return self._call(self._destroy, ctypes.c_ulong(_ctx_value(ctx)))
+
+    def io_submit(self, ctx: Any, nr: int, iocbpp: Any) -> int:
+        return self._call(self._submit, ctypes.c_ulong(_ctx_value(ctx)), ctypes.c_long(nr),
+                          iocbpp)
+
+    def io_getevents(self, ctx: Any, min_nr: int, nr: int, events: Any, timeout: Any) -> int:
+        return self._call(self._getevents, ctypes.c_ulong(_ctx_value(ctx)),
+                          ctypes.c_long(min_nr), ctypes.c_long(nr), events, timeout)
+
+
+def _ctx_value(ctx: Any) -> int:
+    return int(ctx.value or 0) if isinstance(ctx, ctypes.c_void_p) else int(ctx)
+
+
 def load() -> Any:
-    """libaio, loaded once; raises OSError naming why it cannot be used."""
-    global _lib, _lib_error
+    """The AIO calls (:class:`Calls`), set up once; raises OSError naming why they cannot
+    be used."""
+    global _lib_error
     with _lib_lock:
         if _lib is None and _lib_error is None:
             _lib_error = _try_load()
@@ -90,20 +137,12 @@ def _try_load() -> str | None:
         return "Linux AIO needs Linux"
     if sys.byteorder != "little":
         return "the iocb layout here is the little-endian one"
-    name = ctypes.util.find_library("aio") or "libaio.so.1"
-    try:
-        lib = ctypes.CDLL(name, use_errno=True)
-    except OSError:
-        return "libaio is not installed (apt-get install libaio1t64, or libaio1)"
-    lib.io_setup.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
-    lib.io_destroy.argtypes = [ctypes.c_void_p]
-    lib.io_submit.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
-    lib.io_getevents.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                                 ctypes.c_void_p, ctypes.c_void_p]
-    for fn in (lib.io_setup, lib.io_destroy, lib.io_submit, lib.io_getevents):
-        fn.restype = ctypes.c_int
+    numbers = SYSCALLS.get(os.uname().machine)
+    if numbers is None:
+        return f"the AIO system calls' numbers on {os.uname().machine} are not known here"
+    lib = Calls(numbers)
     ctx = ctypes.c_void_p(0)
-    rc = lib.io_setup(1, ctypes.byref(ctx))  # returns -errno (e.g. seccomp's ENOSYS/EPERM)
+    rc = lib.io_setup(1, ctypes.byref(ctx))  # -errno where seccomp or the kernel refuses it
     if rc < 0:
         return f"io_setup failed: {os.strerror(-rc)}"
     lib.io_destroy(ctx)

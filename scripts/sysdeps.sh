@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System packages the tests and benchmarks use: fio (the benchmarks' ceiling), PMDK's
-# libpmem (the persistent-memory tier) and libaio (the NVMe tier's AIO engine, loaded with
-# ctypes; its headers let deepspeed's DeepNVMe op build for the benchmarks' ceiling).
+# libpmem (the persistent-memory tier) and libaio-dev (deepspeed's DeepNVMe op builds
+# against it, for `bench tiers`' DeepNVMe ceiling). The NVMe tier's AIO engine needs none
+# of them: it makes the kernel's AIO system calls itself (nvme/libaio.py).
 # Installed with apt-get when running as root.
 set -euo pipefail
 missing=()

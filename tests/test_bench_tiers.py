@@ -97,6 +97,10 @@ def test_bench_tiers_writes_the_table_and_the_entry_size_comparison(tmp_path) ->
         write["write_fresh_gbps"] / write["fresh_ceilings"][write["fresh_ceiling"]], rel=2e-3)
     assert "into never-written (fallocated) space:" in result.output
     assert "nvme  fresh posix-direct" in result.output
+    # The user's call too: a read and a write row per kind of caller's memory.
+    assert {(r["op"], r["kind"]) for r in data["memory_kinds"]} >= {
+        (op, k) for op in ("read", "write") for k in ("torch.empty", "slices at +100")}
+    assert "worst:" in result.output
     (sizes,) = data["entry_sizes"]
     assert (sizes["engine"], sizes["small_bytes"], sizes["large_bytes"]) == (
         "posix-direct", 256 << 10, 16 << 20)
@@ -145,3 +149,33 @@ def test_the_pmem_rows_time_rewrites_against_the_durable_copy(tmp_path) -> None:
     assert write["fresh_ceiling"] == write["ceiling"] and write["write_fresh_gbps"] > 0
     assert read["ceiling"] == "memcpy" and len(read["read_fresh_runs"]) == 3
     assert os.listdir(tmp_path) == []  # the store, its pool and the ceiling's file are gone
+
+
+def test_peer_deepnvme_says_in_one_line_what_is_missing(monkeypatch) -> None:
+    from tierstore.bench import deepnvme
+
+    monkeypatch.setattr(deepnvme, "unavailable",
+                        lambda: "deepspeed is not installed (pip install 'tierstore[peers]')")
+    got = CliRunner().invoke(main, ["bench", "tiers", "--peer", "deepnvme", "--total", "4MiB"])
+    assert got.exit_code == 2
+    lines = got.output.strip().splitlines()
+    assert len(lines) == 1 and "pip install '.[peers]'" in lines[0] and "libaio-dev" in lines[0]
+
+
+@needs_fio
+def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
+                                                                  monkeypatch) -> None:
+    from tierstore.bench import deepnvme
+    from tierstore.bench.tiers_kinds import measure_kinds, memory_kinds, report_kinds
+
+    monkeypatch.setattr(deepnvme, "unavailable", lambda: "not measured in this test")
+    rows = measure_kinds(str(tmp_path), 1 << 20, 2, 4 << 20, repeats=1)
+    kinds = set(memory_kinds(1 << 20, 1))
+    for op in ("read", "write"):
+        mine = [r for r in rows if r["op"] == op]
+        assert {r["kind"] for r in mine} == kinds
+        assert all(r["reference"].startswith("fio") and r["gbps"] > 0 for r in mine)
+    out: list[str] = []
+    report_kinds(rows, out.append)
+    worst = min((r for r in rows if r["op"] == "read"), key=lambda r: r["ratio"])
+    assert f"worst: {worst['kind']}" in next(line for line in out if line.startswith("read"))

@@ -10,7 +10,6 @@ entry's key lock, and the slot is published only once every chunk has been verif
 from __future__ import annotations
 
 import collections
-import ctypes
 import threading
 import warnings
 import weakref
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 from tierstore.cache.pinned import cuda_consumer
-from tierstore.nvme import ALIGNMENT, HANDOFF_MIN_BYTES, BatchError, aligned_empty
+from tierstore.nvme import HANDOFF_MIN_BYTES, BatchError, aligned_empty
 from tierstore.nvme.aio import MAX_PIECES, EngineClosedError, address
 
 from .catalog import Record
@@ -37,36 +36,12 @@ from .errors import (
 )
 from .interface import Meta
 from .keys import Key
+from .landing import Target, accepts, host_bytes, land, target
 from .local_state import LocalState
 from .media import adjacent_runs, joined
 from .tensors import dtype_from_name, from_bytes
 
 _DIRECT = object()  # found's bytes for a key read straight into the caller's out=
-
-
-def _readable_into(out: torch.Tensor | None) -> bool:
-    """Whether a read may land in ``out`` itself: CPU memory the caller owns, contiguous,
-    page-aligned (O_DIRECT), not part of an autograd graph."""
-    return (out is not None and out.device.type == "cpu" and out.is_contiguous()
-            and not out.requires_grad and out.numel() > 0
-            and out.data_ptr() % ALIGNMENT == 0)
-
-
-def _fits(out: torch.Tensor, rec: Record) -> bool:
-    """Whether ``out``'s storage runs on for the whole extent (the entry rounded up to
-    4 KiB, as O_DIRECT reads it) and ``out`` is exactly the entry's bytes."""
-    start = out.storage_offset() * out.element_size()
-    return (out.nbytes == rec.nbytes
-            and out.untyped_storage().nbytes() - start >= rec.length)
-
-
-def _bytes_at(tensor: torch.Tensor, length: int) -> np.ndarray:
-    """``length`` bytes from ``tensor``'s first: an ``out=`` widened to its extent's length
-    (see :func:`_fits`), or the cache slot under a view (slots are 4 KiB-aligned powers of
-    two, so the widened range stays inside the slot). A numpy array that does not keep the
-    tensor alive, for a read's duration only, while the caller (or the cache handle) holds
-    the tensor: a sixth of the cost of a torch view of the storage, per entry."""
-    return np.frombuffer((ctypes.c_uint8 * length).from_address(tensor.data_ptr()), np.uint8)
 
 
 class _Request(NamedTuple):
@@ -98,8 +73,8 @@ class ReadPath(LocalState):
 
     def _read(self, keys: list[Key], device: str | torch.device | None,
               outs: list[torch.Tensor | None], cache: bool = True) -> list[torch.Tensor]:
-        # Without caching (or a cache), a miss whose out= can take the read lands there
-        # with no copy.
+        # Without caching (or a cache), a miss whose out= can take the read lands there,
+        # straight or through a bounce buffer overlapped with the I/O (tierstore.landing).
         # A miss read into a buffer of its own is handed out as a tensor over that buffer,
         # made while the batch's later requests are in flight (``views``).
         views: dict[Key, torch.Tensor] | None = None
@@ -109,7 +84,7 @@ class ReadPath(LocalState):
             found, handles = self._host_bytes(keys, views=views)
         else:
             once = {k for k, n in collections.Counter(keys).items() if n == 1}
-            direct = {k: o for k, o in zip(keys, outs) if k in once and _readable_into(o)}
+            direct = {k: o for k, o in zip(keys, outs) if k in once and accepts(o)}
             found, handles = self._host_bytes(keys, admit=False, direct=direct, views=views)
         try:
             return [
@@ -182,16 +157,19 @@ class ReadPath(LocalState):
         try:
             metas = [Meta(rec.dtype, tuple(rec.shape), rec.nbytes, rec.version) for rec in recs]
             into_of: dict[Key, torch.Tensor] = {}
-            for key, rec, meta in zip(keys, recs, metas):
+            for key, meta in zip(keys, metas):
                 into = (direct or {}).get(key)
-                if into is not None and _fits(into, rec):
+                if into is not None:
                     self._check_out(key, meta, into)  # before any slot is taken
                     into_of[key] = into
+                    if into.device.type == "cuda":
+                        cuda_consumer()
             todo_keys: list[Key] = []
             todo_recs: list[Record] = []
             bufs: list[np.ndarray | None] = []
             new: list[Any] = []
             own: dict[int, Meta] = {}  # todo position -> the meta of an entry read into its own
+            targets: dict[int, Target] = {}  # todo position -> the caller's tensor it lands in
 
             def provide(i: int) -> np.ndarray:
                 buf = self._results.take(todo_recs[i].length)
@@ -207,9 +185,11 @@ class ReadPath(LocalState):
                 into = into_of.get(key)
                 if into is not None:
                     found[key] = (meta, _DIRECT)
+                    t = target(into, rec.nbytes, rec.length)
+                    targets[len(bufs)] = t
                     todo_keys.append(key)
                     todo_recs.append(rec)
-                    bufs.append(_bytes_at(into, rec.length))
+                    bufs.append(t.dst[: t.direct] if t.direct else np.empty(0, np.uint8))
                     continue
                 h = None
                 if admit and self._cache is not None and rec.nbytes:
@@ -223,7 +203,8 @@ class ReadPath(LocalState):
                     if not h.new:
                         continue  # loaded by another thread meanwhile
                     new.append(h)
-                    buf = _bytes_at(h.view, rec.length)
+                    # Slots are 4 KiB-aligned powers of two: the extent's length fits.
+                    buf = host_bytes(h.view, rec.length)
                 else:
                     own[len(bufs)] = meta
                     buf = None  # taken by ``provide``
@@ -231,7 +212,7 @@ class ReadPath(LocalState):
                 todo_recs.append(rec)
                 bufs.append(buf)
             try:
-                self._fetch(todo_keys, todo_recs, bufs, provide)
+                self._fetch(todo_keys, todo_recs, bufs, provide, targets)
             except BaseException:
                 for h in new:  # never publish unverified bytes
                     self._cache.invalidate(h.key)
@@ -311,17 +292,27 @@ class ReadPath(LocalState):
                 f"the entry is {dtype} {tuple(meta.shape)}"
             )
 
+    def _bounce(self, nbytes: int) -> tuple[np.ndarray, bool]:
+        """An aligned buffer of ``nbytes`` that a read lands in before :func:`land` copies
+        it out, and whether it goes back to the staging pool (reused memory: no page
+        faults). One larger than a pool buffer (a chunk) is recycled when dropped."""
+        if nbytes <= self._staging.nbytes:
+            return self._staging.take(), True
+        return self._results.take(nbytes), False
+
     def _fetch(
         self, keys: list[Key], recs: list[Record], bufs: list[Any] | None = None,
-        provide: Any = None,
+        provide: Any = None, targets: dict[int, Target] | None = None,
     ) -> list[np.ndarray]:
         """Read the records' extents in parallel chunks, verifying each chunk's crc32c.
         Where ``bufs[i]`` is None, ``provide(i)`` returns the buffer, called as the
-        entry's first request is made."""
+        entry's first request is made. Where ``targets`` has entry ``i``, its bytes past
+        ``direct`` are bounced and copied into the target's tensor as each chunk lands."""
         if bufs is None:
             bufs = [aligned_empty(rec.length) for rec in recs]
+        targets = targets or {}
         if getattr(self._medium, "batched", False):
-            return self._fetch_batched(keys, recs, bufs, provide)
+            return self._fetch_batched(keys, recs, bufs, provide, targets)
         for i, buf in enumerate(bufs):
             if buf is None:
                 bufs[i] = provide(i)
@@ -329,16 +320,30 @@ class ReadPath(LocalState):
         def chunk_job(i: int, c: int) -> None:
             rec, buf, start = recs[i], bufs[i], c * recs[i].chunk
             end = min(start + rec.chunk, rec.length)
+            t = targets.get(i)
+            lo = end if t is None else min(end, max(start, t.direct))
+            stop = min(end, rec.nbytes)
+            bounce: tuple[np.ndarray, bool] | None = None
             try:
-                self._medium.read(rec.seg, rec.off + start, memoryview(buf[start:end]))
+                if lo > start:
+                    self._medium.read(rec.seg, rec.off + start, memoryview(buf[start:lo]))
+                if end > lo:
+                    bounce = self._bounce(end - lo)
+                    self._medium.read(rec.seg, rec.off + lo, memoryview(bounce[0][: end - lo]))
             except OSError as e:
+                if bounce is not None and bounce[1]:
+                    self._staging.give(bounce[0])
                 where = self._medium.location(rec.seg, rec.off + start)[0]
                 raise CorruptEntryError(
                     *keys[i], f"bytes {start}..{end} cannot be read from {where} "
                     f"({e.strerror or e}); restore the file, or the entry from a snapshot",
                 ) from e
-            stop = min(end, rec.nbytes)
-            got = crc32c.crc32c(buf[start:stop])
+            got = crc32c.crc32c(buf[start : min(lo, stop)]) if lo > start else 0
+            if bounce is not None:
+                assert t is not None
+                got = land(t, lo, bounce[0][: stop - lo], got)
+                if bounce[1]:
+                    self._staging.give(bounce[0])
             if got != rec.crc[c]:
                 name, kind = keys[i]
                 raise CorruptEntryError(
@@ -394,6 +399,7 @@ class ReadPath(LocalState):
 
     def _fetch_batched(
         self, keys: list[Key], recs: list[Record], bufs: list[Any], provide: Any = None,
+        targets: dict[int, Target] | None = None,
     ) -> list[np.ndarray]:
         """:meth:`_fetch` as one batch on an engine that keeps a deep queue (AIO).
 
@@ -403,7 +409,12 @@ class ReadPath(LocalState):
         checked on this thread as its request lands, while the requests after it are in
         flight. A request of several chunks that fails is tried again chunk by chunk, so
         the entry named is the one whose bytes cannot be read (and a transient failure
-        costs nothing)."""
+        costs nothing). A target's bounced bytes share their request with the others: a
+        request's bounced pieces lie one after another in one pooled buffer, and each is
+        checksummed and copied out as the request lands (see :mod:`tierstore.landing`)."""
+        targets = targets or {}
+        # chunk -> (bounce buffer, position in it, first bounced byte of the chunk)
+        staged: dict[int, tuple[np.ndarray, int, int]] = {}
         work: list[tuple[int, int, int]] = []  # (record, start, end) of each chunk
         for i, rec in enumerate(recs):
             if rec.length:
@@ -423,7 +434,13 @@ class ReadPath(LocalState):
             i, start, end = work[n]
             rec = recs[i]
             stop = min(end, rec.nbytes)
-            got = crc32c.crc32c(bufs[i][start:stop])
+            at = staged.pop(n, None)
+            if at is None:
+                got = crc32c.crc32c(bufs[i][start:stop])
+            else:
+                buf, pos, lo = at
+                got = crc32c.crc32c(bufs[i][start:lo]) if lo > start else 0
+                got = land(targets[i], lo, buf[pos : pos + stop - lo], got)
             if got != rec.crc[start // rec.chunk]:
                 # Kept, not raised: with several corrupt entries the first in the order
                 # asked is named, whatever order the chunks land in.
@@ -438,7 +455,8 @@ class ReadPath(LocalState):
         pos = alone = 0  # chunks before ``alone`` go one request each
         while pos < len(work):
             plan = _coalesce(work, recs, pos, alone, self._chunk)
-            failed = self._run_plan(keys, recs, work, plan, addr, check, bad)
+            failed = self._run_plan(keys, recs, work, plan, addr, check, bad, targets,
+                                    staged)
             if (failed is None or failed[1] - failed[0] == 1
                     or any(n < failed[0] for n, _ in bad)):
                 break
@@ -453,21 +471,44 @@ class ReadPath(LocalState):
     def _run_plan(
         self, keys: list[Key], recs: list[Record], work: list[tuple[int, int, int]],
         plan: list[_Request], addr: Any, check: Any, bad: list[tuple[int, CorruptEntryError]],
+        targets: dict[int, Target], staged: dict[int, tuple[np.ndarray, int, int]],
     ) -> tuple[int, int] | None:
         """Run ``plan`` as one batch, ``check``-ing every chunk that lands. Returns None when
         every request moved its bytes, else the chunks ``[first, last)`` of the request that
-        failed; a single chunk's failure is recorded in ``bad`` as its entry's."""
+        failed; a single chunk's failure is recorded in ``bad`` as its entry's. Bytes of
+        ``targets`` past their direct part are read into a bounce buffer per request (where
+        each chunk's part is noted in ``staged``), given back once the request is checked."""
         at = [0]  # the request being made, should making it fail (a missing slab file)
+        held: dict[int, tuple[np.ndarray, bool]] = {}  # request -> its bounce buffer
 
         def requests() -> Any:
             for m, r in enumerate(plan):
                 at[0] = m
-                buf = joined([(addr(i) + s, e - s) for i, s, e in work[r.first : r.last]])
-                yield r.seg, r.off, buf, r.nbytes, False
+                pieces: list[tuple[int, int]] = []
+                used = 0
+                for n in range(r.first, r.last):
+                    i, s, e = work[n]
+                    t = targets.get(i)
+                    lo = e if t is None else min(e, max(s, t.direct))
+                    if lo > s:
+                        pieces.append((addr(i) + s, lo - s))
+                    if e > lo:
+                        if m not in held:
+                            held[m] = self._bounce(r.nbytes)
+                        bounce = held[m][0]
+                        staged[n] = (bounce, used, lo)
+                        pieces.append((bounce.ctypes.data + used, e - lo))
+                        used += e - lo
+                yield r.seg, r.off, joined(pieces), r.nbytes, False
 
         def done(m: int) -> None:
             for n in range(plan[m].first, plan[m].last):
                 check(n)
+            give(held.pop(m, None))
+
+        def give(bounce: tuple[np.ndarray, bool] | None) -> None:
+            if bounce is not None and bounce[1]:
+                self._staging.give(bounce[0])
 
         try:
             self._medium.run(requests(), done)
@@ -497,6 +538,13 @@ class ReadPath(LocalState):
                 err.__cause__ = e
                 bad.append((r.first, err))
             return r.first, r.last
+        finally:
+            # Nothing is in flight once the batch has ended: requests that never landed
+            # (or failed) give their bounce buffers back; their chunks are retried afresh.
+            for m in list(held):
+                give(held.pop(m))
+            for n in range(plan[0].first if plan else 0, plan[-1].last if plan else 0):
+                staged.pop(n, None)
 
     def _verify_record(self, name: str, kind: str, rec: Record) -> None:
         self._fetch([(name, kind)], [rec])

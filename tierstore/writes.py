@@ -29,6 +29,7 @@ from .catalog import Record, entry_key
 from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
+from .landing import copy_checked
 from .local_state import LocalState
 from .media import ALIGNMENT, adjacent_runs, align_up, joined
 from .tensors import as_bytes, dtype_name
@@ -324,11 +325,15 @@ class WritePath(LocalState):
             if staged is not None and staged[0] is not None:
                 self._staging.give(staged[0])  # a chunk-sized buffer back to its pool
 
-        def checksum(chunks: list[int]) -> None:
-            for n in chunks:
+        def checksum(chunks: list[int], into: Any = None) -> None:
+            """Each chunk's crc32c; with ``into`` (the chunks' staging places, in order),
+            taken as the chunk is copied there (:func:`copy_checked`)."""
+            for m, n in enumerate(chunks):
                 i, start, end = work[n]
                 rec = records[i][2]
-                rec.crc[start // chunk] = crc32c.crc32c(srcs[i][start:min(end, rec.nbytes)])
+                src = srcs[i][start:min(end, rec.nbytes)]
+                rec.crc[start // chunk] = (crc32c.crc32c(src) if into is None
+                                           else copy_checked(into[m], src))
                 if rec.length <= chunk:
                     # Its one checksum is in: the commit's encoding of a small entry's
                     # record is done here, while other chunks are in flight.
@@ -349,20 +354,21 @@ class WritePath(LocalState):
                     copy.append(n)
             staged = None
             if copy:
-                checksum(copy)
                 # Reused memory, so no page faults on the hot path.
                 need = sum(work[n][2] - work[n][1] for n in copy)
                 full = need > self._chunk // 2
                 buf = self._staging.take() if full else self._results.take(need)
                 staged = (buf if full else None, buf)
                 used = 0
+                places = []
                 for n in copy:
                     i, start, end = work[n]
                     stop = min(end, records[i][2].nbytes)
-                    buf[used : used + stop - start] = srcs[i][start:stop]
+                    places.append(buf[used : used + stop - start])
                     buf[used + stop - start : used + end - start] = 0
                     pieces[n - first] = (buf.ctypes.data + used, end - start)
                     used += end - start
+                checksum(copy, places)
             return direct, staged, joined(pieces)
 
         def requests() -> Any:
@@ -436,10 +442,9 @@ class WritePath(LocalState):
             # Checksummed after the write, as _run_writes does (see there).
             self._medium.write(rec.seg, rec.off + start, memoryview(src[start:end]))
             return crc32c.crc32c(src[start:stop])
-        crc = crc32c.crc32c(src[start:stop])
         stage = self._staging.take()  # reused, so no page faults on the hot path
         try:
-            stage[: stop - start] = src[start:stop]
+            crc = copy_checked(stage[: stop - start], src[start:stop])
             stage[stop - start : end - start] = 0
             self._medium.write(rec.seg, rec.off + start, memoryview(stage[: end - start]))
         finally:

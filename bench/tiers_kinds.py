@@ -1,0 +1,208 @@
+"""The store as a user calls it, beside DeepNVMe as a user calls that (``bench tiers --peer
+deepnvme``): reads into, and writes from, each kind of memory a caller hands the store.
+
+The main table (:mod:`bench.tiers`) reads into slices of one :func:`tierstore.read_buffer`,
+memory made for I/O. A user reads into tensors of their own: ``torch.empty`` (torch's
+allocator places large tensors 64 bytes into a page, so O_DIRECT cannot fill them), a
+``read_buffer`` per entry, slices of one buffer, a slice at an odd offset, pinned host
+memory (page-aligned; on a machine without CUDA the store's own page-aligned arenas, the same
+code path) and, where CUDA is present, a device tensor. Each is a row.
+
+Setup, per entry size: one store (``host_cache=0``, the ``auto`` engine, ``io_threads``),
+``total`` bytes of entries. Reads are ``get_many(names, out=...)`` 256 MiB per call, into
+destinations made and touched before the clock starts and reused every round (as DeepNVMe
+reuses its page-locked buffer); writes are ``put_many`` from sources of each kind (one per
+entry, up to 256 MiB of them, reused) with its fsync and commit. Beside them, on the same
+slab file: DeepNVMe's ``aio_handle`` (1 MiB blocks, queue depth 32, intra-op parallelism 2)
+into its ``new_cpu_locked_tensor`` buffer, its writes ending with an fsync, and fio at queue
+depth 32 (io_uring where it runs). Every side runs once a round, in an order rotated every
+round and reversed every other, page cache dropped before each read; medians of the rounds.
+The headline per size is the worst kind's ratio to DeepNVMe.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import tierstore
+
+from .ceilings import nvme_ceilings
+from .tiers import CHUNK, _young_heap, drop_page_cache
+
+GROUP = 256 << 20  # bytes per get_many call, and of each kind's destinations
+PEER = "DeepNVMe aio_handle"
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """Page-locked memory where CUDA is present; elsewhere what the store's code sees of
+    it: page-aligned memory of exactly ``nbytes`` (an anonymous mapping, as the store's
+    own host arenas are before CUDA registers them)."""
+    if torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    import mmap
+    import warnings
+
+    with warnings.catch_warnings():  # torch warns that the mapping's buffer is writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+def memory_kinds(block: int, count: int) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """Each kind of caller's memory: makes ``count`` tensors of ``block`` bytes."""
+
+    def sliced(skip: int) -> list[torch.Tensor]:
+        buf = tierstore.read_buffer(count * block + skip)
+        return [buf[skip + j * block : skip + (j + 1) * block] for j in range(count)]
+
+    kinds: dict[str, Callable[[], list[torch.Tensor]]] = {
+        "torch.empty": lambda: [torch.empty(block, dtype=torch.uint8) for _ in range(count)],
+        "read_buffer each": lambda: [tierstore.read_buffer(block) for _ in range(count)],
+        "slices of one": lambda: sliced(0),
+        "slices at +100": lambda: sliced(100),
+        "pinned": lambda: [_pinned(block) for _ in range(count)],
+    }
+    if torch.cuda.is_available():
+        kinds["cuda"] = lambda: [torch.empty(block, dtype=torch.uint8, device="cuda")
+                                 for _ in range(count)]
+    return kinds
+
+
+def unavailable() -> str | None:
+    """What ``--peer deepnvme`` needs and does not have here, in one line, or None."""
+    from . import deepnvme
+
+    why = deepnvme.unavailable()
+    if why is None:
+        return None
+    return (f"DeepNVMe cannot run here: {why}. It needs deepspeed (pip install '.[peers]') "
+            "and libaio-dev (apt-get install libaio-dev) to build its op")
+
+
+def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
+                  kinds: list[str] | None = None) -> list[dict[str, Any]]:
+    """Rows of GB/s per (op, kind) for entries of ``block`` bytes, each with DeepNVMe's and
+    fio's medians from the same rounds (see the module docstring)."""
+    n = max(1, total // block)
+    span = n * block
+    count = max(1, min(n, GROUP // block))
+    made = memory_kinds(block, count)
+    kinds = [k for k in (kinds or list(made)) if k in made]
+    data = torch.randint(0, 255, (block,), dtype=torch.uint8)
+    mem: dict[str, list[torch.Tensor]] = {}
+    for k in kinds:  # touched before any clock starts, as a user's tensors are
+        mem[k] = made[k]()
+        for t in mem[k]:
+            t.copy_(data)
+    names = [f"bench.kinds.{j}" for j in range(n)]
+    path = os.path.join(root, f"kinds-{block}")
+    bs = min(block, CHUNK)
+    ceilings, closers = nvme_ceilings("fio", bs, threads, True, span)
+    peers = {name: fn for name, fn in ceilings.items() if name != "fio psync"}
+    runs: dict[str, dict[str, list[float]]] = {"read": {}, "write": {}}
+    region = -(-span // bs) * bs
+    try:
+        with tierstore.open(path, create=True, host_cache=0, io_threads=threads,
+                            chunk_size=CHUNK, slab_size=(3 + len(peers)) * region + (64 << 20)
+                            ) as st, _young_heap():
+            st.put_many([(name, data) for name in names])  # untimed: set up, space written
+            slab = st.info(names[0]).path
+            at = {name: (3 + j) * region for j, name in enumerate(peers)}
+            for name in peers:  # their regions written once, as the store's are
+                peers[name](slab, "write", at[name], span)
+
+            def write(kind: str) -> float:
+                srcs = mem[kind]
+                t0 = time.perf_counter()
+                st.put_many([(name, srcs[j % count]) for j, name in enumerate(names)])
+                return span / (time.perf_counter() - t0) / 1e9
+
+            def read(kind: str) -> float:
+                outs = mem[kind]
+                groups = [names[i : i + count] for i in range(0, n, count)]
+                maps = [dict(zip(g, outs)) for g in groups]
+                drop_page_cache({slab})
+                t0 = time.perf_counter()
+                for g, m in zip(groups, maps):
+                    st.get_many(g, out=m)
+                if outs[0].device.type == "cuda":
+                    torch.cuda.synchronize()
+                return span / (time.perf_counter() - t0) / 1e9
+
+            read(kinds[0])  # untimed: the store's bounce buffers set up
+            for r in range(repeats):
+                for op in ("write", "read"):
+                    infos = [st.info(name) for name in names] if op == "read" else []
+                    used = min((i.offset for i in infos), default=0) // bs * bs
+                    sides = [*kinds, *peers]
+                    sides = sides[r % len(sides):] + sides[: r % len(sides)]
+                    for side in sides if r % 2 == 0 else sides[::-1]:
+                        if side in peers:
+                            if op == "read":
+                                drop_page_cache({slab})
+                            got = peers[side](slab, op, at[side] if op == "write" else used,
+                                              span)
+                        else:
+                            got = (write if op == "write" else read)(side)
+                        runs[op].setdefault(side, []).append(got)
+            for k in kinds:  # the bytes are right in every kind
+                if not torch.equal(mem[k][0].cpu(), data):
+                    raise RuntimeError(f"bench tiers: the read into {k} gave wrong bytes")
+            described = st.describe().split(": ", 1)[-1]
+    finally:
+        for c in closers:
+            c.close()
+        shutil.rmtree(path, ignore_errors=True)
+    rows = []
+    for op in ("read", "write"):
+        med = {side: statistics.median(v) for side, v in runs[op].items()}
+        ref = PEER if PEER in med else next(s for s in med if s.startswith("fio"))
+        for k in kinds:
+            rows.append({
+                "op": op, "kind": k, "block_bytes": block, "threads": threads,
+                "total_bytes": span, "repeats": repeats, "engine_described": described,
+                "gbps": round(med[k], 3), "reference": ref,
+                "reference_gbps": round(med[ref], 3), "ratio": round(med[k] / med[ref], 3),
+                "peers": {s: round(med[s], 3) for s in peers},
+                "runs": [round(x, 3) for x in runs[op][k]],
+                "peer_runs": {s: [round(x, 3) for x in runs[op][s]] for s in peers},
+            })
+    return rows
+
+
+def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> None:
+    """The worst kind per size and op first (the headline), then every row."""
+    if not rows:
+        return
+    echo("caller's memory against DeepNVMe (store GB/s / peer GB/s; worst kind first):")
+    keys = sorted({(r["op"], r["block_bytes"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for op, block in keys:
+        mine = [r for r in rows if r["op"] == op and r["block_bytes"] == block]
+        worst = min(mine, key=lambda r: r["ratio"])
+        echo(f"{op:5} {tierstore.format_size(block):>9}  worst: {worst['kind']:16} "
+             f"{worst['ratio']:5.2f}x {worst['reference']} ({worst['gbps']:.3f} / "
+             f"{worst['reference_gbps']:.3f} GB/s, {worst['repeats']} rounds, "
+             f"{tierstore.format_size(worst['total_bytes'])})")
+    echo(f"{'op':5} {'block':>9} {'memory':16} {'GB/s':>7} {'ratio':>6}  peers (GB/s)")
+    for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["ratio"])):
+        peers = ", ".join(f"{k} {v:.3f}" for k, v in r["peers"].items())
+        echo(f"{r['op']:5} {tierstore.format_size(r['block_bytes']):>9} {r['kind']:16} "
+             f"{r['gbps']:7.3f} {r['ratio']:6.2f}  {peers}")
+
+
+def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: int,
+              progress: bool = True) -> list[dict[str, Any]]:
+    """:func:`measure_kinds` at every size."""
+    from tqdm import tqdm
+
+    rows: list[dict[str, Any]] = []
+    for block in tqdm(sizes, desc="bench tiers: caller's memory", disable=None if progress
+                      else True):
+        rows += measure_kinds(root, block, threads, total, repeats)
+    return rows

@@ -1,0 +1,112 @@
+"""Reads into, and writes from, every kind of memory a caller hands the store: torch's own
+tensors (not page-aligned), read buffers, a slice at an odd offset, an aligned tensor whose
+storage ends before the entry's last page, pinned host memory, a transposed (non-contiguous)
+tensor, a dtype view and an empty tensor. Each gets the right bytes on both engines, mixed in
+one batch, and a corrupt chunk is still named whatever the destination."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from tierstore.cache.pinned import arena_tensor
+from tierstore.nvme import aligned_empty
+from tierstore.nvme.libaio import unavailable
+
+import tierstore
+
+CHUNK = 64 << 10
+SHAPE = (3, 40001)  # float32: 480,012 bytes, eight chunks, the last one partial
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+
+
+def _odd_slice(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    n = _nbytes(shape, dtype)
+    return tierstore.read_buffer(n + 4096)[128 : 128 + n].view(dtype).view(shape)
+
+
+def _short_storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # Page-aligned, but its storage is exactly the entry: the last page is not all there.
+    return torch.from_numpy(aligned_empty(_nbytes(shape, dtype))).view(dtype).view(shape)
+
+
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return arena_tensor(_nbytes(shape, dtype), pin=False)[0].view(dtype).view(shape)
+
+
+def _dtype_view(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(_nbytes(shape, dtype) // 2, dtype=torch.int16).view(dtype).view(shape)
+
+
+DESTINATIONS: dict[str, Callable[[tuple[int, ...], torch.dtype], torch.Tensor]] = {
+    "torch.empty": lambda s, d: torch.empty(s, dtype=d),
+    "read_buffer": lambda s, d: tierstore.read_buffer(s, d),
+    "odd slice": _odd_slice,
+    "short storage": _short_storage,
+    "pinned": _pinned,
+    "transposed": lambda s, d: torch.empty(s[::-1], dtype=d).t(),
+    "dtype view": _dtype_view,
+}
+ENGINES = ["posix-direct", pytest.param("aio", marks=pytest.mark.skipif(
+    unavailable() is not None, reason=f"no AIO here: {unavailable()}"))]
+
+
+def _value(seed: int, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=ENGINES)
+def store(request: pytest.FixtureRequest, tmp_path) -> tierstore.Store:
+    st = tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
+                        engine=request.param)
+    yield st
+    st.close()
+
+
+def test_every_destination_gets_the_bytes_in_one_batch(store) -> None:
+    # Small entries next to each other on disk share requests: bounced and direct pieces
+    # of one request, and entries of every kind in one call.
+    small = (7, 1001)
+    names = [f"{kind}.{size}" for kind in DESTINATIONS for size in ("big", "small")]
+    values = {n: _value(i, SHAPE if n.endswith("big") else small) for i, n in enumerate(names)}
+    values["empty"] = torch.empty((0, 5))
+    store.put_many(values)
+    outs = {n: DESTINATIONS[n.rsplit(".", 1)[0]](tuple(v.shape), v.dtype)
+            for n, v in values.items() if n != "empty"}
+    outs["empty"] = torch.empty((0, 5))
+    got = store.get_many(list(values), out=outs)
+    for n, v in values.items():
+        assert got[n] is outs[n], n
+        assert torch.equal(outs[n], v), n
+
+
+@pytest.mark.parametrize("kind", sorted(DESTINATIONS))
+def test_every_source_is_written_right(store, kind: str) -> None:
+    src = DESTINATIONS[kind](SHAPE, torch.float32)
+    src.copy_(_value(3))
+    store.put_many({"a": src, "b": _value(4)})
+    assert torch.equal(store.get("a"), _value(3))
+    assert torch.equal(store.get("b"), _value(4))
+
+
+@pytest.mark.parametrize("kind", sorted(DESTINATIONS))
+@pytest.mark.parametrize("where", ["first chunk", "last chunk"])
+def test_a_corrupt_chunk_is_named_whatever_the_destination(store, kind: str,
+                                                            where: str) -> None:
+    store.put_many({"ok": _value(1), "bad": _value(2)})
+    info = store.info("bad")
+    at = 5 if where == "first chunk" else info.nbytes - 3
+    with open(info.path, "r+b") as f:
+        f.seek(info.offset + at)
+        b = f.read(1)
+        f.seek(info.offset + at)
+        f.write(bytes([b[0] ^ 0x5A]))
+    outs = {n: DESTINATIONS[kind](SHAPE, torch.float32) for n in ("ok", "bad")}
+    with pytest.raises(tierstore.CorruptEntryError, match="'bad'"):
+        store.get_many(["ok", "bad"], out=outs)
+    assert torch.equal(store.get_many(["ok"], out={"ok": outs["ok"]})["ok"], _value(1))

@@ -1,0 +1,91 @@
+"""Where a read's bytes land when the caller hands the store a tensor (``out=``).
+
+O_DIRECT moves whole 4 KiB pages between the disk and page-aligned memory; a caller's
+tensor is often neither: torch's allocator places large tensors 64 bytes into a page, a
+slice of a buffer starts wherever the caller cut it, a buffer sized to its entry ends before
+the entry's last page does, and a CUDA tensor is not host memory at all. A read into such a
+tensor goes like this (:class:`Target`):
+
+- the longest run from the tensor's first byte that O_DIRECT can fill (whole pages of
+  page-aligned host memory that the tensor's storage covers) is read straight into it;
+- the rest (all of it, for an unaligned or device tensor; the last partial page, for an
+  aligned one whose storage ends early) is read into a reused aligned bounce buffer, and
+  :func:`land` checksums and copies each chunk out of it as its request completes, while
+  the requests after it are in flight: one copy, overlapped with the I/O, and the crc32c
+  taken on the same cache-hot bytes as the copy, not in a pass of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import crc32c
+import numpy as np
+import torch
+
+from tierstore.nvme import ALIGNMENT
+
+# Bytes checksummed and copied at a time: the checksum pulls them into the CPU's cache and
+# the copy reads them from there. 256 KiB sits in the L2 cache of current x86 cores.
+STEP = 256 << 10
+
+
+class Target(NamedTuple):
+    """A caller's tensor as a read destination: ``direct`` bytes from its first land in it
+    by O_DIRECT (a multiple of :data:`ALIGNMENT`, up to the extent's length), the rest are
+    bounced and copied into ``dst`` (its bytes: a numpy array over host memory, or a flat
+    uint8 tensor on a device)."""
+
+    direct: int
+    dst: np.ndarray | torch.Tensor
+
+
+def host_bytes(tensor: torch.Tensor, length: int) -> np.ndarray:
+    """``length`` bytes from ``tensor``'s first, as a numpy array that does not keep the
+    tensor alive (the caller holds it for the read's duration): a sixth of the cost of a
+    torch view of the storage, per entry."""
+    return np.frombuffer((ctypes.c_uint8 * length).from_address(tensor.data_ptr()), np.uint8)
+
+
+def accepts(out: torch.Tensor | None) -> bool:
+    """Whether a read may land in ``out`` itself (directly or through :func:`land`): memory
+    the caller owns, contiguous, on the CPU or a CUDA device, not part of an autograd graph.
+    Other tensors get the bytes by a copy once they are read."""
+    return (out is not None and out.device.type in ("cpu", "cuda") and out.is_contiguous()
+            and not out.requires_grad and out.numel() > 0)
+
+
+def target(out: torch.Tensor, nbytes: int, length: int) -> Target:
+    """How an entry of ``nbytes`` (an extent of ``length``, whole pages) lands in ``out``."""
+    if out.device.type != "cpu":
+        return Target(0, out.reshape(-1).view(torch.uint8))
+    direct = 0
+    if out.data_ptr() % ALIGNMENT == 0:
+        start = out.storage_offset() * out.element_size()
+        room = out.untyped_storage().nbytes() - start  # the storage may run past the tensor
+        direct = min(length, room // ALIGNMENT * ALIGNMENT)
+    return Target(direct, host_bytes(out, max(nbytes, direct)))
+
+
+def copy_checked(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
+    """Copy ``src`` into ``dst`` (host memory, as long), returning ``crc`` continued over
+    the bytes: each step is checksummed, then copied from the cache the checksum pulled it
+    into, so the bytes cross the memory bus once for both."""
+    for k in range(0, src.nbytes, STEP):
+        part = src[k : k + STEP]
+        crc = crc32c.crc32c(part, crc)
+        np.copyto(dst[k : k + part.nbytes], part)
+    return crc
+
+
+def land(t: Target, start: int, piece: np.ndarray, crc: int) -> int:
+    """Copy ``piece`` (the entry's bytes from ``start`` on, read into a bounce buffer) into
+    ``t``'s destination; returns ``crc`` continued over ``piece``."""
+    dst = t.dst
+    if isinstance(dst, np.ndarray):
+        return copy_checked(dst[start : start + piece.nbytes], piece, crc)
+    crc = crc32c.crc32c(piece, crc)
+    # Synchronous, so the bounce buffer may be reused once this returns.
+    dst[start : start + piece.nbytes].copy_(torch.from_numpy(piece))
+    return crc
