@@ -574,31 +574,3 @@ def test_a_refused_context_is_tried_again_once_a_batch_has_ended(tmp_path) -> No
             eng._give_ring(ring)
     finally:
         eng.close()
-
-
-def test_the_engine_needs_no_aio_library(tmp_path) -> None:
-    # A fresh machine has no libaio: the engine makes the system calls itself, so `auto`
-    # still picks it and a store reads and writes through it.
-    code = (
-        "import ctypes, ctypes.util\n"
-        "real = ctypes.CDLL\n"
-        "def cdll(name, *a, **k):\n"
-        "    if name and 'aio' in str(name): raise OSError('no libaio here')\n"
-        "    return real(name, *a, **k)\n"
-        "ctypes.CDLL = cdll\n"
-        "ctypes.util.find_library = lambda name: None if name == 'aio' else 'libc.so.6'\n"
-        "import torch, tierstore\n"
-        "from tierstore.nvme.engines import resolve_engine\n"
-        "assert resolve_engine('auto') == 'aio', resolve_engine('auto')\n"
-        f"with tierstore.open({str(tmp_path / 'st')!r}, create=True, host_cache=0) as st:\n"
-        "    st.put('a', torch.arange(5000.0))\n"
-        "    assert torch.equal(st.get('a'), torch.arange(5000.0))\n"
-        "    print(st.describe())\n"
-    )
-    import subprocess
-    import sys
-
-    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert got.returncode == 0, got.stderr
-    assert "aio (Linux AIO) O_DIRECT" in got.stdout

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -311,3 +314,28 @@ def test_gds_ceiling_runs_on_a_file_of_its_own_never_the_slab(tmp_path) -> None:
     assert ceiling.file_for(str(slab), 1 << 20) == path  # large enough already: kept
     ceiling.close()
     assert not os.path.exists(path) and slab.read_bytes() == before
+
+
+def test_the_engine_needs_no_aio_library(tmp_path: Path) -> None:
+    # A fresh machine has no libaio: the engine makes the system calls itself, so `auto`
+    # still picks it and a store reads and writes through it.
+    code = (
+        "import ctypes, ctypes.util\n"
+        "real = ctypes.CDLL\n"
+        "def cdll(name, *a, **k):\n"
+        "    if name and 'aio' in str(name): raise OSError('no libaio here')\n"
+        "    return real(name, *a, **k)\n"
+        "ctypes.CDLL = cdll\n"
+        "ctypes.util.find_library = lambda name: None if name == 'aio' else 'libc.so.6'\n"
+        "import torch, tierstore\n"
+        "from tierstore.nvme.engines import resolve_engine\n"
+        "assert resolve_engine('auto') == 'aio', resolve_engine('auto')\n"
+        f"with tierstore.open({str(tmp_path / 'st')!r}, create=True, host_cache=0) as st:\n"
+        "    st.put('a', torch.arange(5000.0))\n"
+        "    assert torch.equal(st.get('a'), torch.arange(5000.0))\n"
+        "    print(st.describe())\n"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert "aio (Linux AIO) O_DIRECT" in got.stdout
