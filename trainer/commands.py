@@ -51,8 +51,9 @@ def _preset(ctx: click.Context, _param: Any, value: str | None) -> str | None:
 @click.option("--expert-format", "expert_format", type=click.Choice(["fp8", "mxfp4"]),
               default=None,
               help="Store the experts of a bf16/fp32 checkpoint quantized: fp8 in 128x128 "
-                   "blocks of e4m3, as DeepSeek ships them (half the bytes of bf16; lossy, "
-                   "see docs/inference.md). Default: as the checkpoint has them.")
+                   "blocks of e4m3, as DeepSeek ships them (half the bytes of bf16), or mxfp4, "
+                   "as gpt-oss ships them (about a quarter); lossy, see docs/inference.md. "
+                   "Default: as the checkpoint has them.")
 def import_hf_(model_dir: str, store: str, resume: bool, expert_format: str | None) -> None:
     """Import the Hugging Face MoE model in MODEL_DIR (config.json, single or sharded
     safetensors, tokenizer files) for `tierstore generate` and `tierstore.hf.load`: each
@@ -133,6 +134,11 @@ def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, forc
         click.echo(f"exported {s['source']} as {s['family']}: {s['tensors']} tensors in "
                    f"{s['shards']} shard{'s' if s['shards'] != 1 else ''}, {s['dtype']}, "
                    f"{format_size(s['bytes'])} -> {out_dir}")
+        rt = s.get("requantized")
+        if rt:  # a fine-tuned quantized checkpoint, packed again in its own format
+            click.echo(f"re-quantized the fine-tuned fp32 masters: largest weight error "
+                       f"{rt['max_abs_weight_error']:.3g} against a largest master of "
+                       f"{rt['max_abs_master']:.3g} ({rt['relative']:.2%})")
 
     _run(go)
 

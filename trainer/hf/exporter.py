@@ -50,8 +50,9 @@ from .convert import expert_params
 from .families import UnservedFamilyError, check_served
 from .layout import ExpertsModule, StoredModel, stored_model
 from .outdir import HFExportError, WorkDir, check_out_dir, remove_leftovers
-from .quant import Dequantizer
+from .quant import Dequantizer, as_module_holds
 from .quant_export import PackedValues, expand
+from .quant_train import RoundTrip
 from .reverse import Group, ReverseError, ReversePlan, reverse_plan, run
 from .shards import INDEX_FILE, Shards
 from .tokenizer import byte_tokenizer_files, tokenizer_files
@@ -98,6 +99,7 @@ class _Values:
         # checkpoint had no quantization_config to write them back in.
         self.formats: dict[str, str] = {}
         self.dequantizer = Dequantizer()
+        self.round_trip = RoundTrip()  # a fine-tuned quantized model's, packed again
         for m in sm.experts:
             out_dim = -1 if getattr(modules.get(m.module), "is_transposed", False) else 0
             for attr, parts in m.params:
@@ -142,7 +144,8 @@ class _Values:
             parts = [got[x] for x in xs]
             fmt = self.formats.get(n)
             if fmt is not None:  # quantized at import: the values it computes with
-                parts = [self.dequantizer(fmt, parts[0], parts[1], torch.float32, reuse=False)]
+                w = self.dequantizer(fmt, parts[0], parts[1], torch.float32, reuse=False)
+                parts = [as_module_holds(w, fmt, self.experts[n][2] == -1)]
             t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.experts[n][2])
             out[n] = self._cast(n, t, self.want[n][0][1:]).unsqueeze(0)
         return out
@@ -323,4 +326,5 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
             work.move_into_place(force)
     return {"family": sm.family, "source": "tierstore" if sm.step is not None else sm.family,
             "dtype": dtype_name(dt), "files": files, "shards": len(shards.files),
-            "tensors": len(outputs), "bytes": shards.total, "removed": removed}
+            "tensors": len(outputs), "bytes": shards.total, "removed": removed,
+            "requantized": values.round_trip.to_json() if sm.requantize else None}

@@ -151,11 +151,13 @@ def parts(attr: str, fmt: str) -> list[str]:
     return [attr + s for s in SUFFIXES[fmt]]
 
 
-def packed_shapes(fmt: str, logical: list[int]) -> tuple[list[int], list[int]]:
+def packed_shapes(fmt: str, logical: list[int], transposed: bool = True
+                  ) -> tuple[list[int], list[int]]:
     """One expert's packed and scales shapes for a parameter of ``logical`` shape (as
-    ``transformers`` holds it dequantized)."""
+    ``transformers`` holds it dequantized; ``transposed``: ``[in, out]``, as gpt-oss)."""
     if fmt == MXFP4:
-        inner, rows = logical  # [in, out]: the blocks run along the input
+        # The blocks run along the input: [out, in / 32, 16] whichever way the module holds it.
+        inner, rows = logical if transposed else logical[::-1]
         return [rows, inner // 32, 16], [rows, inner // 32]
     return list(logical), [logical[0] // FP8_BLOCK, logical[1] // FP8_BLOCK]
 
@@ -177,6 +179,56 @@ def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     inv = (1.0 / scales).to(torch.float32)
     q = torch.clamp(blocks * scales.unsqueeze(-1).unsqueeze(-3), min=-FP8_MAX, max=FP8_MAX)
     return q.to(torch.float8_e4m3fn).reshape(rows, cols), inv
+
+
+MXFP4_GROUP = 32
+
+
+def quantize_mxfp4(w: Tensor, transposed: bool = True) -> tuple[Tensor, Tensor]:
+    """One expert weight as gpt-oss ships it: ``blocks [out, in/32, 16]`` uint8 (two e2m1
+    codes a byte, the even input in the low nibble) and E8M0 ``scales [out, in/32]`` (bias
+    127), from ``w`` held ``[in, out]`` (``transposed``, as gpt-oss) or ``[out, in]``.
+
+    What ``transformers``' ``quantize_to_mxfp4`` makes of a weight: the weight cast to
+    bf16, then ``triton_kernels``' ``downcast_to_mxfp_torch`` (``numerics_details/mxfp.py``,
+    rounding mode ``ROUND_UP``), re-derived here since neither is importable without the
+    kernels hub: each group of 32 inputs takes the scale ``2^e``, the smallest power of two
+    not below ``amax / 6`` as fp32 rounds it (6 is e2m1's largest, so nothing clips), and
+    each value ``x * 2^-e`` rounds to the nearest e2m1 value, ties to the even code, beyond
+    6 to 6, a negative value that rounds to zero to -0."""
+    m = (w.t() if transposed else w).to(torch.bfloat16).to(torch.float32)
+    rows, cols = m.shape
+    g = m.reshape(rows, cols // MXFP4_GROUP, MXFP4_GROUP)
+    d = g.abs().amax(-1) / 6.0
+    # Round the fp32 scale up to a power of two on its bits: the exponent field is E8M0.
+    bits = ((d.view(torch.int32) + 0x007FFFFF) & 0x7F800000)
+    scale = bits.view(torch.float32)
+    inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+    x = g * inv.unsqueeze(-1)
+    a = x.abs()
+    # Code = how many of e2m1's midpoints |x| passes; at a tie (=) the even code wins:
+    # 0.25 -> 0, 0.75 -> 1.0 (code 2), 1.25 -> 1.0, 1.75 -> 2.0 (4), 2.5 -> 2.0, 3.5 -> 4.0
+    # (6), 5 -> 4.0.
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+            + (a >= 3.5) + (a > 5.0))
+    code = code | (torch.signbit(x).to(torch.uint8) << 3)
+    code = code.reshape(rows, cols // MXFP4_GROUP, MXFP4_GROUP // 2, 2)
+    blocks = code[..., 0] | (code[..., 1] << 4)
+    return blocks.contiguous(), (bits >> 23).to(torch.uint8)
+
+
+def quantize(fmt: str, w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """One expert weight (or a dense fp8 one) packed in ``fmt``: (packed, scales)."""
+    if fmt == MXFP4:
+        return quantize_mxfp4(w, transposed)
+    return quantize_fp8(w)
+
+
+def as_module_holds(w: Tensor, fmt: str, transposed: bool) -> Tensor:
+    """A weight the :class:`Dequantizer` gave, as its module holds it: MXFP4 dequantizes
+    to ``[in, out]`` (gpt-oss's, ``transformers``' function); a module that holds
+    ``[out, in]`` takes its transpose, a view (``F.linear`` reads it as it is)."""
+    return w.t() if fmt == MXFP4 and not transposed else w
 
 
 class Dequantizer:
