@@ -231,9 +231,26 @@ def as_module_holds(w: Tensor, fmt: str, transposed: bool) -> Tensor:
     return w.t() if fmt == MXFP4 and not transposed else w
 
 
+# The integer type that holds a pair of values of each dtype's size: a pair table gathered
+# through it moves both nibbles' values in one element.
+_PAIR_INTS = {2: torch.int32, 4: torch.int64}
+
+
 class Dequantizer:
     """Dequantizes one expert's packed weight into a buffer kept for the next call of the
-    same shape, dtype and device (the experts function uses it before the next expert)."""
+    same shape, dtype and device (the experts function uses it before the next expert).
+
+    Both formats are table lookups on the packed bytes, one gather each. The tables are
+    made on the device with ``transformers``' own operations over every code (and every
+    E8M0 exponent), so each value is the one ``transformers`` computes for that code:
+
+    * MXFP4: for every exponent ``s`` and byte ``b``, the pair (low nibble, high nibble)
+      that ``convert_moe_packed_tensors`` gives (``lut[nibble]`` in the dtype, then
+      ``torch.ldexp`` by ``s - 127``); the index is ``s * 256 + b``, so the ``ldexp`` pass
+      over the weights goes. 256 x 256 pairs: 256 KiB in bf16.
+    * FP8: e4m3's 256 codes as fp32 (``.to(float32)`` of each code; that cast is slow
+      elementwise on a CPU), times the block's scale in fp32, then cast to the dtype.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], Tensor] = {}
@@ -249,11 +266,41 @@ class Dequantizer:
             buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
         return buf
 
+    def _scratch(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, reuse: bool) -> Tensor:
+        """A buffer for what is dead once the call returns: one per tag, grown to the
+        largest call, so the projections of an expert share it."""
+        n = 1
+        for d in shape:
+            n *= d
+        if not reuse:
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (tag, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
     def __call__(self, fmt: str, packed: Tensor, scales: Tensor, dtype: torch.dtype, *,
                  reuse: bool = True) -> Tensor:
         if fmt == MXFP4:
             return self.mxfp4(packed, scales, dtype, reuse=reuse)
         return self.fp8(packed, scales, dtype, reuse=reuse)
+
+    def _mxfp4_pairs(self, dtype: torch.dtype, dev: torch.device) -> Tensor:
+        """``[256 * 256, 2]``: row ``s * 256 + b`` holds byte ``b``'s two values (the low
+        nibble first) under E8M0 exponent ``s``, as ``convert_moe_packed_tensors`` makes
+        them."""
+        pairs = self._luts.get(("mxfp4", dtype, dev))
+        if pairs is None:
+            lut = torch.tensor(E2M1, dtype=dtype, device=dev)
+            exp = torch.arange(256, dtype=torch.int32, device=dev).view(256, 1) - 127
+            values = lut.expand(256, 16).contiguous()
+            torch.ldexp(values, exp, out=values)  # [exponent, nibble]
+            byte = torch.arange(256, device=dev)
+            pairs = torch.stack([values[:, byte & 15], values[:, byte >> 4]], dim=-1)
+            pairs = self._luts[("mxfp4", dtype, dev)] = pairs.reshape(256 * 256, 2)
+        return pairs
 
     def mxfp4(self, blocks: Tensor, scales: Tensor, dtype: torch.dtype, *,
               reuse: bool = True) -> Tensor:
@@ -261,21 +308,20 @@ class Dequantizer:
         in ``dtype``: ``convert_moe_packed_tensors`` of one expert."""
         rows, groups, width = blocks.shape
         dev = blocks.device
-        pairs = self._luts.get((dtype, dev))
-        if pairs is None:  # byte b -> (e2m1[b & 15], e2m1[b >> 4]): the low nibble first
-            lut = torch.tensor(E2M1, dtype=dtype, device=dev)
-            pairs = self._luts[(dtype, dev)] = torch.stack(
-                [lut.repeat(16), lut.repeat_interleave(16)], dim=1)
+        pairs = self._mxfp4_pairs(dtype, dev)
         n = rows * groups * width
-        index = self._buffer("mxfp4-index", (n,), torch.int32, dev, reuse)
-        index.copy_(blocks.reshape(n))
-        work = self._buffer("mxfp4", (rows * groups, width * 2), dtype, dev, reuse)
-        # One gather of both nibbles' values: the values transformers' table gives each.
-        torch.index_select(pairs, 0, index, out=work.view(n, 2))
-        exp = scales.reshape(rows * groups, 1).to(torch.int32) - 127
-        torch.ldexp(work, exp, out=work)
+        index = self._scratch("mxfp4-index", (rows, groups, width), torch.int32, dev, reuse)
+        index.copy_(blocks)
+        index.add_(scales.to(torch.int32).mul_(256).unsqueeze(-1))  # s * 256 + b
+        work = self._scratch("mxfp4", (rows, groups * width * 2), dtype, dev, reuse)
+        pair_int = _PAIR_INTS.get(pairs.element_size())
+        if pair_int is not None:  # one element a pair: the fastest gather torch has
+            torch.index_select(pairs.view(pair_int).view(-1), 0, index.view(n),
+                               out=work.view(pair_int).view(n))
+        else:
+            torch.index_select(pairs, 0, index.view(n), out=work.view(n, 2))
         out = self._buffer("mxfp4-t", (groups * width * 2, rows), dtype, dev, reuse)
-        out.copy_(work.view(rows, groups * width * 2).t())
+        out.copy_(work.t())
         return out
 
     def fp8(self, weight: Tensor, scale_inv: Tensor, dtype: torch.dtype, *,
@@ -285,12 +331,22 @@ class Dequantizer:
         rows, cols = weight.shape
         sr, sc = scale_inv.shape
         dev = weight.device
-        work = self._buffer("fp8", (rows, cols), torch.float32, dev, reuse)
-        work.copy_(weight)
+        lut = self._luts.get(("fp8", dev))
+        if lut is None:
+            codes = torch.arange(256, dtype=torch.int32, device=dev).to(torch.uint8)
+            lut = self._luts[("fp8", dev)] = codes.view(torch.float8_e4m3fn).to(torch.float32)
+        index = self._scratch("fp8-index", (rows * cols,), torch.int32, dev, reuse)
+        index.copy_(weight.view(torch.uint8).reshape(rows * cols))
+        # fp32 is returned as it is (kept per shape); for another dtype it is scratch
+        work = (self._buffer if dtype == torch.float32 else self._scratch)(
+            "fp8", (rows, cols), torch.float32, dev, reuse)
+        torch.index_select(lut, 0, index, out=work.view(rows * cols))
         q = work.view(sr, rows // sr, sc, cols // sc)
         torch.mul(q, scale_inv.to(torch.float32).view(sr, 1, sc, 1), out=q)
         if dtype == torch.float32:
             return work
+        # A separate cast: a product written straight into bf16 rounds the same but runs
+        # an order of magnitude slower on a CPU.
         out = self._buffer("fp8-out", (rows, cols), dtype, dev, reuse)
         out.copy_(work)
         return out
