@@ -86,9 +86,10 @@ def unavailable() -> str | None:
 
 
 def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
-                  kinds: list[str] | None = None) -> list[dict[str, Any]]:
-    """Rows of GB/s per (op, kind) for entries of ``block`` bytes, each with DeepNVMe's and
-    fio's medians from the same rounds (see the module docstring)."""
+                  kinds: list[str] | None = None, engine: str = "auto") -> list[dict[str, Any]]:
+    """Rows of GB/s per (op, kind) for entries of ``block`` bytes through the store's
+    ``engine``, each with DeepNVMe's and fio's medians from the same rounds (see the module
+    docstring)."""
     n = max(1, total // block)
     span = n * block
     count = max(1, min(n, GROUP // block))
@@ -101,14 +102,14 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
         for t in mem[k]:
             t.copy_(data)
     names = [f"bench.kinds.{j}" for j in range(n)]
-    path = os.path.join(root, f"kinds-{block}")
+    path = os.path.join(root, f"kinds-{engine}-{block}")
     bs = min(block, CHUNK)
     ceilings, closers = nvme_ceilings("fio", bs, threads, True, span)
     peers = {name: fn for name, fn in ceilings.items() if name != "fio psync"}
     runs: dict[str, dict[str, list[float]]] = {"read": {}, "write": {}}
     region = -(-span // bs) * bs
     try:
-        with tierstore.open(path, create=True, host_cache=0, io_threads=threads,
+        with tierstore.open(path, create=True, engine=engine, host_cache=0, io_threads=threads,
                             chunk_size=CHUNK, slab_size=(3 + len(peers)) * region + (64 << 20)
                             ) as st, _young_heap():
             st.put_many([(name, data) for name in names])  # untimed: set up, space written
@@ -165,7 +166,7 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
         ref = PEER if PEER in med else next(s for s in med if s.startswith("fio"))
         for k in kinds:
             rows.append({
-                "op": op, "kind": k, "block_bytes": block, "threads": threads,
+                "op": op, "kind": k, "engine": engine, "block_bytes": block, "threads": threads,
                 "total_bytes": span, "repeats": repeats, "engine_described": described,
                 "gbps": round(med[k], 3), "reference": ref,
                 "reference_gbps": round(med[ref], 3), "ratio": round(med[k] / med[ref], 3),
@@ -181,28 +182,40 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
     if not rows:
         return
     echo("caller's memory against DeepNVMe (store GB/s / peer GB/s; worst kind first):")
-    keys = sorted({(r["op"], r["block_bytes"]) for r in rows}, key=lambda k: (k[0], k[1]))
-    for op, block in keys:
-        mine = [r for r in rows if r["op"] == op and r["block_bytes"] == block]
+    keys = sorted({(r["op"], r["block_bytes"], r["engine"]) for r in rows})
+    for op, block, engine in keys:
+        mine = [r for r in rows
+                if r["op"] == op and r["block_bytes"] == block and r["engine"] == engine]
         worst = min(mine, key=lambda r: r["ratio"])
-        echo(f"{op:5} {tierstore.format_size(block):>9}  worst: {worst['kind']:16} "
+        echo(f"{op:5} {tierstore.format_size(block):>9} {_engine(worst):16} worst: "
+             f"{worst['kind']:16} "
              f"{worst['ratio']:5.2f}x {worst['reference']} ({worst['gbps']:.3f} / "
              f"{worst['reference_gbps']:.3f} GB/s, {worst['repeats']} rounds, "
              f"{tierstore.format_size(worst['total_bytes'])})")
-    echo(f"{'op':5} {'block':>9} {'memory':16} {'GB/s':>7} {'ratio':>6}  peers (GB/s)")
-    for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["ratio"])):
+    echo(f"{'op':5} {'block':>9} {'engine':16} {'memory':16} {'GB/s':>7} {'ratio':>6}  "
+         "peers (GB/s)")
+    for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["engine"], r["ratio"])):
         peers = ", ".join(f"{k} {v:.3f}" for k, v in r["peers"].items())
-        echo(f"{r['op']:5} {tierstore.format_size(r['block_bytes']):>9} {r['kind']:16} "
+        echo(f"{r['op']:5} {tierstore.format_size(r['block_bytes']):>9} {_engine(r):16} "
+             f"{r['kind']:16} "
              f"{r['gbps']:7.3f} {r['ratio']:6.2f}  {peers}")
 
 
+def _engine(row: dict[str, Any]) -> str:
+    """The row's engine as ``bench tiers`` names it, with what ``auto`` picked."""
+    picked = row["engine_described"].split(" ", 1)[0]
+    return f"auto={picked}" if row["engine"] == "auto" else row["engine"]
+
+
 def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: int,
-              progress: bool = True) -> list[dict[str, Any]]:
-    """:func:`measure_kinds` at every size."""
+              progress: bool = True, engines: tuple[str, ...] = ("auto",)
+              ) -> list[dict[str, Any]]:
+    """:func:`measure_kinds` at every size, through each of ``engines``."""
     from tqdm import tqdm
 
     rows: list[dict[str, Any]] = []
-    for block in tqdm(sizes, desc="bench tiers: caller's memory", disable=None if progress
-                      else True):
-        rows += measure_kinds(root, block, threads, total, repeats)
+    plan = [(block, e) for block in sizes for e in engines]
+    for block, engine in tqdm(plan, desc="bench tiers: caller's memory",
+                              disable=None if progress else True):
+        rows += measure_kinds(root, block, threads, total, repeats, engine=engine)
     return rows

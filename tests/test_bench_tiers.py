@@ -166,15 +166,19 @@ def test_peer_deepnvme_says_in_one_line_what_is_missing(monkeypatch) -> None:
 def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
                                                                   monkeypatch) -> None:
     from tierstore.bench import deepnvme
-    from tierstore.bench.tiers_kinds import measure_kinds, memory_kinds, report_kinds
+    from tierstore.bench.tiers_kinds import memory_kinds, report_kinds, run_kinds
 
     monkeypatch.setattr(deepnvme, "unavailable", lambda: "not measured in this test")
-    rows = measure_kinds(str(tmp_path), 1 << 20, 2, 4 << 20, repeats=1)
+    # The engine asked for (bench tiers --engines) is the one the rows measure.
+    rows = run_kinds(str(tmp_path), [1 << 20], 2, 4 << 20, repeats=1, progress=False,
+                     engines=("posix-direct",))
     kinds = set(memory_kinds(1 << 20, 1))
     for op in ("read", "write"):
         mine = [r for r in rows if r["op"] == op]
         assert {r["kind"] for r in mine} == kinds
         assert all(r["reference"].startswith("fio") and r["gbps"] > 0 for r in mine)
+        assert all(r["engine"] == "posix-direct" and r["engine_described"].startswith("posix")
+                   for r in mine)
     out: list[str] = []
     report_kinds(rows, out.append)
     worst = min((r for r in rows if r["op"] == "read"), key=lambda r: r["ratio"])
