@@ -17,12 +17,15 @@ slab file: DeepNVMe's ``aio_handle`` (1 MiB blocks, queue depth 32, intra-op par
 into its ``new_cpu_locked_tensor`` buffer, its writes ending with an fsync, and fio at queue
 depth 32 (io_uring where it runs). Every side runs once a round, in an order rotated every
 round and reversed every other, page cache dropped before each read; medians of the rounds.
-The headline per size is the worst kind's ratio to DeepNVMe.
+The headline per size is the worst kind's ratio to DeepNVMe. Each row also has the CPU
+time the process spent per GB moved (the store's, DeepNVMe's, medians of the same rounds):
+on a machine whose cores are shared, what decides how far the bandwidth falls.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import statistics
 import time
@@ -107,6 +110,9 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
     ceilings, closers = nvme_ceilings("fio", bs, threads, True, span)
     peers = {name: fn for name, fn in ceilings.items() if name != "fio psync"}
     runs: dict[str, dict[str, list[float]]] = {"read": {}, "write": {}}
+    # CPU seconds per GB moved, of this process (the store, DeepNVMe's threads; fio runs in
+    # a process of its own and is not counted): what a loaded machine's cores must supply.
+    cpu: dict[str, dict[str, list[float]]] = {"read": {}, "write": {}}
     region = -(-span // bs) * bs
     try:
         with tierstore.open(path, create=True, engine=engine, host_cache=0, io_threads=threads,
@@ -144,6 +150,7 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                     sides = [*kinds, *peers]
                     sides = sides[r % len(sides):] + sides[: r % len(sides)]
                     for side in sides if r % 2 == 0 else sides[::-1]:
+                        used_cpu = _cpu_seconds()
                         if side in peers:
                             if op == "read":
                                 drop_page_cache({slab})
@@ -152,6 +159,8 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                         else:
                             got = (write if op == "write" else read)(side)
                         runs[op].setdefault(side, []).append(got)
+                        cpu[op].setdefault(side, []).append(
+                            (_cpu_seconds() - used_cpu) / (span / 1e9))
             for k in kinds:  # the bytes are right in every kind
                 if not torch.equal(mem[k][0].cpu(), data):
                     raise RuntimeError(f"bench tiers: the read into {k} gave wrong bytes")
@@ -173,8 +182,17 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                 "peers": {s: round(med[s], 3) for s in peers},
                 "runs": [round(x, 3) for x in runs[op][k]],
                 "peer_runs": {s: [round(x, 3) for x in runs[op][s]] for s in peers},
+                "cpu_s_per_gb": round(statistics.median(cpu[op][k]), 3),
+                "peer_cpu_s_per_gb": {s: round(statistics.median(cpu[op][s]), 3)
+                                      for s in peers if not s.startswith("fio")},
             })
     return rows
+
+
+def _cpu_seconds() -> float:
+    """User and system CPU time of this process so far, every thread's."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
 
 
 def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> None:
@@ -192,13 +210,16 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
              f"{worst['ratio']:5.2f}x {worst['reference']} ({worst['gbps']:.3f} / "
              f"{worst['reference_gbps']:.3f} GB/s, {worst['repeats']} rounds, "
              f"{tierstore.format_size(worst['total_bytes'])})")
-    echo(f"{'op':5} {'block':>9} {'engine':16} {'memory':16} {'GB/s':>7} {'ratio':>6}  "
-         "peers (GB/s)")
+    echo(f"{'op':5} {'block':>9} {'engine':16} {'memory':16} {'GB/s':>7} {'ratio':>6} "
+         f"{'CPU s/GB':>8}  peers (GB/s; CPU s/GB)")
     for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["engine"], r["ratio"])):
-        peers = ", ".join(f"{k} {v:.3f}" for k, v in r["peers"].items())
+        peers = ", ".join(
+            f"{k} {v:.3f}" + (f"; {r['peer_cpu_s_per_gb'][k]:.2f}"
+                              if k in r["peer_cpu_s_per_gb"] else "")
+            for k, v in r["peers"].items())
         echo(f"{r['op']:5} {tierstore.format_size(r['block_bytes']):>9} {_engine(r):16} "
              f"{r['kind']:16} "
-             f"{r['gbps']:7.3f} {r['ratio']:6.2f}  {peers}")
+             f"{r['gbps']:7.3f} {r['ratio']:6.2f} {r['cpu_s_per_gb']:8.2f}  {peers}")
 
 
 def _engine(row: dict[str, Any]) -> str:
