@@ -70,9 +70,11 @@ def test_entry_sizes_alternate_both_sizes_in_one_store_and_report_their_ratio(
         assert len(res["small_runs"]) == len(res["large_runs"]) == 6
         assert all(x > 0 for x in res["small_runs"] + res["large_runs"])
         assert res["small_gbps"] == pytest.approx(statistics.median(res["small_runs"]), abs=1e-3)
+        # The runs are kept to 3 decimals: at a few tenths of a GB/s (a loaded machine)
+        # that alone moves a ratio of them by up to 0.4 %.
         assert res["ratio"] == pytest.approx(
             statistics.median(res["small_runs"]) / statistics.median(res["large_runs"]),
-            rel=2e-3)
+            rel=1e-2)
     assert os.listdir(tmp_path) == []  # its store is removed
 
 
@@ -94,7 +96,8 @@ def test_bench_tiers_writes_the_table_and_the_entry_size_comparison(tmp_path) ->
     (write,) = [r for r in data["results"] if r["op"] == "write"]
     assert set(write["fresh_ceilings"]) == set(write["ceilings"])
     assert write["fresh_ratio"] == pytest.approx(
-        write["write_fresh_gbps"] / write["fresh_ceilings"][write["fresh_ceiling"]], rel=2e-3)
+        write["write_fresh_gbps"] / write["fresh_ceilings"][write["fresh_ceiling"]],
+        rel=1e-2)  # both kept to 3 decimals (see above)
     assert "into never-written (fallocated) space:" in result.output
     assert "nvme  fresh posix-direct" in result.output
     # The user's call too: a read and a write row per kind of caller's memory.
