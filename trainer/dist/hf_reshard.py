@@ -48,6 +48,7 @@ from .world import AgreedError, World, owned, owner
 
 PathLike = str | os.PathLike[str]
 KINDS = ("param", *MOMENTS)  # what the lazy rule keeps per part of an expert
+ROUND_BYTES = 256 << 20  # expert states in flight per round of the move, over all ranks
 
 
 def open_node_store(path: PathLike) -> tierstore.Store:
@@ -65,40 +66,49 @@ def open_node_store(path: PathLike) -> tierstore.Store:
 def departed_stores(world: World, m: dict[str, Any], paths: Sequence[PathLike]
                     ) -> dict[int, tierstore.Store]:
     """The departing nodes' stores this node's leader reaches among ``paths``, by their
-    node index in checkpoint ``m``, each restored to the checkpoint's snapshot. Raises on
-    every rank where a path is not such a store, or a departing node is reached by none."""
+    node index in checkpoint ``m``, each restored to the checkpoint's snapshot. The nodes
+    try in turn, each only while a departing store is still unreached, so that a shared path
+    that every node names is opened by one of them. Raises on every rank where a path is not
+    such a store, or a departing node is reached by none."""
     what = f"checkpoint {m['number']} (step {m['step']})"
-    found: dict[int, tierstore.Store] = {}
-    error = None
-    if world.is_node_leader:
-        try:
-            for path in paths:
-                st = open_node_store(path)
-                i = _departing_index(st, m, world, what)
-                if i in found:
-                    st.close()
-                    continue
-                found[i] = st
-                if m["tag"] not in {s.tag for s in st.snapshots()}:
-                    raise AgreedError(f"--node-store {os.fspath(path)} is node {i}'s store of "
-                                      f"{what} but holds no snapshot {m['tag']}: name the "
-                                      "store as that checkpoint left it, or a copy of it")
-                st.restore(m["tag"])
-        except (tierstore.StoreError, AgreedError, OSError) as e:
-            error = f"--node-store: {e}"
-    reached: list[Any] = [None] * world.size
-    dist.all_gather_object(reached, error if error else sorted(found))
-    errors = [r for r in reached if isinstance(r, str)]
-    if errors:
-        for st in found.values():
-            st.close()
-        raise AgreedError(errors[0])
-    have = {i for r in reached if r for i in r}
     n_old = len(m["nodes"])
+    found: dict[int, tierstore.Store] = {}
+    have: set[int] = set()
+    busy = ""  # why a named store could not be opened here (another node holds it, say)
+    for turn in range(world.n_nodes):
+        error = None
+        wanted = set(range(world.n_nodes, n_old)) - have
+        if turn == world.node and world.is_node_leader and wanted:
+            try:
+                for path in paths:
+                    try:
+                        st = open_node_store(path)
+                    except tierstore.StoreLockedError as e:
+                        busy = busy or f" ({e})"
+                        continue
+                    i = _departing_index(st, m, world, what)
+                    if i in found or i in have:
+                        st.close()
+                        continue
+                    found[i] = st
+                    if m["tag"] not in {s.tag for s in st.snapshots()}:
+                        raise AgreedError(f"--node-store {os.fspath(path)} is node {i}'s store "
+                                          f"of {what} but holds no snapshot {m['tag']}: name "
+                                          "the store as that checkpoint left it, or a copy")
+                    st.restore(m["tag"])
+            except (tierstore.StoreError, AgreedError, OSError) as e:
+                error = f"--node-store: {e}"
+        reached: list[Any] = [None] * world.size
+        dist.all_gather_object(reached, [error, sorted(found), busy])
+        errors = [r[0] for r in reached if r[0]]
+        if errors:
+            close_all(found)
+            raise AgreedError(errors[0])
+        have |= {i for r in reached for i in r[1]}
+        busy = next((r[2] for r in reached if r[2]), "")
     for i in range(world.n_nodes, n_old):
         if i not in have:
-            for st in found.values():
-                st.close()
+            close_all(found)
             ids = owned(m["nodes"][i][0], m["n_experts"], m["world_size"])
             last = owned(m["nodes"][i][-1], m["n_experts"], m["world_size"])
             raise AgreedError(
@@ -106,8 +116,14 @@ def departed_stores(world: World, m: dict[str, Any], paths: Sequence[PathLike]
                 f"{m['node_ids'][i]}) holds experts {ids.start}-{last.stop - 1} of every MoE "
                 f"layer; resuming on {world.n_nodes} node(s) moves them: name where that store "
                 "is reachable with --node-store PATH (a shared path, or a copy of its "
-                "directory)")
+                f"directory){busy}")
     return found
+
+
+def close_all(stores: dict[int, tierstore.Store]) -> None:
+    """Let go of the departing stores (:func:`departed_stores`)."""
+    for st in stores.values():
+        st.close()
 
 
 def _departing_index(st: tierstore.Store, m: dict[str, Any], world: World, what: str) -> int:
@@ -136,7 +152,7 @@ def move_states(world: World, store: tierstore.Store, layout: ExpertLayout,
         for i in got or ():
             reader.setdefault(i, world.node_of(r))  # the first node to reach it reads it
     leader = [ranks[0] for ranks in world.nodes]
-    mine = [r for r in world.nodes[world.node]]
+    mine = list(world.nodes[world.node])
     counts = {r: {lay.key: torch.zeros(n, dtype=torch.int64) for lay in layout.layers}
               for r in mine}
     old_counts: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -150,46 +166,49 @@ def move_states(world: World, store: tierstore.Store, layout: ExpertLayout,
 
     received = 0
     width = 3 * lay_numel(layout)
+    per_round = max(1, ROUND_BYTES // (4 * max(width, 1)))
+    dev = comm_device(world)
     for lay in layout.layers:
-        moves = [(e, old_node_of[owner(e, n, old_size)], world.node_of(owner(e, n, world.size)))
-                 for e in range(n)]
-        send, recv = [0] * world.size, [0] * world.size
-        out_ids: list[tuple[int, int]] = []  # (destination node, expert)
-        in_ids: list[tuple[int, int]] = []  # (reading node, expert)
-        for e, src, dst in moves:
-            if src == dst:
+        moving = []
+        for e in range(n):
+            src, dst = old_node_of[owner(e, n, old_size)], world.node_of(owner(e, n, world.size))
+            if src != dst:
+                moving.append((e, src, dst))
+            elif dst == world.node and world.is_node_leader:  # stays: only its count moves
+                counts[owner(e, n, world.size)][lay.key][e] = count(store, src, lay, e)[0]
+        # In rounds of a bounded number of experts, so that no rank holds a layer's worth.
+        for first in range(0, len(moving), per_round):
+            send, recv = [0] * world.size, [0] * world.size
+            out_ids: list[tuple[int, int]] = []  # (destination node, expert)
+            in_ids: list[tuple[int, int]] = []  # (reading node, expert)
+            for e, src, dst in moving[first:first + per_round]:
+                if reader[src] == world.node and world.is_node_leader:
+                    send[leader[dst]] += 1
+                    out_ids.append((dst, e))
                 if dst == world.node and world.is_node_leader:
-                    counts[owner(e, n, world.size)][lay.key][e] = count(store, src, lay, e)[0]
-                continue
-            if reader[src] == world.node and world.is_node_leader:
-                send[leader[dst]] += 1
-                out_ids.append((dst, e))
-            if dst == world.node and world.is_node_leader:
-                recv[leader[reader[src]]] += 1
-                in_ids.append((reader[src], e))
-        out_ids.sort()
-        in_ids.sort()
-        rows, cnts = [], []
-        for _, e in out_ids:
-            i = old_node_of[owner(e, n, old_size)]
-            src_store = store if i == world.node else departed[i]
-            keys = [(name, k) for name in lay.names(e) for k in KINDS]
-            got = src_store.get_many(keys)  # checksums verified as read
-            rows.append(torch.cat([got[k].reshape(-1).to(torch.float32) for k in keys]))
-            cnts.append(count(src_store, i, lay, e))
-        floats = torch.stack(rows) if rows else torch.empty((0, width))
-        steps = torch.stack(cnts) if cnts else torch.empty((0, 1), dtype=torch.int64)
-        if floats.shape[1] < width:  # a layer narrower than the widest: pad the rows
-            floats = torch.nn.functional.pad(floats, (0, width - floats.shape[1]))
-        dev = comm_device(world)
-        got_f = all_to_all_rows(floats.to(dev), send, recv).cpu()
-        got_c = all_to_all_rows(steps.to(dev), send, recv).cpu()
-        for j, (_, e) in enumerate(in_ids):
-            store.put_many(_unpack(lay, e, got_f[j]))
-            counts[owner(e, n, world.size)][lay.key][e] = got_c[j][0]
-            received += 1
-            if on_phase is not None:
-                on_phase("moved", received)
+                    recv[leader[reader[src]]] += 1
+                    in_ids.append((reader[src], e))
+            out_ids.sort()
+            in_ids.sort()
+            rows, cnts = [], []
+            for _, e in out_ids:
+                i = old_node_of[owner(e, n, old_size)]
+                src_store = store if i == world.node else departed[i]
+                keys = [(name, k) for name in lay.names(e) for k in KINDS]
+                got = src_store.get_many(keys)  # checksums verified as read
+                row = torch.cat([got[k].reshape(-1).to(torch.float32) for k in keys])
+                rows.append(torch.nn.functional.pad(row, (0, width - row.numel())))
+                cnts.append(count(src_store, i, lay, e))
+            floats = torch.stack(rows) if rows else torch.empty((0, width))
+            steps = torch.stack(cnts) if cnts else torch.empty((0, 1), dtype=torch.int64)
+            got_f = all_to_all_rows(floats.to(dev), send, recv).cpu()
+            got_c = all_to_all_rows(steps.to(dev), send, recv).cpu()
+            for j, (_, e) in enumerate(in_ids):
+                store.put_many(_unpack(lay, e, got_f[j]))
+                counts[owner(e, n, world.size)][lay.key][e] = got_c[j][0]
+                received += 1
+                if on_phase is not None:
+                    on_phase("moved", received)
     if world.is_node_leader:
         new_names = set()
         items = []

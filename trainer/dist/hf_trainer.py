@@ -61,7 +61,7 @@ from ..train.resident import (
 from . import records
 from .checkpoint import PhaseHook, claim_stores, write_checkpoint
 from .hf_parallel import RULES, HFExpertParallel, choose, global_router_loss, owned_layout
-from .hf_reshard import departed_stores, move_states
+from .hf_reshard import close_all, departed_stores, move_states
 from .manifests import FORMAT
 from .stepmetrics import step_record
 from .world import AgreedError, World, barrier, check_divides
@@ -175,8 +175,7 @@ def _start(world: World, store: tierstore.Store, run_dir: Path, layout: Any, min
         try:
             move_states(world, store, net.layout, manifest, departed, on_phase)
         finally:
-            for st in departed.values():
-                st.close()
+            close_all(departed)
         barrier(world)
     box: list[Any] = [unpack(store.get(*DENSE_ENTRY)) if world.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
