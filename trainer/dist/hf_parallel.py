@@ -300,7 +300,12 @@ def owned_layout(layout: ExpertLayout, world: World) -> tuple[ExpertLayout, rang
     """``layout`` as rank ``world.rank`` trains it (its own step-count entry per layer: the
     node's ranks share the store), and the experts it owns."""
     mine = owned(world.rank, layout.n_experts, world.size)
-    return replace(layout, counts_suffix=f".owned{mine.start}-{mine.stop - 1}"), mine
+    return replace(layout, counts_suffix=owned_suffix(mine)), mine
+
+
+def owned_suffix(ids: range) -> str:
+    """The suffix of a rank's step-count entry of each MoE layer, for experts ``ids``."""
+    return f".owned{ids.start}-{ids.stop - 1}"
 
 
 def join_world(process_group: Any, device: torch.device) -> World:
