@@ -565,11 +565,20 @@ def bench_daemon(store: str | None, entry_bytes: int, entries: int, clients: lis
 @click.option("--timeout", default=600.0, show_default=True,
               type=FiniteFloat(min=0, min_open=True),
               help="Seconds one configuration may run before it is stopped.")
+@click.option("--model-dir", type=click.Path(exists=True, file_okay=False),
+              help="Fine-tune this Hugging Face checkpoint instead of a preset (imported into "
+                   "each node's store), token-centric, at each --pipeline setting.")
+@click.option("--family", type=click.Choice(["mixtral", "deepseek_v3", "gpt_oss"]),
+              help="As --model-dir, on a tiny checkpoint of this family written here.")
+@click.option("--pipeline", "pipelines", type=NAMES, default="1,2,4,auto", show_default=True,
+              help="With --model-dir/--family: comma-separated chunk counts N, or auto.")
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
-def bench_dist(presets: list[str], batch_sizes: list[int], seq_len: int, steps: int,
-               worlds: list[str], paradigms: list[str], host_cache: int, threads: int,
-               peer: str | None, peer_batch: int | None, scratch: str | None, timeout: float,
-               json_out: str | None) -> None:
+@click.pass_context
+def bench_dist(ctx: click.Context, presets: list[str], batch_sizes: list[int], seq_len: int,
+               steps: int, worlds: list[str], paradigms: list[str], host_cache: int,
+               threads: int, peer: str | None, peer_batch: int | None, scratch: str | None,
+               timeout: float, model_dir: str | None, family: str | None,
+               pipelines: list[str], json_out: str | None) -> None:
     """Distributed training on this machine: bytes moved between ranks per step, token- and
     data-centric, split intra-node/cross-node and tokens/experts/gradients, beside Janus's
     formula (R, and its cross-node volumes, an upper bound for data-centric), and step time
@@ -580,12 +589,40 @@ def bench_dist(presets: list[str], batch_sizes: list[int], seq_len: int, steps: 
     machine's cores between every rank and daemon, so they show overhead, not scaling.
 
     \b
+    With --model-dir (or --family) it fine-tunes an imported checkpoint instead, every MoE
+    block token-centric in N chunks (MPMoE), and reports per run the compute, communication
+    and hidden time from the pipeline's counters, the bytes moved, and the performance
+    model's T(N) from the auto run's logged alpha, beta and c. On 2 cores the times cannot
+    rank the settings: trust the hidden fraction and the traffic.
+
+    \b
     tierstore bench dist --model tiny,small --batch-sizes 2,8,32 --worlds 1,2,4 \\
-        --paradigms token,data,token-2stage --steps 4 --peer deepspeed --json dist.json"""
+        --paradigms token,data,token-2stage --steps 4 --peer deepspeed --json dist.json
+    tierstore bench dist --family mixtral --pipeline 1,2,4,auto --worlds 2,4 \\
+        --batch-sizes 4 --json dist_hf.json"""
     from tierstore.bench.dist import run_dist_bench
+    from tierstore.bench.dist_hf import run_dist_hf_bench
+
+    hf = model_dir is not None or family is not None
+    given = {name for name in ("presets", "paradigms", "peer", "peer_batch", "pipelines")
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
 
     def go() -> int:
         try:
+            if model_dir is not None and family is not None:
+                raise ValueError("--model-dir and --family both name the model; give one")
+            if hf and given & {"presets", "paradigms", "peer", "peer_batch"}:
+                raise ValueError("--model, --paradigms and --peer are the presets' options; an "
+                                 "imported model runs token-centric at each --pipeline")
+            if not hf and "pipelines" in given:
+                raise ValueError("--pipeline chunks an imported model: give --model-dir or "
+                                 "--family")
+            if hf:
+                result = run_dist_hf_bench(
+                    model_dir, family, pipelines, batch_sizes, seq_len, steps, worlds,
+                    host_cache=host_cache, threads=threads, scratch=scratch,
+                    json_out=json_out, timeout=timeout, echo=click.echo)
+                return 1 if any("error" in r for r in result["rows"]) else 0
             result = run_dist_bench(
                 presets, batch_sizes, seq_len, steps, worlds, paradigms,
                 host_cache=host_cache, threads=threads, scratch=scratch, peer=peer,

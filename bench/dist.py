@@ -347,13 +347,8 @@ def run_dist_bench(presets: Sequence[str] = ("tiny",), batch_sizes: Sequence[int
                                    "ranks_per_node": m, "paradigm": par, "steps": steps,
                                    "janus": janus(preset, batch, seq_len, n, m),
                                    "wall_s": time.monotonic() - t0}
-            if any(codes):
-                row["error"] = f"exit codes {codes}"
-                row["log_tail"] = tail
-                echo(f"    failed ({row['error']}):\n{tail}")
-            else:
-                ranks = [[json.loads(x) for x in (folder / f"metrics.jsonl.rank{r}")
-                          .read_text().splitlines()] for r in range(n * m)]
+            if not failed(row, codes, tail, echo):
+                ranks = rank_metrics(folder, n * m)
                 daemons = [json.loads((folder / f"metrics.jsonl.daemon{k}").read_text())
                            for k in range(n)]
                 row.update(summarise(ranks, daemons))
@@ -377,13 +372,36 @@ def run_dist_bench(presets: Sequence[str] = ("tiny",), batch_sizes: Sequence[int
         if scratch is None:
             shutil.rmtree(root, ignore_errors=True)
     _compare(result["rows"])
-    for line in report_lines(result):
+    emit(result, report_lines(result), json_out, echo)
+    return result
+
+
+def rank_metrics(folder: Path, world_size: int) -> list[list[dict[str, Any]]]:
+    """Every rank's per-step metrics of the run in ``folder``."""
+    return [[json.loads(x) for x in (folder / f"metrics.jsonl.rank{r}").read_text()
+             .splitlines()] for r in range(world_size)]
+
+
+def failed(row: dict[str, Any], codes: list[int], tail: str, echo: Callable[[str], Any]
+           ) -> bool:
+    """Whether a run failed (then said in ``row`` and echoed)."""
+    if not any(codes):
+        return False
+    row["error"] = f"exit codes {codes}"
+    row["log_tail"] = tail
+    echo(f"    failed ({row['error']}):\n{tail}")
+    return True
+
+
+def emit(result: dict[str, Any], lines: list[str], json_out: str | None,
+         echo: Callable[[str], Any]) -> None:
+    """Echo a result's tables and write it to ``json_out``."""
+    for line in lines:
         echo(line)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
-    return result
 
 
 def _compare(rows: list[dict[str, Any]]) -> None:

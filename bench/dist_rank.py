@@ -63,7 +63,8 @@ def main(argv: list[str]) -> int:
                       TrainConfig(**spec["train"]), store_path=store,
                       paradigm=spec["paradigm"], host_cache=int(spec["host_cache"]),
                       hierarchical=bool(spec.get("hierarchical", False)),
-                      metrics_path=spec["metrics"], on_step=on_step)
+                      metrics_path=spec["metrics"], on_step=on_step,
+                      pipeline=spec.get("pipeline"))
     if leader:
         Path(f"{spec['metrics']}.daemon{node}").write_text(json.dumps(daemon))
     return 0

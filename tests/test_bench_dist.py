@@ -78,3 +78,49 @@ def test_a_world_the_experts_do_not_split_over_is_refused_in_one_line() -> None:
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "tierstore bench dist: tiny's 8 experts do not split over world 3 (3 ranks)"]
+
+
+def test_imported_family_at_each_pipeline_granularity(tmp_path: Path) -> None:
+    """A tiny Mixtral, imported into both nodes' stores, fine-tuned at W = 2 in 2 chunks and
+    with auto: the counters' relations, the chunks asked for, the same traffic whatever the
+    chunking, and the model's T(N) from the auto run's logged figures beside both."""
+    out = tmp_path / "dist_hf.json"
+    done = _bench("--family", "mixtral", "--pipeline", "2,auto", "--worlds", "2",
+                  "--batch-sizes", "2", "--seq-len", "32", "--steps", "2", "--host-cache",
+                  "16MiB", "--store", str(tmp_path / "scratch"), "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "hidden %" in done.stdout and "cannot rank the chunk counts" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["world"], r["pipeline"]) for r in rows] == [("2x1", 2), ("2x1", "auto")]
+    fixed, auto = rows
+    blocks = auto["model_blocks"]
+    assert len(blocks) == 2  # tiny family: two MoE layers, each logged once by rank 0
+    assert all(b["compute_s"] > 0 and b["bytes"] > 0 and b["auto_chunks"] in (1, 2)
+               for b in blocks)
+    assert fixed["chunks_per_step"] == [2 * len(blocks)]
+    # a block auto leaves unchunked takes the plain exchange, which counts no chunks
+    assert auto["chunks_per_step"] == [sum(b["auto_chunks"] for b in blocks
+                                           if b["auto_chunks"] > 1)]
+    for r in rows:
+        assert "error" not in r, r
+        assert 0 <= r["pipeline_hidden_s"] <= r["pipeline_overlapped_s"] \
+            <= r["pipeline_compute_s"]
+        assert 0 <= r["hidden_frac"] <= 1
+        assert r["comm_time_s"] >= r["pipeline_hidden_s"]
+        assert r["moved_bytes"] == r["cross_bytes"] > 0  # two nodes of one rank
+        assert len(r["model_T_s_per_block"]) == 2 and r["model_T_s"] > 0
+    # chunks regroup the rows, they do not add any
+    assert fixed["moved_bytes"] == auto["moved_bytes"]
+
+
+def test_pipeline_settings_are_checked_in_one_line(tmp_path: Path) -> None:
+    done = _bench("--pipeline", "2", "--worlds", "2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "tierstore bench dist: --pipeline chunks an imported model: give --model-dir or "
+        "--family"]
+    done = _bench("--family", "mixtral", "--pipeline", "3", "--worlds", "2",
+                  "--store", str(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "tierstore bench dist: 3 chunks do not split the 4 experts each rank owns at world 2"]
