@@ -598,7 +598,7 @@ def bench_dist(ctx: click.Context, presets: list[str], batch_sizes: list[int], s
     \b
     tierstore bench dist --model tiny,small --batch-sizes 2,8,32 --worlds 1,2,4 \\
         --paradigms token,data,token-2stage --steps 4 --peer deepspeed --json dist.json
-    tierstore bench dist --family mixtral --pipeline 1,2,4,auto --worlds 2,4 \\
+    tierstore bench dist --family mixtral --pipeline 1,2,4,auto --worlds 2 \\
         --batch-sizes 4 --json dist_hf.json"""
     from tierstore.bench.dist import run_dist_bench
     from tierstore.bench.dist_hf import run_dist_hf_bench
