@@ -95,7 +95,8 @@ def test_imported_family_at_each_pipeline_granularity(tmp_path: Path) -> None:
     fixed, auto = rows
     blocks = auto["model_blocks"]
     assert len(blocks) == 2  # tiny family: two MoE layers, each logged once by rank 0
-    assert all(b["compute_s"] > 0 and b["bytes"] > 0 and b["auto_chunks"] in (1, 2)
+    # auto picks among the chunk counts that divide the 4 experts each rank owns
+    assert all(b["compute_s"] > 0 and b["bytes"] > 0 and b["auto_chunks"] in (1, 2, 4)
                for b in blocks)
     assert fixed["chunks_per_step"] == [2 * len(blocks)]
     # a block auto leaves unchunked takes the plain exchange, which counts no chunks
