@@ -3,8 +3,9 @@ this machine): the family's own ``transformers`` model on every rank, the routed
 to their experts' owners inside the registered ``tierstore`` experts function.
 
 - W = 2 equals the single-process fine-tune (``train_store`` over one store) on the same
-  global batch: per-step losses within 1e-5, every weight (each node's owned experts, the
-  dense weights) within 1e-5. Mixtral (the global batch's router loss) in a loop of the
+  global batch under the dense update rule (the default): per-step losses within 1e-5,
+  every weight (each node's owned experts, the dense weights) within 1e-5, experts missing
+  steps and caught up by their owners, each rank from its own history. Mixtral (the global batch's router loss) in a loop of the
   user's own over ``tierstore.hf.load(..., process_group=...)``, as two nodes of one rank
   with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by the
   distributed trainer, as one node of two ranks sharing its store and daemon.
@@ -73,17 +74,17 @@ def owned_weights(tmp: Path, nodes: int, per_node: int) -> dict[str, torch.Tenso
     return out
 
 
-def single_process(tmp: Path, global_batch: int, corpus: Corpus) -> list[dict[str, Any]]:
-    # The distributed fine-tune has the lazy rule only (the dense one is single-process).
-    tc = TrainConfig(batch_size=global_batch, update_rule="lazy", **TRAIN)
+def single_process(tmp: Path, global_batch: int, corpus: Corpus,
+                   rule: str = "dense") -> list[dict[str, Any]]:
+    tc = TrainConfig(batch_size=global_batch, update_rule=rule, **TRAIN)
     return train_store(None, STEPS, seed=SEED, train=tc, corpus=corpus,
                        store_path=tmp / "single", host_cache="4MiB")
 
 
-def prepare(family: str, tmp: Path, nodes: int, tokenizer_file: Path) -> None:
-    """The checkpoint, imported into every node's store, the single process's and one kept
-    as it starts."""
-    make_model(family, tmp / "hf", tokenizer_file)
+def prepare(family: str, tmp: Path, nodes: int, tokenizer_file: Path, **over: Any) -> None:
+    """The checkpoint (``over``: config fields), imported into every node's store, the
+    single process's and one kept as it starts."""
+    make_model(family, tmp / "hf", tokenizer_file, **over)
     for path in [*(f"node{i}" for i in range(nodes)), "single", "start"]:
         tierstore.hf.import_hf(tmp / "hf", tmp / path, progress=False)
 
@@ -158,20 +159,23 @@ def test_train_distributed_equals_one_process_through_a_kill_and_resume(
     """DeepSeek-V3 (a shared expert, group-limited routing) by ``train_distributed`` (what
     ``tierstore train --distributed --store NODE_STORE`` runs) on one node of two ranks
     that share its store through the node's daemon, data-centric (the ranks pull the
-    experts their tokens need), a checkpoint every step. Rank 1 is
-    SIGKILLed in step 2 between its backward pass and the update: rank 0, blocked in the
-    gradients' all-reduce, ends within the bound with one line naming rank 1; the store is
-    fsck-clean. Step 1, and the steps that ``--resume`` runs from the step-1 checkpoint,
+    experts their tokens need), under the dense update rule (the default), a checkpoint
+    every second step. Experts miss steps, so each rank catches its own up from its own
+    history in the shared store, on fetch and before the checkpoint. Rank 1 is SIGKILLed in
+    step 3 between its backward pass and the update: rank 0, blocked in the gradients'
+    all-reduce, ends within the bound with one line naming rank 1; the store is
+    fsck-clean. Steps 1-2, and the step that ``--resume`` runs from the step-2 checkpoint,
     equal the single process's, and so do the final weights."""
     nodes, per_node = 1, 2
-    prepare("deepseek_v3", tmp_path, nodes, tokenizer_file)
+    # 16 routed experts: with 8, this batch reaches every expert in every step.
+    prepare("deepseek_v3", tmp_path, nodes, tokenizer_file, n_routed_experts=16)
     spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
             "host_cache": 4 << 20}
-    codes = launch(tmp_path, "a", nodes, per_node, steps=STEPS, checkpoint_every=1,
-                   kill=["backward", 2, 1], spec=spec, paradigm="data")
+    codes = launch(tmp_path, "a", nodes, per_node, steps=STEPS, checkpoint_every=2,
+                   kill=["backward", 3, 1], spec=spec, paradigm="data")
     ended = time.time()
     assert codes != [0], (tmp_path / "a.node0.log").read_text()[-3000:]
-    # Rank 1 died right after step 1's line: within the bound of that.
+    # Rank 1 died right after step 2's line: within the bound of that.
     assert ended - (tmp_path / "a.jsonl.rank1").stat().st_mtime < BOUND_S
     assert rank_stderr(tmp_path, "a", 0, per_node) == [
         "tierstore: rank 0: stopped because rank 1 (node 0) ended without a word (killed, or "
@@ -183,28 +187,41 @@ def test_train_distributed_equals_one_process_through_a_kill_and_resume(
     assert launch(tmp_path, "b", nodes, per_node, steps=STEPS, resume=True, spec=spec,
                   paradigm="data") == [0]
     ref = single_process(tmp_path, nodes * per_node, corpus)
+    with tierstore.open(tmp_path / "node0", host_cache=0) as st:
+        sm = stored_model(st)
+        n = sm.experts[0].num_experts
+        owned = len(sm.experts) * n // (nodes * per_node)  # per rank, over the MoE layers
+        # One history per rank, beside its step counts; none under the single process's name.
+        assert sorted(st.names("trainer.dense_rule")) == [
+            f"trainer.dense_rule.owned{lo}-{lo + n // 2 - 1}" for lo in (0, n // 2)]
+    runs = []
     for r in range(nodes * per_node):
         first, resumed = metrics(tmp_path, "a", r), metrics(tmp_path, "b", r)
-        assert [m["step"] for m in first] == [1]
-        assert [m["step"] for m in resumed] == list(range(2, STEPS + 1))
+        assert [m["step"] for m in first] == [1, 2]
+        assert [m["step"] for m in resumed] == [3]
         same_steps(ref, first + resumed)
+        runs += first + resumed
+    # Under the dense rule every fetched expert is updated: fewer than a rank owns means
+    # some expert missed a step and was caught up later.
+    assert any(m["experts_touched"] < owned for m in runs)
     check_weights(tmp_path, nodes, per_node)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("paradigm", ["token", "data"])
-def test_four_ranks_on_two_nodes_equal_one_process(paradigm: str, corpus: Corpus,
+@pytest.mark.parametrize(("paradigm", "rule"), [("token", "dense"), ("data", "dense"),
+                                                ("token", "lazy")])
+def test_four_ranks_on_two_nodes_equal_one_process(paradigm: str, rule: str, corpus: Corpus,
                                                    tokenizer_file: Path,
                                                    tmp_path: Path) -> None:
     """W = 4: two nodes of two ranks, each node its own store and daemon (Mixtral, by
-    ``train_distributed``), in either paradigm."""
+    ``train_distributed``), in either paradigm, under either update rule."""
     nodes, per_node = 2, 2
     prepare("mixtral", tmp_path, nodes, tokenizer_file)
-    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
-            "host_cache": 4 << 20}
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1, "update_rule": rule},
+            "corpus_bytes": CORPUS_BYTES, "host_cache": 4 << 20}
     codes = launch(tmp_path, "run", nodes, per_node, steps=STEPS, spec=spec, paradigm=paradigm)
     assert codes == [0] * nodes, (tmp_path / "run.node0.log").read_text()[-3000:]
-    ref = single_process(tmp_path, nodes * per_node, corpus)
+    ref = single_process(tmp_path, nodes * per_node, corpus, rule)
     runs = [metrics(tmp_path, "run", r) for r in range(nodes * per_node)]
     for got in runs:
         assert [m["step"] for m in got] == list(range(1, STEPS + 1))

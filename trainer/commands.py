@@ -337,9 +337,9 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
           or pipeline is not None):
         raise click.UsageError("--paradigm, --credits, --hierarchical-a2a, --pipeline and "
                                "--run-dir go with --distributed")
-    if update_rule is not None and (distributed or resident):
+    if update_rule is not None and resident:
         raise click.UsageError("--update-rule is the store trainer's: drop it with "
-                               "--resident and --distributed")
+                               "--resident")
     if connect is not None and not distributed and (store is not None or resident):
         raise click.UsageError("--connect replaces --store and cannot go with --resident")
     if not resident and store is None and connect is None:

@@ -100,7 +100,7 @@ def train_distributed(
     overrides: dict[str, Any] | None = None,
     on_step: Callable[[Metrics], None] | None = None,
     on_phase: PhaseHook | None = None,
-    rule: str = "lazy",
+    rule: str | None = None,
     pipeline: int | str | None = None,
 ) -> list[Metrics]:
     """Train ``model`` on every rank of the torchrun world until ``steps`` steps are done;
@@ -129,8 +129,9 @@ def train_distributed(
 
     ``model=None`` where the node stores hold a model ``tierstore import-hf`` put there (the
     same checkpoint in every node's store) fine-tunes it expert-parallel through its own
-    ``transformers`` class (:mod:`.hf_trainer`); ``rule`` is the experts' AdamW rule there,
-    and ``pipeline`` the chunks of its token-centric blocks (``auto`` by default;
+    ``transformers`` class (:mod:`.hf_trainer`); ``rule`` is the experts' AdamW rule there
+    (or ``overrides["update_rule"]``; None: a resumed run's own, else ``dense``), and
+    ``pipeline`` the chunks of its token-centric blocks (``auto`` by default;
     :mod:`.pipeline`), which a preset's run refuses.
     """
     if steps < 0 or checkpoint_every < 0:
@@ -162,10 +163,11 @@ def train_distributed(
         if stored is not None:
             # The node stores hold an import: the family's own transformers model, fine-tuned
             # expert-parallel over the tierstore experts backend (.hf_trainer).
+            tc = replace(train or TrainConfig(), **(overrides or {}))
             history = train_imported(
-                world, store, run, steps, seed,
-                replace(train or TrainConfig(), **(overrides or {})), resume=resume,
-                checkpoint_every=checkpoint_every, paradigm=paradigm, rule=rule,
+                world, store, run, steps, seed, replace(tc, update_rule=None), resume=resume,
+                checkpoint_every=checkpoint_every, paradigm=paradigm,
+                rule=rule if rule is not None else tc.update_rule,
                 metrics_path=metrics_path, corpus=corpus, corpus_paths=corpus_paths,
                 on_step=on_step, on_phase=on_phase, watch=watch,
                 pipeline="auto" if pipeline is None else pipeline)
@@ -175,6 +177,10 @@ def train_distributed(
         if pipeline is not None:
             raise AgreedError("--pipeline splits the token-centric blocks of an imported "
                               "model (a store import-hf filled); a preset's are not split")
+        if (rule or (overrides or {}).get("update_rule") or "lazy") != "lazy":
+            raise AgreedError("a preset trains under the lazy update rule; the dense one is "
+                              "for fine-tuning an imported model (a store import-hf filled)")
+        overrides = {k: v for k, v in (overrides or {}).items() if k != "update_rule"}
         if model is None and not resume:
             model = "tiny"
         cfg, tc, seed = _settings(world, store, model, train, seed, resume, overrides or {})

@@ -116,9 +116,14 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
         # Sized for a step that touches every expert: the loop's batch is not known here.
         # The rule the store's experts were trained with, dense for a new fine-tune (the
         # forward may run before an ExpertAdamW says which, and must see caught-up experts).
+        agree = None
+        if world is not None:
+            from tierstore.trainer.dist.hf_parallel import any_rank
+
+            agree = any_rank(world)
         states = ExpertStates(st, layout, device, mode, tokens_per_step=layout.n_experts,
-                              budget=device_budget,
-                              rule=rule_of(st, layout) or ("lazy" if world else "dense"))
+                              budget=device_budget, rule=rule_of(st, layout) or "dense",
+                              agree=agree)
         states.begin(1)
         parallel = None
         if world is not None:
@@ -191,8 +196,7 @@ class ExpertAdamW(torch.optim.Optimizer):
     trainable=True)``, beside any optimizer of its dense parameters (the defaults are
     ``torch.optim.AdamW``'s).
 
-    ``rule="dense"`` (the default, except for a model trained expert-parallel, which has
-    only the lazy rule so far): :meth:`step` is ``torch.optim.AdamW`` on the model's
+    ``rule="dense"`` (the default): :meth:`step` is ``torch.optim.AdamW`` on the model's
     fused ``[E, ...]`` expert parameters as ``transformers`` has them: an expert no token
     reached takes the zero-gradient update (moments decay, weight decay, the Adam update of
     the decayed moments), weight decay applies to every expert tensor (biases included: the
@@ -218,15 +222,8 @@ class ExpertAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, rule: str | None = None) -> None:
+                 weight_decay: float = 1e-2, rule: str = "dense") -> None:
         self.loaded = _loaded(model)
-        if rule is None:
-            rule = "lazy" if self.loaded.parallel is not None else "dense"
-        if rule == "dense" and self.loaded.parallel is not None:
-            # Each rank would keep its own history of the steps its experts missed, and two
-            # ranks of a node share one store: not built yet.
-            raise ValueError("the dense update rule is not built for expert-parallel training "
-                             "yet: pass rule='lazy' (the default there)")
         try:
             self.loaded.experts.set_rule(rule)
         except tierstore.StoreError as e:
