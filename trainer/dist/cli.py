@@ -20,7 +20,7 @@ def _postfix(m: Metrics) -> str:
 def run_distributed(*, store: str | None, connect: str | None, run_dir: str | None,
                     model: str | None, steps: int, seed: int | None, daemon: dict[str, Any],
                     paradigm: str, credits: int | None, hierarchical: bool,
-                    pipeline: str | None,
+                    pipeline: str | None, failure_timeout: float | None = None,
                     checkpoint_every: int, resume: bool,
                     metrics: str | None, corpus: Sequence[str], overrides: dict[str, Any],
                     device: str, echo: Callable[[str], Any] = print) -> list[Metrics]:
@@ -47,6 +47,7 @@ def run_distributed(*, store: str | None, connect: str | None, run_dir: str | No
             model, steps, seed if seed is not None or resume else 0,
             store_path=store, connect=connect, run_dir=run_dir, **daemon,
             paradigm=paradigm, credits=credits, hierarchical=hierarchical, pipeline=pipeline,
+            **({} if failure_timeout is None else {"failure_timeout_s": failure_timeout}),
             checkpoint_every=checkpoint_every,
             resume=resume, metrics_path=metrics, corpus_paths=list(corpus) or None,
             device=resolve_device(device), overrides=overrides, on_step=on_step)

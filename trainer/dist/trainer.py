@@ -57,7 +57,7 @@ from .collectives import all_reduce_sum_, clip_global, sum_over_ranks
 from ..train.hf_finetune import imported
 from .exchange import ExpertParallel, choose_paradigms, janus_ratio
 from .hf_trainer import train_imported
-from .faults import FaultWatch
+from .faults import SILENT_AFTER_S, FaultWatch
 from .owned import OwnedExperts
 from .sidecar import DaemonSettings, default_run_dir, start_node_daemon
 from .stepmetrics import step_record
@@ -102,6 +102,7 @@ def train_distributed(
     on_phase: PhaseHook | None = None,
     rule: str | None = None,
     pipeline: int | str | None = None,
+    failure_timeout_s: float = SILENT_AFTER_S,
 ) -> list[Metrics]:
     """Train ``model`` on every rank of the torchrun world until ``steps`` steps are done;
     returns this rank's metrics of the steps this call ran.
@@ -123,6 +124,8 @@ def train_distributed(
     ``hierarchical``: token-centric exchanges in two stages, inside each node first (the
     same numbers; fewer, larger messages between nodes).
     ``metrics_path``: one JSON object per step per rank, ``{path}.rank{r}``.
+    ``failure_timeout_s``: a rank (or its host) silent this long counts as gone
+    (:mod:`.faults`; one that dies, or whose node daemon dies, is seen at once).
     ``on_phase(phase, n)`` is called at the points of a checkpoint (``snapshot``,
     ``manifest``) and of a re-shard (``moved``, ``sent``): see :mod:`.reshard`; fine-tuning
     an import, also mid-step ``n``, after its backward passes (``backward``).
@@ -148,12 +151,15 @@ def train_distributed(
                               else os.fspath(pmem_path), pmem_size, slab_size)
     # From here on a rank that fails tells the others, and they end with one line naming
     # it instead of gloo's traceback, or instead of waiting on it (:mod:`.faults`).
-    watch = FaultWatch.start(world)
+    watch = FaultWatch.start(world, failure_timeout_s)
     try:
         daemon = start_node_daemon(world, store_path, run, settings, connect)
         store = daemon.connect()
     except BaseException as e:
         raise watch.failed(e) from None
+    # The node's daemon ending under the run ends this rank at once, naming it (whatever
+    # the main thread is doing), and so every rank.
+    watch.watch_daemon(daemon.pidfd, daemon.lost())
     finished = False
     try:
         stored = imported(store)
@@ -177,9 +183,10 @@ def train_distributed(
         if pipeline is not None:
             raise AgreedError("--pipeline splits the token-centric blocks of an imported "
                               "model (a store import-hf filled); a preset's are not split")
-        if (rule or (overrides or {}).get("update_rule") or "lazy") != "lazy":
-            raise AgreedError("a preset trains under the lazy update rule; the dense one is "
-                              "for fine-tuning an imported model (a store import-hf filled)")
+        asked = rule or (overrides or {}).get("update_rule") or (train and train.update_rule)
+        if asked not in (None, "lazy"):
+            raise AgreedError(f"update rule {asked!r} is for fine-tuning imported models; a "
+                              "preset trains with the lazy rule")
         overrides = {k: v for k, v in (overrides or {}).items() if k != "update_rule"}
         if model is None and not resume:
             model = "tiny"
@@ -221,12 +228,13 @@ def train_distributed(
         finished = True
         return history
     except BaseException as e:
-        raise watch.failed(e) from None
+        raise watch.failed(daemon.explain(e)) from None
     finally:
         store.close()
         # After a failure the other ranks may be anywhere (torchrun stops them): no
         # collective, and the daemon stays up for the run's resumption.
         if finished:
+            daemon.release()  # (the watcher thread, which looks at it, has ended)
             node_barrier(world)
             if world.is_node_leader:
                 daemon.stop()
