@@ -141,8 +141,10 @@ class NodeDaemon:
     def explain(self, error: BaseException) -> BaseException:
         """``error`` as the line :meth:`lost` says where the store failed because the daemon
         has ended; otherwise ``error`` itself."""
-        # A dying process closes its sockets a moment before its pidfd turns readable.
-        if isinstance(error, (tierstore.StoreError, OSError)) and self.ended(1.0):
+        # A dying process closes its sockets a moment before its pidfd turns readable. (The
+        # run's own refusals, DistributedError, are never the daemon's.)
+        if isinstance(error, (tierstore.StoreError, OSError)) and \
+                not isinstance(error, DistributedError) and self.ended(1.0):
             return DistributedError(self.lost())
         return error
 
