@@ -274,7 +274,7 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               show_default=True,
               help="--distributed: send tokens to the experts' owners (token), pull experts to "
                    "the tokens (data, Janus), or choose per MoE block by Janus's ratio (auto).")
-@click.option("--failure-timeout", type=click.FloatRange(min=1.0), metavar="SECONDS",
+@click.option("--failure-timeout", type=FiniteFloat(min=1.0), metavar="SECONDS",
               help="--distributed: a rank, or its host, silent this long counts as gone, and "
                    "every rank ends naming it (a rank or daemon that dies is seen at once) "
                    "[60].")
