@@ -10,6 +10,7 @@ from typing import Any
 
 import tierstore
 
+from .llamacpp_run import _read_bytes as read_bytes
 from .memlimit import drop_page_cache
 
 
@@ -64,16 +65,20 @@ def run_accelerate(model_dir: str, offload_dir: str, prompt: Sequence[int],
             return scores
 
     ids = torch.tensor([list(prompt)], dtype=torch.long)
+    io0 = read_bytes()
     with torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=max_new_tokens, do_sample=False,
                              logits_processor=transformers.LogitsProcessorList([FirstLogits()]))
         end = time.perf_counter()
+    io1 = read_bytes()
     tokens = out[0, ids.shape[1]:].tolist()
     prefill_s = marks[0] - start if marks else end - start
     return {"tokens": [tokens], "prefill_s": prefill_s, "decode_s": end - start - prefill_s,
             "load_s": load_s,
+            # what the offload's hooks read from storage while generating (/proc/self/io)
+            "bytes_read_generating": io1 - io0 if io0 is not None and io1 is not None else None,
             "cache_after_load": (cache or "dropped") if drop_after_load else "as loaded",
             "self_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "accelerate": accelerate.__version__, "transformers": transformers.__version__,

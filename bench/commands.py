@@ -335,6 +335,12 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
               show_default=True,
               help="The store's NVMe I/O engine (auto: Linux AIO where it runs; "
                    "posix-direct: the thread-pool fallback).")
+@click.option("--quantized", type=click.Choice(["mxfp4", "fp8"]),
+              help="With --peer: a synthetic checkpoint with its experts in mxfp4 (the "
+                   "gpt_oss shape, as gpt-oss ships) or 128x128 block fp8 (the deepseek_v3 "
+                   "shape, as DeepSeek-V3 ships), imported compact, against the same weights "
+                   "in bf16 imported as they are (the peer runs those); --memory-limit's "
+                   "fraction is of the bf16 checkpoint.")
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
 def bench_infer(store: str | None, model_dir: str | None, shape: str, layers: int, experts: int,
                 hidden: int,
@@ -343,7 +349,7 @@ def bench_infer(store: str | None, model_dir: str | None, shape: str, layers: in
                 expert_budget: float, repeats: int, device: str | None, vocab: int | None,
                 peer: str | None, memory_limit: str | None, cold: bool,
                 device_budget: int | None, threads: int | None, engine: str,
-                json_out: str | None) -> None:
+                quantized: str | None, json_out: str | None) -> None:
     """Tokens/s of one model and one set of prompts with every expert source: fully
     resident, ring at several K and auto, expert mode, synchronous on-demand loading; ratios
     against resident, against on-demand, and for ring decoding against the limit set by the
@@ -357,13 +363,19 @@ def bench_infer(store: str | None, model_dir: str | None, shape: str, layers: in
     read from disk, from /proc/self/io, reported), one compute thread per run by default.
     Without --memory-limit the host cache holds every expert (as the page cache does for
     accelerate); under one it defaults to a sixth of the limit (--host-cache overrides).
+    With --quantized mxfp4|fp8 the checkpoint ships its experts quantized; its store is
+    held against the same weights imported in bf16 (resident and expert mode; the peer runs
+    the bf16 weights, llama.cpp the shipped ones as Q8_0 with gpt-oss's MXFP4 experts kept).
 
     \b
     tierstore bench infer --peer accelerate --hidden 1024 --ffn 2048 --prefill-len 16 \\
         --decode-tokens 16 --rounds 3 --memory-limit 0.75 --host-cache 256MiB \\
         --device-budget 400MiB --json peer.json
     tierstore bench infer --peer llamacpp --layers 4 --hidden 1024 --ffn 2048 --vocab 2000 \\
-        --prefill-len 16 --decode-tokens 16 --rounds 1 --memory-limit 0.75"""
+        --prefill-len 16 --decode-tokens 16 --rounds 1 --memory-limit 0.75
+    tierstore bench infer --peer accelerate --quantized mxfp4 --layers 8 --experts 24 \
+        --hidden 1024 --ffn 2048 --prefill-len 16 --decode-tokens 8 --threads 1 \
+        --rounds 1 --memory-limit 0.75"""
     if store and model_dir:
         raise click.UsageError("--store and --model-dir exclude each other")
     if peer and store:
@@ -371,6 +383,19 @@ def bench_infer(store: str | None, model_dir: str | None, shape: str, layers: in
                                "for a synthetic one), not --store")
     if memory_limit and not peer:
         raise click.UsageError("--memory-limit applies to the fresh processes of --peer")
+    if quantized and not peer:
+        raise click.UsageError("--quantized applies to the fresh processes of --peer")
+    if quantized and (store or model_dir):
+        raise click.UsageError("--quantized writes its own checkpoints: leave out --store and "
+                               "--model-dir")
+    if quantized:
+        from tierstore.bench.quant_models import FORMATS, check_quant_shape
+
+        shape = FORMATS[quantized]
+        try:
+            check_quant_shape(quantized, hidden, ffn)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
     if peer and engine != "auto":
         raise click.UsageError("--engine applies to the in-process benchmark, not --peer")
     if store is None and model_dir is None:
@@ -393,7 +418,28 @@ def bench_infer(store: str | None, model_dir: str | None, shape: str, layers: in
                   host_cache=host_cache, expert_budget=expert_budget, device=device,
                   repeats=repeats, tier=tier, vocab=vocab, peer=peer,
                   memory_limit=memory_limit, cold=cold, device_budget=device_budget,
-                  threads=threads, engine=engine, shape=shape, echo=click.echo)
+                  threads=threads, engine=engine, shape=shape, quantized=quantized,
+                  echo=click.echo)
+
+    _run(go)
+
+
+@bench.command(name="dequant")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed runs of each (the median is reported).")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's).")
+@click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
+def bench_dequant(repeats: int, threads: int | None, json_out: str | None) -> None:
+    """Dequantizing one packed expert of gpt-oss-120b (MXFP4) and DeepSeek-V3 (block FP8)
+    to bf16, by tierstore and by transformers' own function, beside reading its compact
+    bytes from a store's backing tier.
+
+    \b
+    tierstore bench dequant --repeats 5 --json dequant.json"""
+    from tierstore.bench.dequant import run_dequant
+
+    def go() -> None:
+        run_dequant(repeats=repeats, threads=threads, json_out=json_out, echo=click.echo)
 
     _run(go)
 

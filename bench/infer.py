@@ -189,7 +189,7 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
               peer: str | None = None, memory_limit: str | float | int | None = None,
               cold: bool = True, device_budget: int | None = None,
               threads: int | None = None, engine: str = "auto", shape: str = "mixtral",
-              echo: Callable[[str], Any] = print) -> dict[str, Any]:
+              quantized: str | None = None, echo: Callable[[str], Any] = print) -> dict[str, Any]:
     """Run the benchmark (see the module docstring); returns (and writes) the results.
 
     ``shape``: the synthetic checkpoint's (:data:`~.hf_models.SHAPES`) when neither
@@ -201,6 +201,9 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
     ``repeats`` alternated rounds, one prompt of ``prefill_len`` tokens and
     ``decode_tokens`` greedy tokens, ``cold`` (page cache dropped before every run) and
     optionally under ``memory_limit`` (a size, or a fraction of the checkpoint's size).
+
+    ``quantized`` (``mxfp4``, ``fp8``, with ``peer``): a synthetic checkpoint quantized as
+    gpt-oss or DeepSeek-V3 ship theirs, against its bf16 twin (:func:`.peers.run_peer_study`).
 
     ``engine`` is the NVMe I/O engine the store is opened with (``tierstore.open``'s
     ``engine``: ``auto``, or ``posix-direct`` to measure the thread-pool fallback)."""
@@ -221,7 +224,9 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
             ffn=ffn, vocab=vocab or 32000, prompt_len=prefill_len, new_tokens=decode_tokens,
             rounds=repeats, memory_limit=memory_limit, cold=cold, host_cache=host_cache,
             device_budget=device_budget, seed=seed, threads=threads, json_out=json_out,
-            echo=echo)
+            quantized=quantized, echo=echo)
+    if quantized is not None:
+        raise tierstore.StoreError("--quantized applies to the fresh processes of --peer")
     if memory_limit is not None:
         raise tierstore.StoreError("--memory-limit applies to the fresh processes of --peer")
     if tier not in TIERS:

@@ -183,8 +183,8 @@ def _has_tokenizer(model_dir: Path) -> bool:
                                                      "tekken.json"))
 
 
-def _fingerprint(model_dir: Path) -> str:
-    h = hashlib.sha256(f"{converter_label()} F32".encode())
+def _fingerprint(model_dir: Path, outtype: str) -> str:
+    h = hashlib.sha256(f"{converter_label()} {outtype.upper()}".encode())
     for p in sorted(model_dir.iterdir()):
         if p.is_file():
             st = p.stat()
@@ -210,10 +210,12 @@ def eos_ids(model_dir: str | Path) -> list[int]:
     return []
 
 
-def converted(model_dir: str, scratch: str, *, timeout_s: float = 3600.0,
+def converted(model_dir: str, scratch: str, *, timeout_s: float = 3600.0, outtype: str = "f32",
               echo: Callable[[str], Any] = print) -> dict[str, Any]:
-    """The checkpoint as GGUF F32, converted now or found from an earlier study; what the
-    study reports of it (``path`` among it)."""
+    """The checkpoint as GGUF of ``outtype`` (the converter's: ``f32``, ``bf16``, ``q8_0``;
+    gpt-oss's shipped MXFP4 experts stay MXFP4 under any), converted now or found from an
+    earlier study; what the study reports of it (``path`` among it)."""
+    kind = outtype.upper()
     src_dir = Path(model_dir)
     where = src_dir / "gguf"
     try:
@@ -225,13 +227,13 @@ def converted(model_dir: str, scratch: str, *, timeout_s: float = 3600.0,
         where = Path(scratch) / "gguf"
         where.mkdir(exist_ok=True)
         echo(f"{model_dir} is not writable: the GGUF file goes to the study's scratch folder")
-    out, stamp = where / "model-F32.gguf", where / "model-F32.json"
-    key = _fingerprint(src_dir)
+    out, stamp = where / f"model-{kind}.gguf", where / f"model-{kind}.json"
+    key = _fingerprint(src_dir, outtype)
     if out.is_file() and stamp.is_file():
         with open(stamp) as f:
             info = json.load(f)
         if info.get("fingerprint") == key:
-            echo(f"GGUF F32 from an earlier conversion: {out}")
+            echo(f"GGUF {kind} from an earlier conversion: {out}")
             return {**info, "path": str(out), "cached": True}
     source = converter_source(echo)
     made_up = not _has_tokenizer(src_dir)
@@ -250,12 +252,12 @@ def converted(model_dir: str, scratch: str, *, timeout_s: float = 3600.0,
             write_made_up_tokenizer(stage, int(cfg["vocab_size"]),
                                     int(cfg.get("bos_token_id") or 1),
                                     int((eos_ids(src_dir) or [2])[0]))
-        part = where / f".model-F32.gguf.{os.getpid()}"
-        echo(f"converting {model_dir} to GGUF F32 with llama.cpp's {CONVERTER} ({source})"
+        part = where / f".model-{kind}.gguf.{os.getpid()}"
+        echo(f"converting {model_dir} to GGUF {kind} with llama.cpp's {CONVERTER} ({source})"
              + (" and a made-up tokenizer" if made_up else ""))
         t0 = time.perf_counter()
         cmd = [sys.executable, str(RUNNER), "convert", "--source", str(source),
-               "--model-dir", str(stage), "--outfile", str(part)]
+               "--model-dir", str(stage), "--outfile", str(part), "--outtype", outtype]
         got = subprocess.run(cmd + (["--made-up-tokenizer"] if made_up else []),
                              capture_output=True, text=True, timeout=timeout_s)
         seconds = time.perf_counter() - t0

@@ -3,7 +3,7 @@
     python .../tierstore/bench/llamacpp_run.py run --gguf F --prompt-ids 1,2,3 \\
         --max-new-tokens 16 [--threads 1] [--eos-ids 2]
     python .../tierstore/bench/llamacpp_run.py convert --source LLAMA_CPP --model-dir D \\
-        --outfile F [--made-up-tokenizer]
+        --outfile F [--outtype f32|bf16|q8_0] [--made-up-tokenizer]
 
 ``run`` prints one line of JSON. This file imports nothing of tierstore: ``python -m
 tierstore.bench...`` would import the ``tierstore`` package, and with it torch (6-11 s
@@ -46,6 +46,18 @@ def run_llamacpp(gguf_path: str, prompt: Sequence[int], max_new_tokens: int, *,
     import numpy as np
 
     import_s = time.perf_counter() - t0
+    # No extra buffer types (weights repacked for AMX and other kernels): with them
+    # llama.cpp 0.3.36 dies of SIGILL (gpt-oss) or fails an assertion in its scheduler
+    # (deepseek2) on Q8_0 weights on the project's machine, whose CPU reports AMX inside a
+    # VM; F32 and BF16 tensors are never repacked, so their runs are the same either way.
+    default_params = llama_cpp.llama_model_default_params
+
+    def model_params() -> Any:
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama.llama_cpp.llama_model_default_params = model_params
     n = len(prompt)
     t1 = time.perf_counter()
     # One batch for the whole prompt, as the other systems' prefill is one pass.
@@ -85,8 +97,10 @@ def run_llamacpp(gguf_path: str, prompt: Sequence[int], max_new_tokens: int, *,
             "llama_cpp": llama_cpp.__version__, "threads": threads, "use_mmap": True}
 
 
-def convert(source: str, model_dir: str, outfile: str, made_up: bool) -> int:
-    """llama.cpp's converter, in this process: F32 into ``outfile``. With ``made_up`` the
+def convert(source: str, model_dir: str, outfile: str, made_up: bool, outtype: str = "f32"
+            ) -> int:
+    """llama.cpp's converter, in this process: ``outtype`` (its ``--outtype``) into
+    ``outfile``. With ``made_up`` the
     checkpoint's tokenizer is one the study made: its byte-level pre-tokenizer cannot be
     named by llama.cpp's table of known tokenizers' hashes, so it is called ``default``."""
     import runpy
@@ -108,7 +122,7 @@ def convert(source: str, model_dir: str, outfile: str, made_up: bool) -> int:
             return "default"
 
         text_model.get_vocab_base_pre = default_pre
-    sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outtype", "f32", "--outfile", outfile]
+    sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outtype", outtype, "--outfile", outfile]
     try:
         found["main"]()
     except SystemExit as e:
@@ -129,14 +143,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--max-new-tokens", type=int, required=True)
     r.add_argument("--threads", type=int, default=1, help="Compute threads [1].")
     r.add_argument("--eos-ids", default="", metavar="2", help="End-of-sequence token ids.")
-    c = sub.add_parser("convert", help="A Hugging Face checkpoint to GGUF F32.")
+    c = sub.add_parser("convert", help="A Hugging Face checkpoint to GGUF.")
     c.add_argument("--source", required=True, help="llama.cpp's source: its converter.")
     c.add_argument("--model-dir", required=True)
     c.add_argument("--outfile", required=True)
+    c.add_argument("--outtype", choices=("f32", "bf16", "q8_0"), default="f32",
+                   help="The converter's --outtype [f32]; shipped MXFP4 experts stay MXFP4.")
     c.add_argument("--made-up-tokenizer", action="store_true")
     args = p.parse_args(argv)
     if args.what == "convert":
-        return convert(args.source, args.model_dir, args.outfile, args.made_up_tokenizer)
+        return convert(args.source, args.model_dir, args.outfile, args.made_up_tokenizer,
+                       args.outtype)
     try:
         prompt = [int(x) for x in args.prompt_ids.split(",") if x]
         eos = [int(x) for x in args.eos_ids.split(",") if x]

@@ -26,6 +26,12 @@ whole layers, two layers at once, and the prefetch queue; the faster of the two 
 A synchronous loader such as accelerate's pays the sum of the two. Decoding, a ring that
 reads every layer for every token is held against that bandwidth over its bytes per token.
 
+A quantized checkpoint (``quantized``: gpt-oss's MXFP4, DeepSeek-V3's block FP8;
+:mod:`tierstore.bench.quant_models`) is imported compact and, beside it, its bf16 twin
+(the same values) as it is: the tierstore modes run over both, the peer over the bf16 twin
+(llama.cpp over the shipped checkpoint as Q8_0, gpt-oss's MXFP4 experts kept MXFP4), and
+each compact mode is held against 0.8 x the byte ratio x its bf16 twin's rate.
+
 The modules' command line, one run per call, prints one line of JSON::
 
     python -m tierstore.bench.peers accelerate --model-dir D --offload-dir O \\
@@ -166,9 +172,14 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
                    cold: bool = True, host_cache: int | None = None,
                    device_budget: int | None = None, modes: Sequence[str] = TIERSTORE_MODES,
                    timeout_s: float = 1800.0, seed: int = 0, threads: int | None = None,
-                   json_out: str | None = None,
+                   json_out: str | None = None, quantized: str | None = None,
                    workdir: str = ".", echo: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Run the study (see the module docstring); returns (and writes) the results."""
+    """Run the study (see the module docstring); returns (and writes) the results.
+
+    ``quantized`` (``mxfp4`` or ``fp8``): the study of a quantized checkpoint
+    (:mod:`.quant_models`, its shape set by the format), imported compact and, beside it,
+    the same weights in bf16 imported as they are; the peer runs the bf16 checkpoint, and a
+    limit's fraction is of the bf16 checkpoint's size (see :func:`_quant_summary`)."""
     if peer not in PEERS:
         raise tierstore.StoreError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
     bad = [m for m in modes if m not in TIERSTORE_MODES]
@@ -199,29 +210,72 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
 
     from .hf_models import write_hf_checkpoint
 
+    if quantized is not None and model_dir is not None:
+        raise tierstore.StoreError("--quantized writes its own checkpoints; leave out "
+                                   "--model-dir")
     tmp = tempfile.mkdtemp(prefix="tierstore-peer-", dir=workdir)
     try:
-        if model_dir is None:
-            model_dir = os.path.join(tmp, "hf")
-            echo(f"writing a {shape}-shaped checkpoint: {layers} layers x {experts} experts, "
-                 f"hidden {hidden}, FFN {ffn}, vocab {vocab}, fp32")
-            write_hf_checkpoint(model_dir, shape, layers=layers, experts=experts, hidden=hidden,
-                                ffn=ffn, vocab=vocab, seed=seed)
-        store = os.path.join(tmp, "store")
-        echo("importing it into a store (tierstore import-hf)")
-        import_hf(model_dir, store, progress=True)
+        quant = None
+        if quantized is not None:
+            quant = _quant_checkpoints(tmp, quantized, layers=layers, experts=experts,
+                                       hidden=hidden, ffn=ffn, vocab=vocab, seed=seed,
+                                       echo=echo)
+            model_dir, store = quant["bf16_dir"], quant["store"]
+            modes = [m for m in modes if m in ("resident", "expert")]
+        else:
+            if model_dir is None:
+                model_dir = os.path.join(tmp, "hf")
+                echo(f"writing a {shape}-shaped checkpoint: {layers} layers x {experts} "
+                     f"experts, hidden {hidden}, FFN {ffn}, vocab {vocab}, fp32")
+                write_hf_checkpoint(model_dir, shape, layers=layers, experts=experts,
+                                    hidden=hidden, ffn=ffn, vocab=vocab, seed=seed)
+            store = os.path.join(tmp, "store")
+            echo("importing it into a store (tierstore import-hf)")
+            import_hf(model_dir, store, progress=True)
         gguf = None
         if peer == "llamacpp":  # once per study, before the clock
             from .llamacpp import converted
 
-            gguf = converted(model_dir, tmp, echo=echo)
-        return _study(peer, model_dir, store, tmp, stored_shape(store), gguf,
+            if quant is None:
+                gguf = converted(model_dir, tmp, echo=echo)
+            else:  # the shipped checkpoint: MXFP4 experts stay MXFP4, FP8 becomes Q8_0
+                gguf = converted(quant["quant_dir"], tmp, outtype="q8_0", echo=echo)
+        return _study(peer, model_dir, store, tmp, stored_shape(store), gguf, quant=quant,
                       prompt_len=prompt_len, new_tokens=new_tokens, rounds=rounds, memory_limit=memory_limit,
                       cold=cold, host_cache=host_cache, device_budget=device_budget,
                       modes=modes, timeout_s=timeout_s, seed=seed, threads=threads,
                       json_out=json_out, echo=echo)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _quant_checkpoints(tmp: str, fmt: str, *, layers: int, experts: int, hidden: int,
+                       ffn: int, vocab: int, seed: int, echo: Callable[[str], Any]
+                       ) -> dict[str, Any]:
+    """The quantized checkpoint and its bf16 twin, each imported into a store of its own;
+    the compact store's experts' bytes against the bf16 store's."""
+    from tierstore.hf import import_hf
+
+    from .quant_models import FORMATS, write_quantized_checkpoints
+
+    if fmt not in FORMATS:
+        raise tierstore.StoreError(f"unknown --quantized {fmt!r}; choose one of "
+                                   f"{', '.join(FORMATS)}")
+    qdir, bdir = os.path.join(tmp, f"hf-{fmt}"), os.path.join(tmp, "hf-bf16")
+    echo(f"writing a {FORMATS[fmt]}-shaped {fmt} checkpoint and its bf16 twin: {layers} "
+         f"layers x {experts} experts, hidden {hidden}, FFN {ffn}, vocab {vocab}")
+    sizes = write_quantized_checkpoints(qdir, bdir, fmt, layers=layers, experts=experts,
+                                        hidden=hidden, ffn=ffn, vocab=vocab, seed=seed)
+    out = {"format": fmt, "shape": FORMATS[fmt], "quant_dir": qdir, "bf16_dir": bdir,
+           "store": os.path.join(tmp, "store"), "bf16_store": os.path.join(tmp, "store-bf16"),
+           "checkpoint_bytes": sizes["quant_bytes"], "bf16_checkpoint_bytes": sizes["bf16_bytes"]}
+    echo(f"importing both (tierstore import-hf): {sizes['quant_bytes'] / 1e9:.2f} GB as "
+         f"shipped, {sizes['bf16_bytes'] / 1e9:.2f} GB in bf16")
+    import_hf(qdir, out["store"], progress=False)
+    import_hf(bdir, out["bf16_store"], progress=False)
+    out["expert_bytes"] = stored_shape(out["store"])["expert_bytes"]
+    out["bf16_expert_bytes"] = stored_shape(out["bf16_store"])["expert_bytes"]
+    return out
 
 
 def _peer_command(peer: str, model_dir: str, tmp: str, gguf: dict[str, Any] | None,
@@ -241,7 +295,8 @@ def _peer_command(peer: str, model_dir: str, tmp: str, gguf: dict[str, Any] | No
 
 
 def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
-           gguf: dict[str, Any] | None, *, prompt_len: int,
+           gguf: dict[str, Any] | None, *, quant: dict[str, Any] | None = None,
+           prompt_len: int,
            new_tokens: int, rounds: int, memory_limit: str | float | int | None, cold: bool,
            host_cache: int | None, device_budget: int | None, modes: Sequence[str],
            timeout_s: float, seed: int, threads: int | None, json_out: str | None,
@@ -250,6 +305,11 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
     n_moe = cfg["moe_layers"]
     layer_bytes = cfg["layer_bytes"]
     limit = resolve_limit(memory_limit, model_bytes)
+    caches = {"": host_cache}
+    if quant is not None:  # the bf16 twin's cache: as large as the limit allows, or all of it
+        twin = stored_shape(quant["bf16_store"])["layer_bytes"]
+        caches[" bf16"] = host_cache or (limit // 6 if limit
+                                         else int(n_moe * twin * 1.25) + 64 * MiB)
     if host_cache is None:
         # Under a limit the cache must fit in it; with memory to spare it holds every
         # expert, as the page cache does for accelerate's offload folder.
@@ -265,17 +325,22 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
     # a device budget for all of them (and room for the KV cache and activations), as the
     # compute reference.
     resident_budget = int(n_moe * layer_bytes * 1.25) + 256 * MiB
-    for mode in modes:
-        cmd = [py, "-m", "tierstore.cli", "generate", "--store", store, "--mode", mode,
+    stores = [("", store)]
+    if quant is not None:  # the same modes over the bf16 twin, under the same limit
+        stores.append((" bf16", quant["bf16_store"]))
+    for (suffix, path), mode in ((st, m) for st in stores for m in modes):
+        if suffix and mode == "resident":
+            continue
+        cmd = [py, "-m", "tierstore.cli", "generate", "--store", path, "--mode", mode,
                "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens",
                str(new_tokens), "--greedy", "--device", "cpu", "--json",
-               "--host-cache", str(host_cache)]
+               "--host-cache", str(caches.get(suffix) or host_cache)]
         budget = resident_budget if mode == "resident" else device_budget
         if budget is not None:
             cmd += ["--device-budget", str(budget)]
         if threads:
             cmd += ["--threads", str(threads)]
-        runs_spec.append((mode, cmd, mode != "resident"))
+        runs_spec.append((mode + suffix, cmd, mode != "resident"))
     results: dict[str, Any] = {
         "peer": peer, "model": {**cfg, "checkpoint_bytes": model_bytes,
                                 "expert_bytes_total": n_moe * layer_bytes,
@@ -292,6 +357,8 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
         "runs": [], "bandwidth_runs": []}
     if gguf is not None:
         results["gguf"] = gguf
+    if quant is not None:
+        results["quantized"] = {k: v for k, v in quant.items() if not k.endswith(("dir", "store"))}
     echo(f"checkpoint {model_bytes / 1e9:.2f} GB ({n_moe} MoE layers of "
          f"{layer_bytes / 1e6:.0f} MB of experts); prompt {prompt_len} tokens, "
          f"{new_tokens} greedy tokens; {rounds} rounds; host cache "
@@ -339,12 +406,55 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
     results["limit_applied"] = bool(limit) and not skipped
     results["limit_skipped"] = sorted(skipped)[0] if skipped else None
     _summarise(results, [n for n, *_ in runs_spec], peer, n_moe, layer_bytes, echo)
+    if quant is not None:
+        _quant_summary(results, peer, echo)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(results, f, indent=2)
             f.write("\n")
         echo(f"wrote {json_out}")
     return results
+
+
+def _quant_summary(results: dict[str, Any], peer: str, echo: Callable[[str], Any]) -> None:
+    """The compact store against its bf16 twin and the peer. The issue's target for a mode:
+    decode at 0.8 x (bf16 expert bytes / compact expert bytes) x the bf16 store's rate in
+    the same mode, close to the byte ratio where the decode is bound by reading experts;
+    and 3 x the peer's (accelerate's) rate. Bytes read per token: the experts a run read
+    from the store over its passes (the prompt's and one per decoded token)."""
+    q = results["quantized"]
+    ratio = q["bf16_expert_bytes"] / q["expert_bytes"]
+    q["byte_ratio"] = ratio
+    systems = results["systems"]
+    passes = results["new_tokens"]  # a prefill, then new_tokens - 1 decode steps
+    for name, s in systems.items():
+        # tierstore: the experts it read from the store; a peer: what its process read
+        # from storage after loading (/proc/self/io)
+        read = [r.get("bytes_read_generating", r.get("bytes_read")) for r in results["runs"]
+                if r["system"] == name and r["ok"]]
+        read = [b for b in read if b is not None]
+        s["bytes_read_per_token"] = statistics.median(read) / passes if read else None
+    echo("bytes read per token: " + ", ".join(
+        f"{n} {s['bytes_read_per_token'] / 1e6:.0f} MB" for n, s in systems.items()
+        if s["bytes_read_per_token"] is not None))
+    rows = {}
+    for mode in ("expert", "on-demand", "ring"):
+        mine, twin = systems.get(mode), systems.get(f"{mode} bf16")
+        if not mine or not twin or not mine["completed"] or not twin["completed"]:
+            continue
+        target = 0.8 * ratio * twin["decode_tokens_per_s"]
+        rows[mode] = {"decode_tokens_per_s": mine["decode_tokens_per_s"],
+                      "bf16_decode_tokens_per_s": twin["decode_tokens_per_s"],
+                      "vs_bf16": mine["decode_tokens_per_s"] / twin["decode_tokens_per_s"],
+                      "target_tokens_per_s": target,
+                      "vs_target": mine["decode_tokens_per_s"] / target,
+                      f"vs_{peer}": mine.get(f"decode_vs_{peer}")}
+        r = rows[mode]
+        echo(f"{mode} {q['format']}: decode {r['decode_tokens_per_s']:.2f} tok/s, "
+             f"{r['vs_bf16']:.2f} x the bf16 store's ({r['bf16_decode_tokens_per_s']:.2f}); "
+             f"target 0.8 x {ratio:.2f} x bf16 = {target:.2f}: {r['vs_target']:.2f} of it"
+             + (f"; {r[f'vs_{peer}']:.2f} x {peer}" if r[f"vs_{peer}"] is not None else ""))
+    q["modes"] = rows
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:

@@ -4,9 +4,12 @@
 (``host_cache=0``, the ``auto`` engine, 8 I/O threads, 8 MiB chunks) holding TOTAL of
 entries of each size; each kind of memory (:func:`bench.tiers_kinds.memory_kinds`) is read
 into in turn, alternated, page cache dropped first, then profiled once with ``cProfile``
-(the AIO engine runs the whole batch on the calling thread, so the profile sees it all).
-Prints GB/s (median) and the profile's shares: waiting for the disk (the engine's loop and
-its system calls), crc32c, copies (bounce buffers or a copy after the reads), the rest.
+(the AIO engine submits and reaps the whole batch on the calling thread; the crc32c and
+bounce copies of landed requests run on the chunk workers, which the profile does not see,
+except where the calling thread waits for them). Prints GB/s (median) and the calling
+thread's shares: waiting for the disk (the engine's loop and its system calls), waiting
+for the chunk workers' checks, crc32c and copies (bounce buffers or a copy after the
+reads) taken on the calling thread, the rest.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from .tiers_kinds import memory_kinds
 
 # (file, function) of the profile's entries in each share. The engine's system calls are
 # made in libaio.py's _call (ctypes calls do not show as entries of their own); a bounce's
-# copy is copy_checked's own time (its crc32c calls are the crc32c share).
+# copy is copy_checked's own time (its crc32c calls are the crc32c share). The calling
+# thread waits on a lock only for the chunk workers' checks (the engine's batch holds none).
 BUCKETS = {"disk": [("libaio.py", "_call"), ("aio.py", "_run")],
+           "checks behind": [("~", "acquire")],
            "crc32c": [("~", "crc32c")],
            "bounce copy": [("landing.py", "copy_checked"), ("landing.py", "land")],
            "copy after": [("reads.py", "_deliver"), ("~", "copyto")]}

@@ -436,7 +436,8 @@ def run_tiers(
             if why is not None:
                 notes.append(f"DeepNVMe ceiling: not measured ({why})")
         if "nvme" in tiers or peer is not None:
-            kind_rows = run_kinds(root, sizes, max(threads), total, repeats)
+            kind_rows = run_kinds(root, sizes, max(threads), total, repeats,
+                                  engines=engines)
         if peer is not None:
             plan = []
         for tier, engine, block, t in tqdm(plan, desc="bench tiers", disable=None):

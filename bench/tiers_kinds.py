@@ -17,12 +17,15 @@ slab file: DeepNVMe's ``aio_handle`` (1 MiB blocks, queue depth 32, intra-op par
 into its ``new_cpu_locked_tensor`` buffer, its writes ending with an fsync, and fio at queue
 depth 32 (io_uring where it runs). Every side runs once a round, in an order rotated every
 round and reversed every other, page cache dropped before each read; medians of the rounds.
-The headline per size is the worst kind's ratio to DeepNVMe.
+The headline per size is the worst kind's ratio to DeepNVMe. Each row also has the CPU
+time the process spent per GB moved (the store's, DeepNVMe's, medians of the same rounds):
+on a machine whose cores are shared, what decides how far the bandwidth falls.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import statistics
 import time
@@ -86,9 +89,10 @@ def unavailable() -> str | None:
 
 
 def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
-                  kinds: list[str] | None = None) -> list[dict[str, Any]]:
-    """Rows of GB/s per (op, kind) for entries of ``block`` bytes, each with DeepNVMe's and
-    fio's medians from the same rounds (see the module docstring)."""
+                  kinds: list[str] | None = None, engine: str = "auto") -> list[dict[str, Any]]:
+    """Rows of GB/s per (op, kind) for entries of ``block`` bytes through the store's
+    ``engine``, each with DeepNVMe's and fio's medians from the same rounds (see the module
+    docstring)."""
     n = max(1, total // block)
     span = n * block
     count = max(1, min(n, GROUP // block))
@@ -101,14 +105,17 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
         for t in mem[k]:
             t.copy_(data)
     names = [f"bench.kinds.{j}" for j in range(n)]
-    path = os.path.join(root, f"kinds-{block}")
+    path = os.path.join(root, f"kinds-{engine}-{block}")
     bs = min(block, CHUNK)
     ceilings, closers = nvme_ceilings("fio", bs, threads, True, span)
     peers = {name: fn for name, fn in ceilings.items() if name != "fio psync"}
     runs: dict[str, dict[str, list[float]]] = {"read": {}, "write": {}}
+    # CPU seconds per GB moved, of this process (the store, DeepNVMe's threads; fio runs in
+    # a process of its own and is not counted): what a loaded machine's cores must supply.
+    cpu: dict[str, dict[str, list[float]]] = {"read": {}, "write": {}}
     region = -(-span // bs) * bs
     try:
-        with tierstore.open(path, create=True, host_cache=0, io_threads=threads,
+        with tierstore.open(path, create=True, engine=engine, host_cache=0, io_threads=threads,
                             chunk_size=CHUNK, slab_size=(3 + len(peers)) * region + (64 << 20)
                             ) as st, _young_heap():
             st.put_many([(name, data) for name in names])  # untimed: set up, space written
@@ -143,6 +150,7 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                     sides = [*kinds, *peers]
                     sides = sides[r % len(sides):] + sides[: r % len(sides)]
                     for side in sides if r % 2 == 0 else sides[::-1]:
+                        used_cpu = _cpu_seconds()
                         if side in peers:
                             if op == "read":
                                 drop_page_cache({slab})
@@ -151,6 +159,8 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                         else:
                             got = (write if op == "write" else read)(side)
                         runs[op].setdefault(side, []).append(got)
+                        cpu[op].setdefault(side, []).append(
+                            (_cpu_seconds() - used_cpu) / (span / 1e9))
             for k in kinds:  # the bytes are right in every kind
                 if not torch.equal(mem[k][0].cpu(), data):
                     raise RuntimeError(f"bench tiers: the read into {k} gave wrong bytes")
@@ -165,15 +175,24 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
         ref = PEER if PEER in med else next(s for s in med if s.startswith("fio"))
         for k in kinds:
             rows.append({
-                "op": op, "kind": k, "block_bytes": block, "threads": threads,
+                "op": op, "kind": k, "engine": engine, "block_bytes": block, "threads": threads,
                 "total_bytes": span, "repeats": repeats, "engine_described": described,
                 "gbps": round(med[k], 3), "reference": ref,
                 "reference_gbps": round(med[ref], 3), "ratio": round(med[k] / med[ref], 3),
                 "peers": {s: round(med[s], 3) for s in peers},
                 "runs": [round(x, 3) for x in runs[op][k]],
                 "peer_runs": {s: [round(x, 3) for x in runs[op][s]] for s in peers},
+                "cpu_s_per_gb": round(statistics.median(cpu[op][k]), 3),
+                "peer_cpu_s_per_gb": {s: round(statistics.median(cpu[op][s]), 3)
+                                      for s in peers if not s.startswith("fio")},
             })
     return rows
+
+
+def _cpu_seconds() -> float:
+    """User and system CPU time of this process so far, every thread's."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
 
 
 def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> None:
@@ -181,28 +200,43 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
     if not rows:
         return
     echo("caller's memory against DeepNVMe (store GB/s / peer GB/s; worst kind first):")
-    keys = sorted({(r["op"], r["block_bytes"]) for r in rows}, key=lambda k: (k[0], k[1]))
-    for op, block in keys:
-        mine = [r for r in rows if r["op"] == op and r["block_bytes"] == block]
+    keys = sorted({(r["op"], r["block_bytes"], r["engine"]) for r in rows})
+    for op, block, engine in keys:
+        mine = [r for r in rows
+                if r["op"] == op and r["block_bytes"] == block and r["engine"] == engine]
         worst = min(mine, key=lambda r: r["ratio"])
-        echo(f"{op:5} {tierstore.format_size(block):>9}  worst: {worst['kind']:16} "
+        echo(f"{op:5} {tierstore.format_size(block):>9} {_engine(worst):16} worst: "
+             f"{worst['kind']:16} "
              f"{worst['ratio']:5.2f}x {worst['reference']} ({worst['gbps']:.3f} / "
              f"{worst['reference_gbps']:.3f} GB/s, {worst['repeats']} rounds, "
              f"{tierstore.format_size(worst['total_bytes'])})")
-    echo(f"{'op':5} {'block':>9} {'memory':16} {'GB/s':>7} {'ratio':>6}  peers (GB/s)")
-    for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["ratio"])):
-        peers = ", ".join(f"{k} {v:.3f}" for k, v in r["peers"].items())
-        echo(f"{r['op']:5} {tierstore.format_size(r['block_bytes']):>9} {r['kind']:16} "
-             f"{r['gbps']:7.3f} {r['ratio']:6.2f}  {peers}")
+    echo(f"{'op':5} {'block':>9} {'engine':16} {'memory':16} {'GB/s':>7} {'ratio':>6} "
+         f"{'CPU s/GB':>8}  peers (GB/s; CPU s/GB)")
+    for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["engine"], r["ratio"])):
+        peers = ", ".join(
+            f"{k} {v:.3f}" + (f"; {r['peer_cpu_s_per_gb'][k]:.2f}"
+                              if k in r["peer_cpu_s_per_gb"] else "")
+            for k, v in r["peers"].items())
+        echo(f"{r['op']:5} {tierstore.format_size(r['block_bytes']):>9} {_engine(r):16} "
+             f"{r['kind']:16} "
+             f"{r['gbps']:7.3f} {r['ratio']:6.2f} {r['cpu_s_per_gb']:8.2f}  {peers}")
+
+
+def _engine(row: dict[str, Any]) -> str:
+    """The row's engine as ``bench tiers`` names it, with what ``auto`` picked."""
+    picked = row["engine_described"].split(" ", 1)[0]
+    return f"auto={picked}" if row["engine"] == "auto" else row["engine"]
 
 
 def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: int,
-              progress: bool = True) -> list[dict[str, Any]]:
-    """:func:`measure_kinds` at every size."""
+              progress: bool = True, engines: tuple[str, ...] = ("auto",)
+              ) -> list[dict[str, Any]]:
+    """:func:`measure_kinds` at every size, through each of ``engines``."""
     from tqdm import tqdm
 
     rows: list[dict[str, Any]] = []
-    for block in tqdm(sizes, desc="bench tiers: caller's memory", disable=None if progress
-                      else True):
-        rows += measure_kinds(root, block, threads, total, repeats)
+    plan = [(block, e) for block in sizes for e in engines]
+    for block, engine in tqdm(plan, desc="bench tiers: caller's memory",
+                              disable=None if progress else True):
+        rows += measure_kinds(root, block, threads, total, repeats, engine=engine)
     return rows

@@ -4,13 +4,15 @@
 config dict, or null: the model ``import-hf`` put in the node stores), ``steps``, ``seed``,
 ``train`` (TrainConfig fields), ``corpus_bytes``,
 ``store`` (a path with ``{node}`` for this node's index), ``paradigm``, ``credits``,
-``checkpoint_every``, ``resume``, ``metrics`` and ``out``, and optionally ``kill``:
+``checkpoint_every``, ``resume``, ``node_stores``, ``metrics`` and ``out``, and optionally
+``kill``:
 ``[phase, n, rank]``, at which that rank SIGKILLs itself: a checkpoint's ``snapshot`` or
 ``manifest`` of step n, a re-shard's n-th expert ``moved`` (written on its new node) or
 ``sent`` (deleted on its old one), or (fine-tuning an import) step n's ``backward``; and ``pause``: ``[phase, step, rank, folder]``, at which
 that rank makes ``folder/paused`` and waits until ``folder/go`` exists (a run held live while
 a test tries something).
-Rank 0 writes its metrics and final dense state to ``out``."""
+Rank 0 writes its metrics and final dense state to ``out``. A refusal is one line on stderr
+and exit status 2, as from the command line."""
 
 from __future__ import annotations
 
@@ -57,11 +59,13 @@ def main() -> None:
         resume=spec.get("resume", False), metrics_path=spec.get("metrics"),
         corpus=load_corpus(max_bytes=spec.get("corpus_bytes", 256 * 1024)),
         on_phase=on_phase, host_cache=spec.get("host_cache", 64 << 20),
-        connect=spec.get("connect"),
+        connect=spec.get("connect"), node_stores=spec.get("node_stores", ()),
         device=spec.get("device", "cpu"))
     if rank == 0 and spec.get("out"):
         torch.save({"history": history}, spec["out"])
 
 
 if __name__ == "__main__":
-    main()
+    from tierstore.cli_options import run_command
+
+    run_command(main)  # errors as `tierstore train --distributed` reports them: one line

@@ -70,9 +70,11 @@ def test_entry_sizes_alternate_both_sizes_in_one_store_and_report_their_ratio(
         assert len(res["small_runs"]) == len(res["large_runs"]) == 6
         assert all(x > 0 for x in res["small_runs"] + res["large_runs"])
         assert res["small_gbps"] == pytest.approx(statistics.median(res["small_runs"]), abs=1e-3)
+        # The runs are kept to 3 decimals: at a few tenths of a GB/s (a loaded machine)
+        # that alone moves a ratio of them by up to 0.4 %.
         assert res["ratio"] == pytest.approx(
             statistics.median(res["small_runs"]) / statistics.median(res["large_runs"]),
-            rel=2e-3)
+            rel=1e-2)
     assert os.listdir(tmp_path) == []  # its store is removed
 
 
@@ -94,7 +96,8 @@ def test_bench_tiers_writes_the_table_and_the_entry_size_comparison(tmp_path) ->
     (write,) = [r for r in data["results"] if r["op"] == "write"]
     assert set(write["fresh_ceilings"]) == set(write["ceilings"])
     assert write["fresh_ratio"] == pytest.approx(
-        write["write_fresh_gbps"] / write["fresh_ceilings"][write["fresh_ceiling"]], rel=2e-3)
+        write["write_fresh_gbps"] / write["fresh_ceilings"][write["fresh_ceiling"]],
+        rel=1e-2)  # both kept to 3 decimals (see above)
     assert "into never-written (fallocated) space:" in result.output
     assert "nvme  fresh posix-direct" in result.output
     # The user's call too: a read and a write row per kind of caller's memory.
@@ -166,15 +169,19 @@ def test_peer_deepnvme_says_in_one_line_what_is_missing(monkeypatch) -> None:
 def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
                                                                   monkeypatch) -> None:
     from tierstore.bench import deepnvme
-    from tierstore.bench.tiers_kinds import measure_kinds, memory_kinds, report_kinds
+    from tierstore.bench.tiers_kinds import memory_kinds, report_kinds, run_kinds
 
     monkeypatch.setattr(deepnvme, "unavailable", lambda: "not measured in this test")
-    rows = measure_kinds(str(tmp_path), 1 << 20, 2, 4 << 20, repeats=1)
+    # The engine asked for (bench tiers --engines) is the one the rows measure.
+    rows = run_kinds(str(tmp_path), [1 << 20], 2, 4 << 20, repeats=1, progress=False,
+                     engines=("posix-direct",))
     kinds = set(memory_kinds(1 << 20, 1))
     for op in ("read", "write"):
         mine = [r for r in rows if r["op"] == op]
         assert {r["kind"] for r in mine} == kinds
         assert all(r["reference"].startswith("fio") and r["gbps"] > 0 for r in mine)
+        assert all(r["engine"] == "posix-direct" and r["engine_described"].startswith("posix")
+                   and r["cpu_s_per_gb"] > 0 for r in mine)
     out: list[str] = []
     report_kinds(rows, out.append)
     worst = min((r for r in rows if r["op"] == "read"), key=lambda r: r["ratio"])

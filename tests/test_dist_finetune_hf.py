@@ -12,6 +12,8 @@ to their experts' owners inside the registered ``tierstore`` experts function.
 - MPMoE's pipelining of the token-centric blocks: 2 and 4 chunks and ``auto`` give the
   loss, logits and every gradient of one chunk bit for bit, and the counters show chunks
   computed while another chunk's exchange was in flight.
+- ``export-hf`` after the two-node run gathers both nodes' experts (``--node-store``):
+  ``from_pretrained`` of it computes the single process's logits.
 - A rank SIGKILLed mid-step: the other ends within the bound with one line naming
   it, the store stays fsck-clean, and ``--resume`` continues to the single process's
   result (each torchrun launch costs ~20 s here: the kill and the equality share one run).
@@ -32,8 +34,9 @@ import pytest
 import test_finetune_hf
 import tierstore.hf
 import torch
+import transformers
 from test_dist_train import _port, launch, metrics, rank_stderr, stop_daemons
-from test_finetune_hf import make_model, weights
+from test_finetune_hf import VOCAB, make_model, weights
 from tierstore.hf.layout import stored_model
 from tierstore.trainer.train.data import Corpus
 from tierstore.trainer.train.resident import TrainConfig
@@ -144,6 +147,33 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b) < 1e-5, (a["loss"], b)
     check_weights(tmp_path, nodes, per_node)
+    check_export(tmp_path, nodes)
+
+
+def check_export(tmp: Path, nodes: int) -> None:
+    """``tierstore export-hf`` of node 0's store gathers the other nodes' experts from the
+    stores ``--node-store`` names: ``from_pretrained`` of it computes the single process's
+    logits. Node 0's store alone is refused in one line (its other experts are stale)."""
+    def export(out: str, store: str, *more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tierstore", "export-hf", str(tmp / out),
+                               "--store", str(tmp / store), *more], capture_output=True,
+                              text=True, timeout=300)
+
+    alone = export("alone", "node0")
+    assert alone.returncode == 2 and len(alone.stderr.splitlines()) == 1, alone.stderr
+    assert "name each with --node-store PATH" in alone.stderr
+    for out, store, more in (("out", "node0", [f"node{i}" for i in range(1, nodes)]),
+                             ("ref", "single", [])):
+        done = export(out, store, *(x for n in more for x in ("--node-store", str(tmp / n))))
+        assert done.returncode == 0, done.stderr[-2000:]
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for out in ("out", "ref"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp / out,
+                                                                  dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=0)
 
 
 def same_steps(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> None:

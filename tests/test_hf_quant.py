@@ -108,6 +108,32 @@ def test_each_expert_dequantizes_as_transformers_does_bit_for_bit(imported: Any)
                     assert torch.equal(got, params[f"{m['module']}.{attr}"][e].detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_code_and_scale_dequantizes_as_transformers_does(dtype: torch.dtype) -> None:
+    """The lookup tables give transformers' bits for every packed byte under every E8M0
+    exponent (MXFP4) and every e4m3 code, NaN included, under scales from tiny to
+    overflowing (FP8), not only for the codes a tiny checkpoint happens to hold."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    bits = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    deq = Dequantizer()
+    # Row r: exponent r on every group; the 16 groups of 16 bytes hold all 256 bytes.
+    blocks = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 16)
+    blocks = torch.stack([blocks.roll(r, 0) for r in range(256)])
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(256, 1).expand(256, 16)
+    want = convert_moe_packed_tensors(blocks[None], scales[None].contiguous(), dtype=dtype)[0]
+    got = deq.mxfp4(blocks, scales.contiguous(), dtype)
+    assert torch.equal(got.view(bits), want.view(bits))
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    weight = torch.stack([codes.roll(r) for r in range(256)]).view(torch.float8_e4m3fn)
+    scale_inv = torch.tensor([[1e-30, 3.1e-3], [0.7, 3e38]], dtype=torch.float32)
+    want = Fp8Dequantize(None)._dequantize_one(weight, scale_inv, output_dtype=dtype)
+    for _ in range(2):  # the second call reuses the first's buffers
+        got = deq.fp8(weight, scale_inv, dtype)
+        assert torch.equal(got.view(bits), want.view(bits))
+
+
 def _logical_bytes(ref: Any, module: str, dtype: torch.dtype) -> int:
     experts = ref.get_submodule(module)
     return sum(p[0].numel() for p in experts.parameters()) * dtype.itemsize
@@ -298,7 +324,7 @@ def test_expert_format_fp8_quantizes_a_bf16_checkpoint_at_import(tmp_path: Path)
     """import-hf --expert-format fp8 of a bf16 checkpoint stores each expert's weights as
     transformers' Fp8Quantize makes them (half the bytes), serves transformers' model with
     those weights dequantized, and exports the values it computes with; quantizing an
-    already quantized checkpoint, or to mxfp4, is one line."""
+    already quantized checkpoint is one line."""
     from types import SimpleNamespace
 
     from hf_quant import _random_model, deepseek_config
@@ -344,7 +370,7 @@ def test_expert_format_fp8_quantizes_a_bf16_checkpoint_at_import(tmp_path: Path)
     for attr in ("gate_up_proj", "down_proj"):
         assert torch.equal(getattr(again.get_submodule(module), attr), getattr(experts, attr))
     ckpt = gpt_oss_mxfp4(tmp_path / "gpt")
-    for fmt, words in (("fp8", "already quantized"), ("mxfp4", "fp8 only")):
+    for fmt, words in (("fp8", "already quantized"), ("mxfp4", "already quantized")):
         r = CliRunner().invoke(main, ["import-hf", str(ckpt), "--store", str(tmp_path / "s2"),
                                       "--expert-format", fmt])
         assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output

@@ -14,6 +14,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable
+from concurrent.futures import wait
 from typing import Any, NamedTuple
 
 import crc32c
@@ -66,6 +67,13 @@ def _coalesce(work: list[tuple[int, int, int]], recs: list[Record], pos: int, al
         plan.append(_Request(pos + first, pos + last, recs[i].seg, recs[i].off + start,
                              sum(e - s for _, s, e in chunks)))
     return plan
+
+
+def settle(jobs: collections.deque[Any]) -> None:
+    """Wait for every job in ``jobs``, then raise the first one's failure, if any."""
+    wait(jobs)
+    while jobs:
+        jobs.popleft().result()
 
 
 class ReadPath(LocalState):
@@ -406,8 +414,8 @@ class ReadPath(LocalState):
         Chunks that follow each other on disk (small entries written by one ``put_many``)
         go as one vectored request of up to a chunk's bytes, so a layer of 256 KiB entries
         costs the disk and this thread what a few large entries do. Each chunk's crc32c is
-        checked on this thread as its request lands, while the requests after it are in
-        flight. A request of several chunks that fails is tried again chunk by chunk, so
+        checked on a chunk worker as its request lands, while this thread submits and
+        reaps the requests after it. A request of several chunks that fails is tried again chunk by chunk, so
         the entry named is the one whose bytes cannot be read (and a transient failure
         costs nothing). A target's bounced bytes share their request with the others: a
         request's bounced pieces lie one after another in one pooled buffer, and each is
@@ -480,6 +488,12 @@ class ReadPath(LocalState):
         each chunk's part is noted in ``staged``), given back once the request is checked."""
         at = [0]  # the request being made, should making it fail (a missing slab file)
         held: dict[int, tuple[np.ndarray, bool]] = {}  # request -> its bounce buffer
+        # Landed requests' checks (crc32c, bounce copies) run on the chunk workers, so this
+        # thread goes straight back to submitting and reaping: both release the GIL, and
+        # the copy of one request overlaps the transfer of the next. At most ``backlog``
+        # wait, so the bounce buffers they hold stay within the staging pool's idle ones.
+        checking: collections.deque[Any] = collections.deque()
+        backlog = max(2, self._io_threads) if len(plan) > 1 else 0
 
         def requests() -> Any:
             for m, r in enumerate(plan):
@@ -501,17 +515,30 @@ class ReadPath(LocalState):
                         used += e - lo
                 yield r.seg, r.off, joined(pieces), r.nbytes, False
 
+        def finish(m: int) -> None:
+            try:
+                for n in range(plan[m].first, plan[m].last):
+                    check(n)
+            finally:
+                give(held.pop(m, None))
+
         def done(m: int) -> None:
-            for n in range(plan[m].first, plan[m].last):
-                check(n)
-            give(held.pop(m, None))
+            if not backlog:
+                finish(m)
+                return
+            while checking and (len(checking) >= backlog or checking[0].done()):
+                checking.popleft().result()
+            checking.append(self._workers.submit(finish, m))
 
         def give(bounce: tuple[np.ndarray, bool] | None) -> None:
             if bounce is not None and bounce[1]:
                 self._staging.give(bounce[0])
 
         try:
-            self._medium.run(requests(), done)
+            try:
+                self._medium.run(requests(), done)
+            finally:
+                settle(checking)
             return None
         except EngineClosedError as e:  # only where no operation gate held it off (fsck)
             raise StoreClosedError(f"store {self.path} is closed") from e
@@ -539,7 +566,8 @@ class ReadPath(LocalState):
                 bad.append((r.first, err))
             return r.first, r.last
         finally:
-            # Nothing is in flight once the batch has ended: requests that never landed
+            # Nothing is in flight once the batch has ended, and every check has run (the
+            # batch's ``settle``): requests that never landed
             # (or failed) give their bounce buffers back; their chunks are retried afresh.
             for m in list(held):
                 give(held.pop(m))

@@ -51,8 +51,9 @@ def _preset(ctx: click.Context, _param: Any, value: str | None) -> str | None:
 @click.option("--expert-format", "expert_format", type=click.Choice(["fp8", "mxfp4"]),
               default=None,
               help="Store the experts of a bf16/fp32 checkpoint quantized: fp8 in 128x128 "
-                   "blocks of e4m3, as DeepSeek ships them (half the bytes of bf16; lossy, "
-                   "see docs/inference.md). Default: as the checkpoint has them.")
+                   "blocks of e4m3, as DeepSeek ships them (half the bytes of bf16), or mxfp4, "
+                   "as gpt-oss ships them (about a quarter); lossy, see docs/inference.md. "
+                   "Default: as the checkpoint has them.")
 def import_hf_(model_dir: str, store: str, resume: bool, expert_format: str | None) -> None:
     """Import the Hugging Face MoE model in MODEL_DIR (config.json, single or sharded
     safetensors, tokenizer files) for `tierstore generate` and `tierstore.hf.load`: each
@@ -107,7 +108,13 @@ def _list_families(ctx: click.Context, value: bool) -> None:
               help="Most bytes per safetensors shard (a larger tensor gets a shard of its own).")
 @click.option("--force", is_flag=True,
               help="Write into a non-empty OUT_DIR, replacing the weight files in it.")
-def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, force: bool) -> None:
+@click.option("--node-store", "node_stores", multiple=True, type=click.Path(file_okay=False),
+              help="After `tierstore train --distributed` (STORE: node 0's store): another "
+                   "node's store, as reachable here (a shared path, or a copy of its store "
+                   "directory; repeatable). Each expert is read from the store that trained "
+                   "it; a node's store alone is refused.")
+def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, force: bool,
+              node_stores: tuple[str, ...]) -> None:
     """Write the model in STORE to OUT_DIR as a Hugging Face checkpoint that
     transformers' AutoModelForCausalLM.from_pretrained loads: config.json, sharded
     safetensors with model.safetensors.index.json, generation config and tokenizer files.
@@ -127,12 +134,17 @@ def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, forc
 
     def go() -> None:
         s = export(store, out_dir, dtype=dtype, shard_size=shard_size, force=force,
-                   progress=True)
+                   progress=True, node_stores=node_stores)
         for path in s["removed"]:
             click.echo(f"removed {path}, left by an export that was killed")
         click.echo(f"exported {s['source']} as {s['family']}: {s['tensors']} tensors in "
                    f"{s['shards']} shard{'s' if s['shards'] != 1 else ''}, {s['dtype']}, "
                    f"{format_size(s['bytes'])} -> {out_dir}")
+        rt = s.get("requantized")
+        if rt:  # a fine-tuned quantized checkpoint, packed again in its own format
+            click.echo(f"re-quantized the fine-tuned fp32 masters: largest weight error "
+                       f"{rt['max_abs_weight_error']:.3g} against a largest master of "
+                       f"{rt['max_abs_master']:.3g} ({rt['relative']:.2%})")
 
     _run(go)
 
@@ -293,6 +305,12 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="--distributed: this node's run directory (daemon socket and log, checkpoint "
                    "manifests) [STORE.run].")
+@click.option("--node-store", "node_stores", multiple=True, type=click.Path(file_okay=False),
+              help="--distributed --resume of an imported model's fine-tune on fewer nodes "
+                   "than its checkpoint's: the store of a node that leaves, as reachable from "
+                   "this node (a shared path, or a copy of its store directory; repeatable; "
+                   "any remaining node may name it). Its experts' states move into the "
+                   "remaining nodes' stores before training goes on.")
 def train(store: str | None, connect: str | None, resident: bool, model: str | None, steps: int,
           seed: int | None,
           device: str,
@@ -304,7 +322,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
           seq_len: int | None, lr: float | None, grad_accum: int | None, dtype: str | None,
           eval_every: int | None, distributed: bool, paradigm: str, credits: int | None,
           hierarchical: bool, run_dir: str | None, pipeline: str | None,
-          failure_timeout: float | None) -> None:
+          failure_timeout: float | None, node_stores: tuple[str, ...]) -> None:
     """Train an MoE model whose experts live in a store: dense parameters on the device,
     expert weights and AdamW moments in STORE, fetched per step for the experts the routers
     picked and written back through the host cache. With --resident, the same model held in
@@ -339,9 +357,10 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                                    "--distributed, which reads the experts each step needs "
                                    "with get_many (--fetch direct) and has no step budget")
     elif (paradigm != "auto" or credits is not None or run_dir is not None or hierarchical
-          or pipeline is not None or failure_timeout is not None):
+          or pipeline is not None or failure_timeout is not None or node_stores):
         raise click.UsageError("--paradigm, --credits, --hierarchical-a2a, --pipeline, "
-                               "--failure-timeout and --run-dir go with --distributed")
+                               "--failure-timeout, --node-store and --run-dir go with "
+                               "--distributed")
     if update_rule is not None and resident:
         raise click.UsageError("--update-rule is the store trainer's: drop it with "
                                "--resident")
@@ -377,7 +396,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                                 hierarchical=hierarchical, failure_timeout=failure_timeout,
                                 checkpoint_every=checkpoint_every, resume=resume,
                                 metrics=metrics, corpus=corpus, overrides=overrides,
-                                device=device, echo=click.echo)
+                                device=device, echo=click.echo, node_stores=node_stores)
                 return 0
             run_train(store=store, resident=resident, model=model, steps=steps, seed=seed,
                       device_budget=device_budget, host_cache=host_cache, backing=backing,

@@ -29,8 +29,9 @@ node wrote n-1's); falling back from it is said, and its leftover manifests are 
 that they can never pair with a later attempt's. That checkpoint's snapshot is restored on
 each of its nodes and the dense state loaded. When the world differs, the experts are
 re-sharded (:mod:`.reshard`, resumable from any instant) and a checkpoint of the same step is
-taken in the new layout. Nodes may be added; a checkpoint whose experts live on a node that
-is not in the new run cannot be resumed (that node's store is out of reach).
+taken in the new layout. Nodes may be added; a preset's checkpoint whose experts live on a
+node that is not in the new run cannot be resumed (that node's store is out of reach), an
+imported model's can, with the departing stores named (:mod:`.hf_reshard`).
 """
 
 from __future__ import annotations
@@ -136,11 +137,13 @@ def _prune(store: tierstore.Store, run_dir: Path) -> None:
 # --------------------------------------------------------------------------- starting
 
 
-def choose_checkpoint(world: World, store: tierstore.Store, run_dir: Path, n_experts: int
-                      ) -> dict[str, Any] | None:
+def choose_checkpoint(world: World, store: tierstore.Store, run_dir: Path, n_experts: int,
+                      fewer_nodes: bool = False) -> dict[str, Any] | None:
     """The checkpoint to resume from (see the module docstring), the same on every rank;
     ``None`` where there is none. Raises :class:`~.world.AgreedError` on every rank for an
-    invalid manifest, or one that does not fit the other nodes' or the stores."""
+    invalid manifest, or one that does not fit the other nodes' or the stores.
+    ``fewer_nodes``: a checkpoint of more nodes than this world's is chosen too (the caller
+    reaches the departing nodes' stores, :mod:`.hf_reshard`)."""
     mine = None
     if world.is_node_leader:
         found, errors = manifests.read(run_dir, n_experts)
@@ -177,7 +180,7 @@ def choose_checkpoint(world: World, store: tierstore.Store, run_dir: Path, n_exp
                 f"node {missing[0]}'s run directory {nodes[missing[0]]['run_dir']} has no "
                 f"manifest of {what}, which node {first} has with a later one: pass that "
                 "node the run's --run-dir")
-        _check_stores(world, nodes, m, what)
+        _check_stores(world, nodes, m, what, fewer_nodes)
         if incomplete is not None and world.rank == 0:
             print(f"tierstore train: {incomplete}; resuming from {what}, the one before",
                   file=sys.stderr, flush=True)
@@ -215,13 +218,14 @@ def _check_run_dirs(nodes: dict[int, dict[str, Any]]) -> None:
 
 
 def _check_stores(world: World, nodes: dict[int, dict[str, Any]], m: dict[str, Any],
-                  what: str) -> None:
-    """Checkpoint ``m`` fits the stores: each of its nodes is here, with its snapshot."""
+                  what: str, fewer_nodes: bool = False) -> None:
+    """Checkpoint ``m`` fits the stores: each of its nodes is here (or, ``fewer_nodes``,
+    those of its nodes that are), with its snapshot."""
     old = len(m["nodes"])
-    if old > world.n_nodes:
+    if old > world.n_nodes and not fewer_nodes:
         raise AgreedError(f"{what} was taken on {old} nodes and their stores hold its experts: "
                           f"resume with at least {old} nodes")
-    for i in range(old):
+    for i in range(min(old, world.n_nodes)):
         got = nodes[i]
         if m["tag"] not in got["tags"]:
             raise AgreedError(
@@ -232,11 +236,12 @@ def _check_stores(world: World, nodes: dict[int, dict[str, Any]], m: dict[str, A
 
 def claim_stores(world: World, store: tierstore.Store, run_dir: Path, ident: dict[str, Any],
                  resume: bool, n_experts: int, difference: Callable[[Any], str],
-                 stray: str | None = None) -> dict[str, Any] | None:
+                 stray: str | None = None, fewer_nodes: bool = False) -> dict[str, Any] | None:
     """Check every node's store for the run ``ident`` (one already there needs ``resume``
     and the same identity, ``difference(saved)`` saying how another differs; without a run,
     expert entries under ``stray`` or manifests mean the store is someone else's) and
-    choose the checkpoint to resume from. Returns its manifest; ``None`` for a new run,
+    choose the checkpoint to resume from (``fewer_nodes``: see :func:`choose_checkpoint`).
+    Returns its manifest; ``None`` for a new run,
     whose identity is then recorded in every node's store (before its experts are made)."""
     where = f"node {world.node}'s store {store.path}"
     error = None
@@ -251,7 +256,8 @@ def claim_stores(world: World, store: tierstore.Store, run_dir: Path, ident: dic
                                 or (stray is not None and store.names(stray))):
             error = f"{where} holds expert entries or checkpoints of no run of this trainer"
     fail_together(world, error)
-    manifest = choose_checkpoint(world, store, run_dir, n_experts) if resume else None
+    manifest = (choose_checkpoint(world, store, run_dir, n_experts, fewer_nodes) if resume
+                else None)
     if world.is_node_leader:  # manifests of a checkpoint newer than the one resumed
         for n in manifests.numbers(run_dir):
             if manifest is None or n > manifest["number"]:

@@ -23,7 +23,8 @@ def run_distributed(*, store: str | None, connect: str | None, run_dir: str | No
                     pipeline: str | None, failure_timeout: float | None = None,
                     checkpoint_every: int, resume: bool,
                     metrics: str | None, corpus: Sequence[str], overrides: dict[str, Any],
-                    device: str, echo: Callable[[str], Any] = print) -> list[Metrics]:
+                    device: str, echo: Callable[[str], Any] = print,
+                    node_stores: Sequence[str] = ()) -> list[Metrics]:
     """``tierstore train --distributed`` on this rank (see :func:`train_distributed`);
     ``daemon`` holds its ``host_cache``, ``backing``, ``pmem_path``, ``pmem_size`` and
     ``slab_size`` (None where not given)."""
@@ -50,7 +51,8 @@ def run_distributed(*, store: str | None, connect: str | None, run_dir: str | No
             **({} if failure_timeout is None else {"failure_timeout_s": failure_timeout}),
             checkpoint_every=checkpoint_every,
             resume=resume, metrics_path=metrics, corpus_paths=list(corpus) or None,
-            device=resolve_device(device), overrides=overrides, on_step=on_step)
+            device=resolve_device(device), overrides=overrides, on_step=on_step,
+            node_stores=node_stores)
     if rank == 0:
         for line in summarise(history, "distributed"):
             echo(line)

@@ -26,7 +26,9 @@ parameters), and its experts modules are served by :class:`.hf_parallel.HFExpert
 So a step computes what ``tierstore train --store`` computes on the global batch, but for the
 order of floating-point sums. Checkpoints are the distributed trainer's (:mod:`.checkpoint`):
 each node leader writes the dense weights to their entries, then the snapshot and manifest
-protocol; resuming needs the world it was taken with.
+protocol. Resuming on another world (fewer ranks, fewer nodes: the departing nodes' stores
+named by ``node_stores``) moves the experts' states first (:mod:`.hf_reshard`) and takes a
+checkpoint in the new layout.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from .hf_parallel import (
     global_router_loss,
     owned_layout,
 )
+from .hf_reshard import close_all, departed_stores, move_states
 from .manifests import FORMAT
 from .stepmetrics import step_record
 from .world import AgreedError, World, barrier, check_divides
@@ -82,14 +85,17 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
                    corpus_paths: PathLike | Sequence[PathLike] | None = None,
                    on_step: Callable[[Metrics], None] | None = None,
                    on_phase: PhaseHook | None = None, watch: Any = None,
-                   pipeline: int | str = "auto") -> list[Metrics]:
+                   pipeline: int | str = "auto",
+                   node_stores: Sequence[PathLike] = ()) -> list[Metrics]:
     """Fine-tune the node stores' imported model on every rank (module docstring) until
     ``steps`` steps are done; ``tc.batch_size`` is the per-rank batch. ``paradigm``:
     ``token``, ``data`` or ``auto`` (per MoE layer, by Janus's ratio). ``rule``: the
     experts' AdamW rule (:data:`.hf_parallel.RULES`; None: a resumed run's own, else
     ``dense``). ``pipeline``: the chunks of a
     token-centric block, or ``auto`` (:mod:`.pipeline`). ``watch``: the run's
-    :class:`~.faults.FaultWatch`, told when training begins."""
+    :class:`~.faults.FaultWatch`, told when training begins. ``node_stores``: where this
+    node reaches the stores of nodes that a resumed checkpoint had and this world has not
+    (:mod:`.hf_reshard`)."""
     stored = _stored(store)
     saved = records.read(store, RUN_ENTRY) if resume else None
     saved = saved if isinstance(saved, dict) else {}
@@ -119,8 +125,8 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
              "train_config": asdict(global_tc), "seed": seed, "rule": rule}
     # The stores are checked for the run (its rule among its identity) and restored before
     # the experts' states are read: their rule and history are the checkpoint's.
-    start, number = _start(world, store, run_dir, layout, mine, ident, resume, net, opt,
-                           sampler)
+    start, number, moved = _start(world, store, run_dir, layout, mine, ident, resume, net,
+                                  opt, sampler, node_stores, on_phase)
     tokens = tc.grad_accum * global_tc.batch_size * tc.seq_len
     states = ExpertStates(store, layout, world.device, "direct", tokens, read_ahead=False,
                           zero_copy=False, rule=rule, agree=any_rank(world))
@@ -138,6 +144,8 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
                   + ", ".join(f"{k}={v}" for k, v in paradigms.items()), flush=True)
         loop = _Loop(world, store, run_dir, net, opt, states, source, sampler, tc,
                      global_tc, ident, checkpoint_every, on_phase, number)
+        if moved:  # the new layout's checkpoint: the move's commit point
+            loop.checkpoint(start, {"step": start})
         path = (None if metrics_path is None
                 else f"{os.fspath(metrics_path)}.rank{world.rank}")
         log = MetricsLog(path, start, None) if path is not None else None
@@ -158,30 +166,41 @@ def _stored(store: tierstore.Store) -> Any:
 
 def _start(world: World, store: tierstore.Store, run_dir: Path, layout: Any, mine: range,
            ident: dict[str, Any], resume: bool, net: HFNet, opt: torch.optim.Optimizer,
-           sampler: Any) -> tuple[int, int]:
+           sampler: Any, node_stores: Sequence[PathLike], on_phase: PhaseHook | None
+           ) -> tuple[int, int, bool]:
     """Bring the stores, model, optimizer and sampler to where training starts: ``(first
-    step, next checkpoint number)``."""
+    step, next checkpoint number, whether experts were re-sharded)``."""
     manifest = claim_stores(world, store, run_dir, ident, resume, layout.n_experts,
-                            lambda saved: "another model, batch, seed or update rule")
+                            lambda saved: "another model, batch, seed or update rule",
+                            fewer_nodes=True)
     if manifest is None:
         initialise_imported(store, layout, mine)
         barrier(world)
-        return 0, 1
-    if manifest["world_size"] != world.size or manifest["nodes"] != world.nodes:
+        return 0, 1, False
+    same = manifest["world_size"] == world.size and manifest["nodes"] == world.nodes
+    if len(manifest["nodes"]) < world.n_nodes:
         raise AgreedError(f"checkpoint {manifest['number']} was taken on "
-                          f"{manifest['world_size']} ranks in nodes {manifest['nodes']}: an "
-                          "imported model's fine-tune resumes on the same world")
+                          f"{len(manifest['nodes'])} node(s): an imported model's fine-tune "
+                          "resumes on as many nodes or fewer")
     if world.is_node_leader:
         store.restore(manifest["tag"])
     barrier(world)  # the node's snapshot is back before anyone reads it
+    if not same:
+        departed = departed_stores(world, manifest, node_stores)
+        try:
+            move_states(world, store, net.layout, manifest, departed, on_phase)
+        finally:
+            close_all(departed)
+        barrier(world)
     box: list[Any] = [unpack(store.get(*DENSE_ENTRY)) if world.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     payload = box[0]
     net.load_dense(store, {})
     opt.load_state_dict(payload["optimizer"])
     sampler.load_state_dict(payload["sampler"])
-    set_rng_state(payload["rng"][world.rank])
-    return int(manifest["step"]), int(manifest["number"]) + 1
+    if manifest["world_size"] == world.size:
+        set_rng_state(payload["rng"][world.rank])
+    return int(manifest["step"]), int(manifest["number"]) + 1, not same
 
 
 class _Loop:

@@ -103,6 +103,7 @@ def train_distributed(
     rule: str | None = None,
     pipeline: int | str | None = None,
     failure_timeout_s: float = SILENT_AFTER_S,
+    node_stores: Sequence[PathLike] = (),
 ) -> list[Metrics]:
     """Train ``model`` on every rank of the torchrun world until ``steps`` steps are done;
     returns this rank's metrics of the steps this call ran.
@@ -135,7 +136,10 @@ def train_distributed(
     ``transformers`` class (:mod:`.hf_trainer`); ``rule`` is the experts' AdamW rule there
     (or ``overrides["update_rule"]``; None: a resumed run's own, else ``dense``), and
     ``pipeline`` the chunks of its token-centric blocks (``auto`` by default;
-    :mod:`.pipeline`), which a preset's run refuses.
+    :mod:`.pipeline`), which a preset's run refuses. ``node_stores``: where this node reaches
+    the stores of nodes that the checkpoint resumed had and this world has not (a shared
+    path, or a copy of the store directory): their experts' states move into the remaining
+    nodes' stores (:mod:`.hf_reshard`; an imported model's fine-tune only).
     """
     if steps < 0 or checkpoint_every < 0:
         raise ValueError("steps and checkpoint_every must be >= 0")
@@ -176,10 +180,14 @@ def train_distributed(
                 rule=rule if rule is not None else tc.update_rule,
                 metrics_path=metrics_path, corpus=corpus, corpus_paths=corpus_paths,
                 on_step=on_step, on_phase=on_phase, watch=watch,
-                pipeline="auto" if pipeline is None else pipeline)
+                pipeline="auto" if pipeline is None else pipeline, node_stores=node_stores)
             watch.close()
             finished = True
             return history
+        if node_stores:
+            raise AgreedError("--node-store moves the experts of an imported model's "
+                              "fine-tune (a store import-hf filled) off departing nodes; a "
+                              "preset's run resumes on at least as many nodes")
         if pipeline is not None:
             raise AgreedError("--pipeline splits the token-centric blocks of an imported "
                               "model (a store import-hf filled); a preset's are not split")

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .quant import as_module_holds
+
 IMPLEMENTATION = "tierstore"
 BINDING = "_tierstore_experts"  # the attribute an experts module's ExpertLayer is kept in
 
@@ -83,6 +85,7 @@ class ExpertLayer:
     calls: int = field(default=0, repr=False)
     dtype: torch.dtype | None = None  # quantized layers: the compute dtype to dequantize to
     dequantizer: Any = field(default=None, repr=False)  # a tierstore.hf.quant.Dequantizer
+    transposed: bool = False  # the module holds [in, out] (gpt-oss)
     _plain: Any = field(default=None, repr=False)
 
     @property
@@ -122,8 +125,8 @@ class ExpertLayer:
         for p in self.params:
             got = out[p.role]
             if p.format is not None:
-                out[p.role] = [self.dequantizer(p.format, got[0], got[1], self.dtype,
-                                                reuse=reuse)]
+                w = self.dequantizer(p.format, got[0], got[1], self.dtype, reuse=reuse)
+                out[p.role] = [as_module_holds(w, p.format, self.transposed)]
             else:
                 out[p.role] = [t.to(self.dtype) for t in got]
         return out

@@ -12,6 +12,9 @@ that one; ``import-hf`` of the export gives the same entries.
 
 * An import (format 2, :mod:`tierstore.hf.layout`): its expert entries and ``dense.``
   entries, the values a fine-tune leaves there.
+* An expert-parallel fine-tune of an import (``tierstore train --distributed``): node 0's
+  store with the other nodes' stores named (``node_stores``), each expert read from the
+  store that trained it (:mod:`tierstore.hf.node_stores`).
 * A ``tierstore train`` run, read as the ``transformers`` model that computes what it does
   (:mod:`tierstore.hf.trainer_runs`: Mixtral, or Qwen2-MoE with a shared expert of zeros):
   its experts' live entries, the dense state of its latest checkpoint, and a byte-level
@@ -35,7 +38,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -49,9 +53,11 @@ from .config import hf_config, meta_model
 from .convert import expert_params
 from .families import UnservedFamilyError, check_served
 from .layout import ExpertsModule, StoredModel, stored_model
+from .node_stores import expert_owners
 from .outdir import HFExportError, WorkDir, check_out_dir, remove_leftovers
-from .quant import Dequantizer
+from .quant import Dequantizer, as_module_holds
 from .quant_export import PackedValues, expand
+from .quant_train import RoundTrip
 from .reverse import Group, ReverseError, ReversePlan, reverse_plan, run
 from .shards import INDEX_FILE, Shards
 from .tokenizer import byte_tokenizer_files, tokenizer_files
@@ -89,8 +95,10 @@ class _Values:
     parameters by expert (cast: floats to the export's dtype, the rest to the model's)."""
 
     def __init__(self, store: tierstore.Store, sm: StoredModel, model: nn.Module,
-                 modules: dict[str, nn.Module], dt: torch.dtype) -> None:
+                 modules: dict[str, nn.Module], dt: torch.dtype,
+                 owners: dict[tuple[str, int], tierstore.Store] | None = None) -> None:
         self.store, self.sm, self.dt = store, sm, dt
+        self.owners = owners or {}  # an expert-parallel fine-tune's: (prefix, e) -> store
         self.want = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
         # fused parameter -> (its experts module as stored, its entry parts, output dim)
         self.experts: dict[str, tuple[ExpertsModule, list[str], int]] = {}
@@ -98,6 +106,7 @@ class _Values:
         # checkpoint had no quantization_config to write them back in.
         self.formats: dict[str, str] = {}
         self.dequantizer = Dequantizer()
+        self.round_trip = RoundTrip()  # a fine-tuned quantized model's, packed again
         for m in sm.experts:
             out_dim = -1 if getattr(modules.get(m.module), "is_transposed", False) else 0
             for attr, parts in m.params:
@@ -136,13 +145,16 @@ class _Values:
         together."""
         entries = {n: [f"{self.experts[n][0].prefix}.{e}.{p}" for p in self.experts[n][1]]
                    for n in names}
-        got = self._get([x for xs in entries.values() for x in xs])
+        got: dict[str, Tensor] = {}
+        for n, xs in entries.items():
+            got.update(self._get(xs, self.owners.get((self.experts[n][0].prefix, e))))
         out = {}
         for n, xs in entries.items():
             parts = [got[x] for x in xs]
             fmt = self.formats.get(n)
             if fmt is not None:  # quantized at import: the values it computes with
-                parts = [self.dequantizer(fmt, parts[0], parts[1], torch.float32, reuse=False)]
+                w = self.dequantizer(fmt, parts[0], parts[1], torch.float32, reuse=False)
+                parts = [as_module_holds(w, fmt, self.experts[n][2] == -1)]
             t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.experts[n][2])
             out[n] = self._cast(n, t, self.want[n][0][1:]).unsqueeze(0)
         return out
@@ -154,12 +166,14 @@ class _Values:
         n = self.experts[name][0].num_experts
         return torch.cat([self.expert([name], e)[name] for e in range(n)])
 
-    def _get(self, names: list[str]) -> dict[str, Tensor]:
+    def _get(self, names: list[str], store: tierstore.Store | None = None
+             ) -> dict[str, Tensor]:
+        store = store or self.store
         try:
-            return self.store.get_many(names)
+            return store.get_many(names)
         except tierstore.EntryNotFoundError:
-            lacking = next(n for n in names if n not in self.store)
-            raise HFExportError(f"store {self.store.path}: the model's entry {lacking} is "
+            lacking = next(n for n in names if n not in store)
+            raise HFExportError(f"store {store.path}: the model's entry {lacking} is "
                                 "missing; the import or training run did not finish") from None
 
 
@@ -195,7 +209,8 @@ def side_files(store: tierstore.Store, sm: StoredModel) -> dict[str, bytes]:
     return files
 
 
-def _plan(store: tierstore.Store, sm: StoredModel, dt: torch.dtype
+def _plan(store: tierstore.Store, sm: StoredModel, dt: torch.dtype,
+          owners: dict[tuple[str, int], tierstore.Store] | None = None
           ) -> tuple[ReversePlan, _Values]:
     where = f"store {store.path}"
     config = hf_config(sm.hf_config, where)
@@ -208,7 +223,7 @@ def _plan(store: tierstore.Store, sm: StoredModel, dt: torch.dtype
         raise HFExportError(f"{where}: the stored experts ({len(sm.experts)} modules) do not "
                             f"match the {sm.family} model's ({len(modules)}); import the "
                             "checkpoint again")
-    values = _Values(store, sm, model, modules, dt)
+    values = _Values(store, sm, model, modules, dt, owners)
     params = expert_params(model, modules.items())
     stray = sorted(set(params) - set(values.experts))
     if stray:
@@ -255,7 +270,8 @@ def _write_group(group: Group, plan: ReversePlan, values: _Values, shards: Shard
 
 def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
               dtype: str | torch.dtype | None = None, shard_size: int | str = DEFAULT_SHARD_SIZE,
-              force: bool = False, progress: bool | Progress = True) -> dict[str, Any]:
+              force: bool = False, progress: bool | Progress = True,
+              node_stores: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
     """Export the model in the store at ``store_path`` to ``out_dir`` (see the module
     docstring) and return a summary: ``family`` (the architecture written), ``source``
     (``tierstore`` for a trainer run, else the family), ``dtype``, ``files``, ``shards``,
@@ -265,7 +281,10 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     stored model's). ``shard_size``: the most bytes per shard (a larger tensor gets a shard
     of its own). ``force``: write into a non-empty ``out_dir``, replacing its weight files.
     ``progress``: ``True`` for a tqdm bar over the bytes written, or a callable that
-    receives byte counts."""
+    receives byte counts. ``node_stores``: after an expert-parallel fine-tune
+    (``tierstore train --distributed``), the other nodes' stores, as reachable here (a
+    shared path, or a copy of the store directory): each expert is read from the store that
+    trained it (:mod:`tierstore.hf.node_stores`)."""
     store_path, out_dir = os.fspath(store_path), os.fspath(out_dir)
     asked = export_dtype(dtype)
     limit = tierstore.parse_size(shard_size)
@@ -274,15 +293,19 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     if not os.path.isdir(store_path):
         raise HFExportError(f"{store_path}: no such store")
     check_out_dir(out_dir, force)
-    with tierstore.open(store_path, host_cache=0) as store:
+    with tierstore.open(store_path, host_cache=0) as store, ExitStack() as others:
         sm = stored_model(store)  # a StoreError naming the ways to get a model if none
+        from tierstore.trainer.dist.hf_reshard import open_node_store
+
+        owners = expert_owners(store, [others.enter_context(open_node_store(p))
+                                       for p in node_stores], sm)
         # A fine-tune under the dense update rule: experts behind its last step take the
         # updates they missed first (what save() and every checkpoint also do).
         from tierstore.trainer.train.dense_rule import catch_up_import
 
         catch_up_import(store, sm.experts)
         dt = asked or DTYPES.get(sm.dtype) or torch.float32
-        plan, values = _plan(store, sm, dt)
+        plan, values = _plan(store, sm, dt, owners)
         outputs = list(plan.outputs())
         tensors = [(o.name, o.shape,
                     dt if o.dtype.is_floating_point and not o.packed else o.dtype)
@@ -323,4 +346,5 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
             work.move_into_place(force)
     return {"family": sm.family, "source": "tierstore" if sm.step is not None else sm.family,
             "dtype": dtype_name(dt), "files": files, "shards": len(shards.files),
-            "tensors": len(outputs), "bytes": shards.total, "removed": removed}
+            "tensors": len(outputs), "bytes": shards.total, "removed": removed,
+            "requantized": values.round_trip.to_json() if sm.requantize else None}

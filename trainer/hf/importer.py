@@ -58,13 +58,15 @@ from .layout import (
 from .quant import (
     FP8,
     FP8_BLOCK,
+    MXFP4,
+    MXFP4_GROUP,
     PACKED_DTYPES,
     SCALE_DTYPES,
     check_ops,
     fold,
     packed_shapes,
     quant_method,
-    quantize_fp8,
+    quantize,
 )
 from .quant import SUFFIXES as QUANT_SUFFIXES
 from .quant import parts as quant_parts
@@ -222,12 +224,11 @@ class Checked:
 
     def _quantize_at_import(self, fmt: str | None, where: str) -> set[str]:
         """``--expert-format``: the expert parameters quantized as they are stored (every
-        weight; biases stay as they are), each checked to be whole 128x128 blocks."""
+        weight; biases stay as they are), each checked to fit the format's blocks: FP8 in
+        whole 128x128 blocks of a module that holds ``[out, in]``; MXFP4 in groups of 32
+        inputs, either orientation (:func:`~tierstore.hf.quant.quantize_mxfp4`)."""
         if fmt is None:
             return set()
-        if fmt != FP8:
-            raise HFImportError(f"--expert-format {fmt}: quantizing at import is built for fp8 "
-                                "only; import without --expert-format, or with fp8")
         if self.method is not None:
             raise HFImportError(f"{where}: the checkpoint is already quantized ({self.method}) "
                                 "and is kept as shipped; import it without --expert-format")
@@ -235,16 +236,28 @@ class Checked:
         for name, p in self.plan.expert_params.items():
             if len(p.shape) != 3:
                 continue  # a bias: kept as it is
-            if any(d % FP8_BLOCK for d in p.shape[1:]):
+            transposed = self.transposed(p.module)
+            if fmt == MXFP4:
+                inner = p.shape[1] if transposed else p.shape[2]
+                if inner % MXFP4_GROUP:
+                    raise HFImportError(f"--expert-format mxfp4: {name} has {inner} inputs an "
+                                        "expert, not whole groups of 32; import without "
+                                        "--expert-format")
+            elif any(d % FP8_BLOCK for d in p.shape[1:]):
                 raise HFImportError(f"--expert-format fp8: {name} is {list(p.shape[1:])} an "
                                     "expert, not whole 128x128 blocks; import without "
                                     "--expert-format")
-            if self.model.get_submodule(p.module).is_transposed:
+            elif transposed:
                 raise HFImportError(f"--expert-format fp8: {name} is held transposed by "
-                                    f"{self.family}; import without --expert-format")
-            self.formats[name] = FP8
+                                    f"{self.family}; import without --expert-format, or with "
+                                    "mxfp4")
+            self.formats[name] = fmt
             chosen.add(name)
         return chosen
+
+    def transposed(self, module: str) -> bool:
+        """Whether experts module ``module`` holds its weights ``[in, out]`` (gpt-oss)."""
+        return bool(getattr(self.model.get_submodule(module), "is_transposed", False))
 
     def file_key(self, key: str) -> str:
         """The checkpoint tensor plan key ``key`` is read from first."""
@@ -293,7 +306,7 @@ class Checked:
             if fmt is None:
                 want[f"{m.prefix}.{e}.{a}"] = (logical, self.dtype)
                 continue
-            packed, scales = packed_shapes(fmt, logical)
+            packed, scales = packed_shapes(fmt, logical, self.transposed(m.module))
             want[f"{m.prefix}.{e}.{parts[0]}"] = (packed, PACKED_DTYPES[fmt])
             want[f"{m.prefix}.{e}.{parts[1]}"] = (scales, SCALE_DTYPES[fmt])
         return want
@@ -315,8 +328,9 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
     missing) and return its ``model.json`` content. ``progress``: ``True`` for a tqdm bar
     over the bytes imported, or a callable that receives byte counts. ``resume``: continue
     an interrupted import of the same checkpoint (see the module docstring).
-    ``expert_format="fp8"``: store the experts' weights of a bf16/fp32 checkpoint in 128x128
-    block FP8 (lossy; the default keeps them as the checkpoint has them)."""
+    ``expert_format="fp8"`` or ``"mxfp4"``: store the experts' weights of a bf16/fp32
+    checkpoint in 128x128 block FP8 or in MXFP4 (lossy; the default keeps them as the
+    checkpoint has them)."""
     model_dir = os.fspath(model_dir)
     ck = Checked(model_dir, expert_format)
     reader = CheckpointReader(ck.heads, dtypes=ck.targets)
@@ -353,7 +367,7 @@ def import_hf(model_dir: str | os.PathLike[str], store_path: str | os.PathLike[s
             info = StoredModel(family=ck.family, hf_config=ck.hf, experts=layout, dense=dense,
                                dtype=str(ck.dtype).removeprefix("torch."),
                                generation_config=ck.generation_config, tokenizer=toks,
-                               quant=ck.method or (FP8 if ck.quantize else None),
+                               quant=ck.method or (expert_format if ck.quantize else None),
                                quantized_at_import=bool(ck.quantize),
                                dense_scales=dense_scales)
             store.put(MODEL_ENTRY[0], json_entry(info.to_json()), kind=MODEL_ENTRY[1])
@@ -425,10 +439,13 @@ def _put_experts(store: tierstore.Store, ck: Checked, reader: CheckpointReader,
             if fmt is None or group.target in ck.quantize:
                 got = convert_expert(group, ck.plan, ck.model, e, reader.get, reader.expert_slice)
                 for t, v in got.items():
-                    if t in ck.quantize:  # --expert-format: stored packed as DeepSeek ships
-                        v, scales = quantize_fp8(v)
-                        out[_entry(m, e, t) + QUANT_SUFFIXES[FP8][1]] = scales
-                    out[_entry(m, e, t)] = v
+                    if t in ck.quantize:  # --expert-format: stored packed as shipped
+                        tf = ck.formats[t]
+                        packed, scales = quantize(tf, v, ck.transposed(m.module))
+                        for suffix, q in zip(QUANT_SUFFIXES[tf], (packed, scales)):
+                            out[_entry(m, e, t) + suffix] = q
+                    else:
+                        out[_entry(m, e, t)] = v
                 continue
             # The packed tensors and their scales, each through the same converter.
             for which, suffix in zip(("packed", "scales"), QUANT_SUFFIXES[fmt]):

@@ -90,6 +90,9 @@ class StoredModel:
     quant: str | None = None  # the checkpoint's quantization, kept compact (tierstore.hf.quant)
     dense_scales: dict[str, str] = field(default_factory=dict)  # fp8 dense weight -> its scales
     quantized_at_import: bool = False  # import-hf --expert-format: the checkpoint was not
+    # A fine-tuned quantized checkpoint (tierstore.hf.quant_train): state-dict name -> the
+    # format export-hf re-quantizes its fp32 master to.
+    requantize: dict[str, str] = field(default_factory=dict)
     step: int | None = None  # a trainer run: the step of the checkpoint its dense state is
     # A trainer run's dense weights, out of its latest checkpoint, by the model's names
     # (an import's are entries, named in ``dense``).
@@ -101,7 +104,8 @@ class StoredModel:
                 "experts": [m.to_json() for m in self.experts], "dense": self.dense,
                 "zeros": self.zeros, "tokenizer": self.tokenizer, "quant": self.quant,
                 "dense_scales": self.dense_scales,
-                "quantized_at_import": self.quantized_at_import}
+                "quantized_at_import": self.quantized_at_import,
+                "requantize": self.requantize}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> StoredModel:
@@ -116,7 +120,9 @@ class StoredModel:
                        quant=d.get("quant"),
                        quantized_at_import=bool(d.get("quantized_at_import")),
                        dense_scales={str(k): str(v)
-                                     for k, v in (d.get("dense_scales") or {}).items()})
+                                     for k, v in (d.get("dense_scales") or {}).items()},
+                       requantize={str(k): str(v)
+                                   for k, v in (d.get("requantize") or {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise tierstore.StoreError(f"{where}: model.json is damaged ({e!r}); import the "
                                        "model again into a new store") from e

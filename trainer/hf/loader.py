@@ -191,6 +191,7 @@ def build(store: tierstore.Store, owns: bool, *, device: torch.device,
         layer = ExpertLayer(key, m.module, m.prefix, params, m.num_experts)
         if layer.quantized:
             layer.dtype, layer.dequantizer = dt, dequantizer
+            layer.transposed = bool(getattr(module, "is_transposed", False))
             logical[key] = [list(getattr(module, a).shape[1:]) for a, _ in m.params]
         if not shapes:
             shapes = [list(getattr(module, a).shape[1:]) for a, _ in m.params]

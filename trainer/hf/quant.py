@@ -151,11 +151,13 @@ def parts(attr: str, fmt: str) -> list[str]:
     return [attr + s for s in SUFFIXES[fmt]]
 
 
-def packed_shapes(fmt: str, logical: list[int]) -> tuple[list[int], list[int]]:
+def packed_shapes(fmt: str, logical: list[int], transposed: bool = True
+                  ) -> tuple[list[int], list[int]]:
     """One expert's packed and scales shapes for a parameter of ``logical`` shape (as
-    ``transformers`` holds it dequantized)."""
+    ``transformers`` holds it dequantized; ``transposed``: ``[in, out]``, as gpt-oss)."""
     if fmt == MXFP4:
-        inner, rows = logical  # [in, out]: the blocks run along the input
+        # The blocks run along the input: [out, in / 32, 16] whichever way the module holds it.
+        inner, rows = logical if transposed else logical[::-1]
         return [rows, inner // 32, 16], [rows, inner // 32]
     return list(logical), [logical[0] // FP8_BLOCK, logical[1] // FP8_BLOCK]
 
@@ -179,9 +181,76 @@ def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(torch.float8_e4m3fn).reshape(rows, cols), inv
 
 
+MXFP4_GROUP = 32
+
+
+def quantize_mxfp4(w: Tensor, transposed: bool = True) -> tuple[Tensor, Tensor]:
+    """One expert weight as gpt-oss ships it: ``blocks [out, in/32, 16]`` uint8 (two e2m1
+    codes a byte, the even input in the low nibble) and E8M0 ``scales [out, in/32]`` (bias
+    127), from ``w`` held ``[in, out]`` (``transposed``, as gpt-oss) or ``[out, in]``.
+
+    What ``transformers``' ``quantize_to_mxfp4`` makes of a weight: the weight cast to
+    bf16, then ``triton_kernels``' ``downcast_to_mxfp_torch`` (``numerics_details/mxfp.py``,
+    rounding mode ``ROUND_UP``), re-derived here since neither is importable without the
+    kernels hub: each group of 32 inputs takes the scale ``2^e``, the smallest power of two
+    not below ``amax / 6`` as fp32 rounds it (6 is e2m1's largest, so nothing clips), and
+    each value ``x * 2^-e`` rounds to the nearest e2m1 value, ties to the even code, beyond
+    6 to 6, a negative value that rounds to zero to -0."""
+    m = (w.t() if transposed else w).to(torch.bfloat16).to(torch.float32)
+    rows, cols = m.shape
+    g = m.reshape(rows, cols // MXFP4_GROUP, MXFP4_GROUP)
+    d = g.abs().amax(-1) / 6.0
+    # Round the fp32 scale up to a power of two on its bits: the exponent field is E8M0.
+    bits = ((d.view(torch.int32) + 0x007FFFFF) & 0x7F800000)
+    scale = bits.view(torch.float32)
+    inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+    x = g * inv.unsqueeze(-1)
+    a = x.abs()
+    # Code = how many of e2m1's midpoints |x| passes; at a tie (=) the even code wins:
+    # 0.25 -> 0, 0.75 -> 1.0 (code 2), 1.25 -> 1.0, 1.75 -> 2.0 (4), 2.5 -> 2.0, 3.5 -> 4.0
+    # (6), 5 -> 4.0.
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+            + (a >= 3.5) + (a > 5.0))
+    code = code | (torch.signbit(x).to(torch.uint8) << 3)
+    code = code.reshape(rows, cols // MXFP4_GROUP, MXFP4_GROUP // 2, 2)
+    blocks = code[..., 0] | (code[..., 1] << 4)
+    return blocks.contiguous(), (bits >> 23).to(torch.uint8)
+
+
+def quantize(fmt: str, w: Tensor, transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """One expert weight (or a dense fp8 one) packed in ``fmt``: (packed, scales)."""
+    if fmt == MXFP4:
+        return quantize_mxfp4(w, transposed)
+    return quantize_fp8(w)
+
+
+def as_module_holds(w: Tensor, fmt: str, transposed: bool) -> Tensor:
+    """A weight the :class:`Dequantizer` gave, as its module holds it: MXFP4 dequantizes
+    to ``[in, out]`` (gpt-oss's, ``transformers``' function); a module that holds
+    ``[out, in]`` takes its transpose, a view (``F.linear`` reads it as it is)."""
+    return w.t() if fmt == MXFP4 and not transposed else w
+
+
+# The integer type that holds a pair of values of each dtype's size: a pair table gathered
+# through it moves both nibbles' values in one element.
+_PAIR_INTS = {2: torch.int32, 4: torch.int64}
+
+
 class Dequantizer:
     """Dequantizes one expert's packed weight into a buffer kept for the next call of the
-    same shape, dtype and device (the experts function uses it before the next expert)."""
+    same shape, dtype and device (the experts function uses it before the next expert).
+
+    Both formats are table lookups on the packed bytes, one gather each. The tables are
+    made on the device with ``transformers``' own operations over every code (and every
+    E8M0 exponent), so each value is the one ``transformers`` computes for that code:
+
+    * MXFP4: for every exponent ``s`` and byte ``b``, the pair (low nibble, high nibble)
+      that ``convert_moe_packed_tensors`` gives (``lut[nibble]`` in the dtype, then
+      ``torch.ldexp`` by ``s - 127``); the index is ``s * 256 + b``, so the ``ldexp`` pass
+      over the weights goes. 256 x 256 pairs: 256 KiB in bf16.
+    * FP8: e4m3's 256 codes as fp32 (``.to(float32)`` of each code; that cast is slow
+      elementwise on a CPU), times the block's scale in fp32, then cast to the dtype.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], Tensor] = {}
@@ -197,11 +266,41 @@ class Dequantizer:
             buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
         return buf
 
+    def _scratch(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, reuse: bool) -> Tensor:
+        """A buffer for what is dead once the call returns: one per tag, grown to the
+        largest call, so the projections of an expert share it."""
+        n = 1
+        for d in shape:
+            n *= d
+        if not reuse:
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (tag, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
     def __call__(self, fmt: str, packed: Tensor, scales: Tensor, dtype: torch.dtype, *,
                  reuse: bool = True) -> Tensor:
         if fmt == MXFP4:
             return self.mxfp4(packed, scales, dtype, reuse=reuse)
         return self.fp8(packed, scales, dtype, reuse=reuse)
+
+    def _mxfp4_pairs(self, dtype: torch.dtype, dev: torch.device) -> Tensor:
+        """``[256 * 256, 2]``: row ``s * 256 + b`` holds byte ``b``'s two values (the low
+        nibble first) under E8M0 exponent ``s``, as ``convert_moe_packed_tensors`` makes
+        them."""
+        pairs = self._luts.get(("mxfp4", dtype, dev))
+        if pairs is None:
+            lut = torch.tensor(E2M1, dtype=dtype, device=dev)
+            exp = torch.arange(256, dtype=torch.int32, device=dev).view(256, 1) - 127
+            values = lut.expand(256, 16).contiguous()
+            torch.ldexp(values, exp, out=values)  # [exponent, nibble]
+            byte = torch.arange(256, device=dev)
+            pairs = torch.stack([values[:, byte & 15], values[:, byte >> 4]], dim=-1)
+            pairs = self._luts[("mxfp4", dtype, dev)] = pairs.reshape(256 * 256, 2)
+        return pairs
 
     def mxfp4(self, blocks: Tensor, scales: Tensor, dtype: torch.dtype, *,
               reuse: bool = True) -> Tensor:
@@ -209,21 +308,20 @@ class Dequantizer:
         in ``dtype``: ``convert_moe_packed_tensors`` of one expert."""
         rows, groups, width = blocks.shape
         dev = blocks.device
-        pairs = self._luts.get((dtype, dev))
-        if pairs is None:  # byte b -> (e2m1[b & 15], e2m1[b >> 4]): the low nibble first
-            lut = torch.tensor(E2M1, dtype=dtype, device=dev)
-            pairs = self._luts[(dtype, dev)] = torch.stack(
-                [lut.repeat(16), lut.repeat_interleave(16)], dim=1)
+        pairs = self._mxfp4_pairs(dtype, dev)
         n = rows * groups * width
-        index = self._buffer("mxfp4-index", (n,), torch.int32, dev, reuse)
-        index.copy_(blocks.reshape(n))
-        work = self._buffer("mxfp4", (rows * groups, width * 2), dtype, dev, reuse)
-        # One gather of both nibbles' values: the values transformers' table gives each.
-        torch.index_select(pairs, 0, index, out=work.view(n, 2))
-        exp = scales.reshape(rows * groups, 1).to(torch.int32) - 127
-        torch.ldexp(work, exp, out=work)
+        index = self._scratch("mxfp4-index", (rows, groups, width), torch.int32, dev, reuse)
+        index.copy_(blocks)
+        index.add_(scales.to(torch.int32).mul_(256).unsqueeze(-1))  # s * 256 + b
+        work = self._scratch("mxfp4", (rows, groups * width * 2), dtype, dev, reuse)
+        pair_int = _PAIR_INTS.get(pairs.element_size())
+        if pair_int is not None:  # one element a pair: the fastest gather torch has
+            torch.index_select(pairs.view(pair_int).view(-1), 0, index.view(n),
+                               out=work.view(pair_int).view(n))
+        else:
+            torch.index_select(pairs, 0, index.view(n), out=work.view(n, 2))
         out = self._buffer("mxfp4-t", (groups * width * 2, rows), dtype, dev, reuse)
-        out.copy_(work.view(rows, groups * width * 2).t())
+        out.copy_(work.t())
         return out
 
     def fp8(self, weight: Tensor, scale_inv: Tensor, dtype: torch.dtype, *,
@@ -233,12 +331,22 @@ class Dequantizer:
         rows, cols = weight.shape
         sr, sc = scale_inv.shape
         dev = weight.device
-        work = self._buffer("fp8", (rows, cols), torch.float32, dev, reuse)
-        work.copy_(weight)
+        lut = self._luts.get(("fp8", dev))
+        if lut is None:
+            codes = torch.arange(256, dtype=torch.int32, device=dev).to(torch.uint8)
+            lut = self._luts[("fp8", dev)] = codes.view(torch.float8_e4m3fn).to(torch.float32)
+        index = self._scratch("fp8-index", (rows * cols,), torch.int32, dev, reuse)
+        index.copy_(weight.view(torch.uint8).reshape(rows * cols))
+        # fp32 is returned as it is (kept per shape); for another dtype it is scratch
+        work = (self._buffer if dtype == torch.float32 else self._scratch)(
+            "fp8", (rows, cols), torch.float32, dev, reuse)
+        torch.index_select(lut, 0, index, out=work.view(rows * cols))
         q = work.view(sr, rows // sr, sc, cols // sc)
         torch.mul(q, scale_inv.to(torch.float32).view(sr, 1, sc, 1), out=q)
         if dtype == torch.float32:
             return work
+        # A separate cast: a product written straight into bf16 rounds the same but runs
+        # an order of magnitude slower on a CPU.
         out = self._buffer("fp8-out", (rows, cols), dtype, dev, reuse)
         out.copy_(work)
         return out

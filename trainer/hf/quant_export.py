@@ -22,7 +22,8 @@ from torch import Tensor
 import tierstore
 
 from .outdir import HFExportError
-from .quant import FP8, MXFP4
+from .quant import FP8, MXFP4, PACKED_DTYPES, SCALE_DTYPES, packed_shapes
+from .quant_train import requantize
 from .reverse import Group, Output, ReversePlan, _per_expert, run
 
 # How a logical output's name becomes the packed tensor's and the scales'.
@@ -31,10 +32,17 @@ NAMES = {MXFP4: ("{}_blocks", "{}_scales"), FP8: ("{}", "{}_scale_inv")}
 
 class PackedValues:
     """The stored packed tensors (``part`` 0) or scales (``part`` 1) of quantized
-    parameters, as the exporter's values give logical ones (``_Values``)."""
+    parameters, as the exporter's values give logical ones (``_Values``); of a fine-tuned
+    one, its fp32 master packed again (:func:`~tierstore.hf.quant_train.requantize`), the
+    round trip's error gathered in ``values.round_trip``."""
 
     def __init__(self, values: Any, part: int) -> None:
         self.values, self.part = values, part
+
+    def _master(self, name: str, entry: str, transposed: bool) -> Tensor:
+        w = self.values._get([entry])[entry]
+        fmt = self.values.sm.requantize[name]
+        return requantize(fmt, w, transposed, self.part, self.values.round_trip)
 
     def entry(self, name: str, e: int) -> str:
         m, parts, _ = self.values.experts[name]
@@ -45,6 +53,11 @@ class PackedValues:
         return sm.dense[name] if self.part == 0 else sm.dense_scales[name]
 
     def expert(self, names: list[str], e: int) -> dict[str, Tensor]:
+        if self.values.sm.requantize:
+            m, parts, out_dim = self.values.experts[names[0]]
+            return {n: self._master(n, f"{m.prefix}.{e}.{self.values.experts[n][1][0]}",
+                                    self.values.experts[n][2] == -1).unsqueeze(0)
+                    for n in names}
         entries = {n: self.entry(n, e) for n in names}
         got = self.values._get(list(entries.values()))
         return {n: got[x].unsqueeze(0) for n, x in entries.items()}
@@ -53,11 +66,15 @@ class PackedValues:
         if name in self.values.experts:
             n = self.values.experts[name][0].num_experts
             return torch.cat([self.expert([name], e)[name] for e in range(n)])
+        if self.values.sm.requantize:
+            return self._master(name, self.values.sm.dense[name], False)
         entry = self.dense_entry(name)
         return self.values._get([entry])[entry]
 
 
 def _format(values: Any, name: str) -> str | None:
+    if values.sm.requantize:
+        return values.sm.requantize.get(name)
     got = values.experts.get(name)
     if got is not None:
         m, _, _ = got
@@ -67,7 +84,19 @@ def _format(values: Any, name: str) -> str | None:
 
 
 def _meta(store: tierstore.Store, packed: PackedValues, name: str) -> Tensor:
-    """A meta tensor of what the store holds for ``name`` (over every expert if fused)."""
+    """A meta tensor of what the store holds for ``name`` (over every expert if fused), or
+    of a fine-tuned one, what packing its master makes."""
+    sm = packed.values.sm
+    if sm.requantize:
+        fmt = sm.requantize[name]
+        dtype = (PACKED_DTYPES if packed.part == 0 else SCALE_DTYPES)[fmt]
+        if name in packed.values.experts:
+            m, parts, out_dim = packed.values.experts[name]
+            logical = list(store.info(f"{m.prefix}.0.{parts[0]}").shape)
+            shape = packed_shapes(fmt, logical, out_dim == -1)[packed.part]
+            return torch.empty((m.num_experts, *shape), dtype=dtype, device="meta")
+        shape = packed_shapes(fmt, list(store.info(sm.dense[name]).shape))[packed.part]
+        return torch.empty(tuple(shape), dtype=dtype, device="meta")
     if name in packed.values.experts:
         info = store.info(packed.entry(name, 0))
         n = packed.values.experts[name][0].num_experts

@@ -60,7 +60,8 @@ from torch import Tensor, nn
 
 import tierstore
 
-from .loader import Loaded, build, open_store
+from .loader import Loaded, open_store
+from .quant_train import build_trainable
 
 
 def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
@@ -71,8 +72,9 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
     mode, dense weights fp32, experts trained through the store (see the module docstring).
 
     The first time a store is loaded trainable its experts become trainable as ``tierstore
-    train`` makes them (fp32 masters, cast up exactly from a bf16 or fp16 import; zero
-    moments and step counts); a store that has them already (trained before, by this or by
+    train`` makes them (fp32 masters, cast up exactly from a bf16 or fp16 import, dequantized
+    as ``transformers`` does from a quantized one, whose ``export-hf`` packs them again:
+    :mod:`tierstore.hf.quant_train`; zero moments and step counts); a store that has them already (trained before, by this or by
     ``tierstore train``) keeps them, so training continues from its moments. ``fetch``: how
     experts reach ``device`` (``queue``, ``direct`` or ``auto``, as ``tierstore train
     --fetch``); ``device_budget`` also bounds the expert weights one step may hold.
@@ -93,16 +95,12 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
         world = join_world(process_group, device)
     st, owns = open_store(store, host_cache=host_cache, device_budget=device_budget)
     try:
-        model, loaded = build(st, owns, device=device, dtype=torch.float32)
+        # A quantized store's packed weights become fp32 masters (tierstore.hf.quant_train).
+        model, loaded = build_trainable(st, owns, device, parallel=world is not None)
         if loaded.stored.dense_state is not None:
             raise tierstore.StoreError(f"store {st.path} holds a run of a trainer preset, "
                                        "which `tierstore train --resume` continues; a "
                                        "trainable load needs a store import-hf filled")
-        if loaded.stored.quant is not None:
-            raise tierstore.StoreError(
-                f"store {st.path} holds {loaded.stored.quant} experts as shipped, which are not "
-                "trained yet; train adapters over them (load without trainable=True), or "
-                "import the checkpoint's bf16 weights to fine-tune the experts")
         layout = hf_finetune.served_layout(loaded.served, st)
         mine = None
         if world is not None:

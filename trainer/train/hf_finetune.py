@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from tierstore.hf.layout import MODEL_ENTRY, StoredModel, stored_model
-from tierstore.hf.loader import build
+from tierstore.hf.quant_train import build_trainable
 from tierstore.hf.served import ServedModel
 from tierstore.hf.tokenizer import load_tokenizer
 from torch import Tensor
@@ -133,7 +133,7 @@ class HFNet(TrainNet):
 
     def __init__(self, store: tierstore.Store, stored: StoredModel, tc: TrainConfig,
                  device: torch.device) -> None:
-        model, loaded = build(store, False, device=device, dtype=torch.float32)
+        model, loaded = build_trainable(store, False, device)
         self.module, self.loaded = model, loaded
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if isinstance(limit, int) and tc.seq_len > limit:
@@ -142,7 +142,7 @@ class HFNet(TrainNet):
         self.shape = train_shape(model.config, self.layout)
         self.record = {"finetune": stored.family, "hf_config": stored.hf_config}
         self.autocast = compute_dtype(stored.dtype, tc) == "bfloat16"
-        self.entries = dense_entries(model, stored)
+        self.entries = dense_entries(model, loaded.stored)
         model.train()
 
     def attach(self, experts: ExpertStates) -> None:

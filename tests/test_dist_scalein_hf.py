@@ -1,0 +1,183 @@
+"""Resuming an imported model's expert-parallel fine-tune on fewer nodes and ranks
+(``--node-store``), under torchrun with gloo, as tests/test_dist_finetune_hf.py runs it.
+
+- 2 nodes of one rank -> 1 node of one rank: without the departing store named, one line
+  says to name it; with it (a copy of its directory), every expert state the departing node trained lands in the
+  remaining store bit for bit (weights, both moments, step counts), the departing store is
+  left as its checkpoint had it, and training continues equal to the single process's run
+  (per-step losses and final weights within 1e-5).
+- 2 nodes of two ranks -> 1 node of two ranks (``slow``): the same, the departing store
+  read through a daemon started again on it, through a SIGKILL in the middle of the move
+  and a rerun of the same command.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_finetune_hf
+import torch
+from test_dist_finetune_hf import (
+    CORPUS_BYTES,
+    STEPS,
+    TRAIN,
+    check_weights,
+    prepare,
+    single_process,
+)
+from test_dist_train import launch, metrics, rank_stderr, stop_daemons
+from tierstore.hf.layout import stored_model
+from tierstore.hf.node_stores import owned_ranges
+from tierstore.trainer.train.data import Corpus
+
+import tierstore
+
+pytestmark = pytest.mark.timeout(600)
+corpus = test_finetune_hf.corpus
+tokenizer_file = test_finetune_hf.tokenizer_file
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left(tmp_path: Path) -> Any:
+    yield
+    stop_daemons(tmp_path)
+
+
+def trained_states(path: Path, tag: str | None = None) -> dict[Any, torch.Tensor]:
+    """Every state of the experts a node store trained (its ranks' step-count entries say
+    which): each part's master and moments, and each expert's step count. ``tag``: as that
+    snapshot holds them (restored first)."""
+    out: dict[Any, torch.Tensor] = {}
+    with tierstore.open(path, host_cache=0) as st:
+        if tag is not None:
+            st.restore(tag)
+        for m in stored_model(st).experts:
+            for ids in owned_ranges(st, m.prefix):
+                steps = st.get(f"{m.prefix}.owned{ids.start}-{ids.stop - 1}", "step")
+                for e in ids:
+                    out[(m.prefix, e, "step")] = steps[e].clone()
+                    keys = [(f"{m.prefix}.{e}.{part}", k) for _, parts in m.params
+                            for part in parts for k in KINDS]
+                    out.update(st.get_many(keys))
+        assert st.fsck().ok
+    return out
+
+
+def serve(tmp: Path, node: int) -> subprocess.Popen[bytes]:
+    """A daemon started again on node ``node``'s store, where a run would have it."""
+    sock = tmp / f"node{node}.run" / "daemon.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "serve", "--store",
+                             str(tmp / f"node{node}"), "--socket", str(sock), "--host-cache",
+                             "4MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while tierstore.probe_daemon(sock) is None:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    return proc
+
+
+def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int, int],
+             after: tuple[int, int], reach: str, kill: list[Any] | None = None) -> None:
+    """Fine-tune Mixtral for one step on ``before`` (nodes, ranks per node), resume on
+    ``after`` (one node) with the departing stores named, and check the states landed
+    unchanged and that training went on as the single process's. ``reach``: how the
+    departing stores are named: ``copy`` (a copy of each store directory) or ``daemon``
+    (each store's own path, served by a daemon started again)."""
+    (nodes, per_node), (new_nodes, new_per_node) = before, after
+    global_batch = nodes * per_node
+    prepare("mixtral", tmp, nodes, tokenizer_file)
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "host_cache": 4 << 20}
+    assert launch(tmp, "a", nodes, per_node, steps=1, checkpoint_every=1,
+                  spec=spec) == [0] * nodes, (tmp / "a.node0.log").read_text()[-3000:]
+    trained = [trained_states(tmp / f"node{i}") for i in range(nodes)]
+    assert len({k[1] for k in trained[1] if len(k) == 3}) > 0  # node 1 trained some
+    departing = [tmp / f"node{i}" for i in range(new_nodes, nodes)]
+    if reach == "copy":
+        for i, path in enumerate(departing):
+            shutil.copytree(path, tmp / f"copy{i}")
+        departing = [tmp / f"copy{i}" for i in range(len(departing))]
+    else:
+        daemons = [serve(tmp, i) for i in range(new_nodes, nodes)]
+
+    spec = {**spec, "train": {**TRAIN, "batch_size": global_batch // (new_nodes * new_per_node)}}
+    if kill is None:
+        # Not named: one line on every rank, naming what to pass; nothing changed.
+        assert launch(tmp, "x", new_nodes, new_per_node, steps=STEPS, resume=True,
+                      spec=spec) != [0]
+        for r in range(new_per_node):
+            (line,) = rank_stderr(tmp, "x", r, new_per_node)
+            assert line.startswith("tierstore: checkpoint 1 (step 1) was taken on 2 nodes and "
+                                   "node 1's store"), line
+            assert line.endswith("name where that store is reachable with --node-store PATH "
+                                 "(a shared path, or a copy of its directory)"), line
+    else:
+        # Killed mid-move: the other rank ends with one line, and every store is fsck-clean.
+        spec_k = {**spec, "node_stores": [str(p) for p in departing]}
+        assert launch(tmp, "k", new_nodes, new_per_node, steps=STEPS, resume=True,
+                      spec=spec_k, kill=kill) != [0]
+        for r in range(new_per_node):
+            if r != kill[2]:
+                (line,) = rank_stderr(tmp, "k", r, new_per_node)
+                assert f"rank {kill[2]} (node 0) ended without a word" in line, line
+        stop_daemons(tmp)
+        for i in range(nodes):
+            with tierstore.open(tmp / f"node{i}", host_cache=0) as st:
+                assert st.fsck().ok
+        if reach == "daemon":
+            daemons = [serve(tmp, i) for i in range(new_nodes, nodes)]
+    spec["node_stores"] = [str(p) for p in departing]
+    assert launch(tmp, "b", new_nodes, new_per_node, steps=STEPS, resume=True,
+                  spec=spec) == [0] * new_nodes, (tmp / "b.node0.log").read_text()[-3000:]
+    if reach == "daemon":
+        stop_daemons(tmp)
+        assert all(d.wait(timeout=60) == 0 for d in daemons)
+
+    ref = single_process(tmp, global_batch, corpus)
+    for r in range(nodes * per_node):
+        assert [m["step"] for m in metrics(tmp, "a", r)] == [1]
+    for r in range(new_nodes * new_per_node):
+        got = metrics(tmp, "b", r)
+        assert [m["step"] for m in got] == list(range(2, STEPS + 1))
+        for m in metrics(tmp, "a", 0) + got:
+            a = ref[m["step"] - 1]
+            for key in ("loss", "aux_loss", "grad_norm"):
+                assert abs(a[key] - m[key]) < 1e-5, (m["step"], key, a[key], m[key])
+    check_weights(tmp, new_nodes, new_per_node)
+    # The departing stores are as their checkpoint left them: nothing lost there.
+    for i, path in enumerate(departing):
+        assert_same(trained_states(path), trained[new_nodes + i])
+    # The checkpoint taken right after the move (number 2, kept beside the final one)
+    # holds every node's trained states, bit for bit, under the new ranks' count entries.
+    want = {k: v for states in trained for k, v in states.items()}
+    assert_same(trained_states(tmp / "node0", "dist-000002"), want)
+
+
+def assert_same(got: dict[Any, torch.Tensor], want: dict[Any, torch.Tensor]) -> None:
+    assert sorted(map(str, got)) == sorted(map(str, want))
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+
+
+def test_two_nodes_resume_on_one(corpus: Corpus, tokenizer_file: Path,
+                                 tmp_path: Path) -> None:
+    """2 nodes of one rank -> 1 node of one rank, node 1's store named by a copy of its
+    directory (module docstring)."""
+    scale_in(tmp_path, corpus, tokenizer_file, (2, 1), (1, 1), "copy")
+
+
+@pytest.mark.slow
+def test_four_ranks_resume_on_two_through_a_kill(corpus: Corpus, tokenizer_file: Path,
+                                                 tmp_path: Path) -> None:
+    """2 nodes of two ranks -> 1 node of two ranks, node 1's store read through a daemon
+    started again on it; rank 0 SIGKILLed after writing its second moved expert, then the
+    same command again."""
+    scale_in(tmp_path, corpus, tokenizer_file, (2, 2), (1, 2), "daemon",
+             kill=["moved", 2, 0])
