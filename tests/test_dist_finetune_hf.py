@@ -12,8 +12,9 @@ to their experts' owners inside the registered ``tierstore`` experts function.
 - MPMoE's pipelining of the token-centric blocks: 2 and 4 chunks and ``auto`` give the
   loss, logits and every gradient of one chunk bit for bit, and the counters show chunks
   computed while another chunk's exchange was in flight.
-- ``export-hf`` after the two-node run gathers both nodes' experts (``--node-store``):
-  ``from_pretrained`` of it computes the single process's logits.
+- ``export-hf`` after the two-node run gathers both nodes' experts (``--node-store``),
+  node 1's caught up from node 1's own history (only rank 0 saved): ``from_pretrained`` of
+  it computes the single process's logits.
 - A rank SIGKILLed mid-step: the other ends within the bound with one line naming
   it, the store stays fsck-clean, and ``--resume`` continues to the single process's
   result (each torchrun launch costs ~20 s here: the kill and the equality share one run).
@@ -118,9 +119,12 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     process_group=...)`` (tests/dist_hf_loop.py), its token-centric blocks pipelined in two
     chunks; before training, the pipelining probe (bit-identical in 1, 2, 4 chunks)."""
     nodes, per_node = 2, 1
-    prepare("mixtral", tmp_path, nodes, tokenizer_file)
+    # 16 experts so that some miss steps (with 8, this batch reaches all in every step).
+    prepare("mixtral", tmp_path, nodes, tokenizer_file, num_local_experts=16)
+    # Only rank 0 saves (the dense weights are every rank's): node 1's experts stay behind
+    # the last step until export-hf catches them up from node 1's own history.
     spec = {"train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
-            "out": str(tmp_path / "losses.json"), "pipeline": 2}
+            "out": str(tmp_path / "losses.json"), "pipeline": 2, "save_ranks": [0]}
     codes = launch(tmp_path, "loop", nodes, per_node, steps=STEPS, spec=spec, child=LOOP)
     assert codes == [0] * nodes, (tmp_path / "loop.node0.log").read_text()[-3000:]
     ref = single_process(tmp_path, nodes * per_node, corpus)
@@ -146,8 +150,19 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     assert set(probe["chosen"].values()) <= {1, 2, 4}
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b) < 1e-5, (a["loss"], b)
-    check_weights(tmp_path, nodes, per_node)
+    assert min(step_counts(tmp_path / "node1")) < STEPS  # some expert missed the last step
     check_export(tmp_path, nodes)
+    assert min(step_counts(tmp_path / "node1")) == STEPS  # caught up by the export
+    check_weights(tmp_path, nodes, per_node)
+
+
+def step_counts(store: Path) -> list[int]:
+    """Every step count of the experts a node store's ranks trained."""
+    from tierstore.hf.node_stores import owned_ranges
+
+    with tierstore.open(store, host_cache=0) as st:
+        return [int(c) for m in stored_model(st).experts for ids in owned_ranges(st, m.prefix)
+                for c in st.get(f"{m.prefix}.owned{ids.start}-{ids.stop - 1}", "step")[ids]]
 
 
 def check_export(tmp: Path, nodes: int) -> None:
