@@ -361,7 +361,8 @@ def test_an_expert_parallel_store_keeps_its_rank_history_and_export_catches_it_u
     the dense rule by default, with the rank's own history beside its own step counts, and
     a loop that ends without ``save`` leaves experts behind the last step. ``export-hf``
     catches them up from that history: the store then holds, expert for expert, what the
-    same loop without a process group holds after ``save``."""
+    same loop without a process group holds after ``save``. Loaded trainable without a
+    process group, the store is refused in one line and left as it was."""
     import socket
 
     import torch.distributed as dist
@@ -385,6 +386,15 @@ def test_an_expert_parallel_store_keeps_its_rank_history_and_export_catches_it_u
     plain_loop(one, STEPS, TC, random_corpus(), rule="dense")
     tierstore.hf.save(one)
     one.tierstore.close()
+    # Loaded without a process group, the per-rank counts would be missed and the experts
+    # made trainable from scratch: refused in one line saying what continues such a run,
+    # the store untouched.
+    kept = stored_states(tmp_path / "ep", counts=False)
+    with pytest.raises(tierstore.StoreError) as e:
+        tierstore.hf.load(tmp_path / "ep", trainable=True, host_cache=SMALL_CACHE)
+    assert "\n" not in str(e.value) and "process_group=" in str(e.value), e.value
+    assert "--node-store" in str(e.value)
+    assert_same_states(kept, stored_states(tmp_path / "ep", counts=False))
     with tierstore.open(tmp_path / "ep") as st:
         assert st.names("trainer.dense_rule") == ["trainer.dense_rule.owned0-7"]
         counts = [st.get(f"{m.prefix}.owned0-7", kind=STEP_KIND) for m in stored_model(st).experts]
