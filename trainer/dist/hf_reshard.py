@@ -160,6 +160,8 @@ def move_states(world: World, store: tierstore.Store, layout: ExpertLayout,
     for r, got in enumerate(reached):
         for i in got or ():
             reader.setdefault(i, world.node_of(r))  # the first node to reach it reads it
+    # Checked before anything is written here (a mismatch leaves the stores as restored).
+    history = _agreed_history(world, store, departed, reader, m)
     leader = [ranks[0] for ranks in world.nodes]
     mine = list(world.nodes[world.node])
     counts = {r: {lay.key: torch.zeros(n, dtype=torch.int64) for lay in layout.layers}
@@ -218,7 +220,6 @@ def move_states(world: World, store: tierstore.Store, layout: ExpertLayout,
                 received += 1
                 if on_phase is not None:
                     on_phase("moved", received)
-    history = _agreed_history(world, store, departed, reader, m)
     if world.is_node_leader:
         new_suffixes = {owned_suffix(owned(r, n, world.size)) for r in mine}
         items = [(lay.prefix + suffix, STEP_KIND, counts[r][lay.key])
