@@ -3,16 +3,18 @@ this machine): the family's own ``transformers`` model on every rank, the routed
 to their experts' owners inside the registered ``tierstore`` experts function.
 
 - W = 2 equals the single-process fine-tune (``train_store`` over one store) on the same
-  global batch: per-step losses within 1e-5, every weight (each node's owned experts, the
-  dense weights) within 1e-5. Mixtral (the global batch's router loss) in a loop of the
+  global batch under the dense update rule (the default): per-step losses within 1e-5,
+  every weight (each node's owned experts, the dense weights) within 1e-5, experts missing
+  steps and caught up by their owners, each rank from its own history. Mixtral (the global batch's router loss) in a loop of the
   user's own over ``tierstore.hf.load(..., process_group=...)``, as two nodes of one rank
   with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by the
   distributed trainer, as one node of two ranks sharing its store and daemon.
 - MPMoE's pipelining of the token-centric blocks: 2 and 4 chunks and ``auto`` give the
   loss, logits and every gradient of one chunk bit for bit, and the counters show chunks
   computed while another chunk's exchange was in flight.
-- ``export-hf`` after the two-node run gathers both nodes' experts (``--node-store``):
-  ``from_pretrained`` of it computes the single process's logits.
+- ``export-hf`` after the two-node run gathers both nodes' experts (``--node-store``),
+  node 1's caught up from node 1's own history (only rank 0 saved): ``from_pretrained`` of
+  it computes the single process's logits.
 - A rank SIGKILLed mid-step: the other ends within the bound with one line naming
   it, the store stays fsck-clean, and ``--resume`` continues to the single process's
   result (each torchrun launch costs ~20 s here: the kill and the equality share one run).
@@ -21,6 +23,8 @@ to their experts' owners inside the registered ``tierstore`` experts function.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,7 +36,7 @@ import test_finetune_hf
 import tierstore.hf
 import torch
 import transformers
-from test_dist_train import launch, metrics, rank_stderr, stop_daemons
+from test_dist_train import _port, launch, metrics, rank_stderr, stop_daemons
 from test_finetune_hf import VOCAB, make_model, weights
 from tierstore.hf.layout import stored_model
 from tierstore.trainer.train.data import Corpus
@@ -78,17 +82,17 @@ def owned_weights(tmp: Path, nodes: int, per_node: int) -> dict[str, torch.Tenso
     return out
 
 
-def single_process(tmp: Path, global_batch: int, corpus: Corpus) -> list[dict[str, Any]]:
-    # The distributed fine-tune has the lazy rule only (the dense one is single-process).
-    tc = TrainConfig(batch_size=global_batch, update_rule="lazy", **TRAIN)
+def single_process(tmp: Path, global_batch: int, corpus: Corpus,
+                   rule: str = "dense") -> list[dict[str, Any]]:
+    tc = TrainConfig(batch_size=global_batch, update_rule=rule, **TRAIN)
     return train_store(None, STEPS, seed=SEED, train=tc, corpus=corpus,
                        store_path=tmp / "single", host_cache="4MiB")
 
 
-def prepare(family: str, tmp: Path, nodes: int, tokenizer_file: Path) -> None:
-    """The checkpoint, imported into every node's store, the single process's and one kept
-    as it starts."""
-    make_model(family, tmp / "hf", tokenizer_file)
+def prepare(family: str, tmp: Path, nodes: int, tokenizer_file: Path, **over: Any) -> None:
+    """The checkpoint (``over``: config fields), imported into every node's store, the
+    single process's and one kept as it starts."""
+    make_model(family, tmp / "hf", tokenizer_file, **over)
     for path in [*(f"node{i}" for i in range(nodes)), "single", "start"]:
         tierstore.hf.import_hf(tmp / "hf", tmp / path, progress=False)
 
@@ -115,9 +119,12 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     process_group=...)`` (tests/dist_hf_loop.py), its token-centric blocks pipelined in two
     chunks; before training, the pipelining probe (bit-identical in 1, 2, 4 chunks)."""
     nodes, per_node = 2, 1
-    prepare("mixtral", tmp_path, nodes, tokenizer_file)
+    # 16 experts so that some miss steps (with 8, this batch reaches all in every step).
+    prepare("mixtral", tmp_path, nodes, tokenizer_file, num_local_experts=16)
+    # Only rank 0 saves (the dense weights are every rank's): node 1's experts stay behind
+    # the last step until export-hf catches them up from node 1's own history.
     spec = {"train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
-            "out": str(tmp_path / "losses.json"), "pipeline": 2}
+            "out": str(tmp_path / "losses.json"), "pipeline": 2, "save_ranks": [0]}
     codes = launch(tmp_path, "loop", nodes, per_node, steps=STEPS, spec=spec, child=LOOP)
     assert codes == [0] * nodes, (tmp_path / "loop.node0.log").read_text()[-3000:]
     ref = single_process(tmp_path, nodes * per_node, corpus)
@@ -143,8 +150,19 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     assert set(probe["chosen"].values()) <= {1, 2, 4}
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b) < 1e-5, (a["loss"], b)
-    check_weights(tmp_path, nodes, per_node)
+    assert min(step_counts(tmp_path / "node1")) < STEPS  # some expert missed the last step
     check_export(tmp_path, nodes)
+    assert min(step_counts(tmp_path / "node1")) == STEPS  # caught up by the export
+    check_weights(tmp_path, nodes, per_node)
+
+
+def step_counts(store: Path) -> list[int]:
+    """Every step count of the experts a node store's ranks trained."""
+    from tierstore.hf.node_stores import owned_ranges
+
+    with tierstore.open(store, host_cache=0) as st:
+        return [int(c) for m in stored_model(st).experts for ids in owned_ranges(st, m.prefix)
+                for c in st.get(f"{m.prefix}.owned{ids.start}-{ids.stop - 1}", "step")[ids]]
 
 
 def check_export(tmp: Path, nodes: int) -> None:
@@ -190,20 +208,23 @@ def test_train_distributed_equals_one_process_through_a_kill_and_resume(
     """DeepSeek-V3 (a shared expert, group-limited routing) by ``train_distributed`` (what
     ``tierstore train --distributed --store NODE_STORE`` runs) on one node of two ranks
     that share its store through the node's daemon, data-centric (the ranks pull the
-    experts their tokens need), a checkpoint every step. Rank 1 is
-    SIGKILLed in step 2 between its backward pass and the update: rank 0, blocked in the
-    gradients' all-reduce, ends within the bound with one line naming rank 1; the store is
-    fsck-clean. Step 1, and the steps that ``--resume`` runs from the step-1 checkpoint,
+    experts their tokens need), under the dense update rule (the default), a checkpoint
+    every second step. Experts miss steps, so each rank catches its own up from its own
+    history in the shared store, on fetch and before the checkpoint. Rank 1 is SIGKILLed in
+    step 3 between its backward pass and the update: rank 0, blocked in the gradients'
+    all-reduce, ends within the bound with one line naming rank 1; the store is
+    fsck-clean. Steps 1-2, and the step that ``--resume`` runs from the step-2 checkpoint,
     equal the single process's, and so do the final weights."""
     nodes, per_node = 1, 2
-    prepare("deepseek_v3", tmp_path, nodes, tokenizer_file)
+    # 16 routed experts: with 8, this batch reaches every expert in every step.
+    prepare("deepseek_v3", tmp_path, nodes, tokenizer_file, n_routed_experts=16)
     spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
             "host_cache": 4 << 20}
-    codes = launch(tmp_path, "a", nodes, per_node, steps=STEPS, checkpoint_every=1,
-                   kill=["backward", 2, 1], spec=spec, paradigm="data")
+    codes = launch(tmp_path, "a", nodes, per_node, steps=STEPS, checkpoint_every=2,
+                   kill=["backward", 3, 1], spec=spec, paradigm="data")
     ended = time.time()
     assert codes != [0], (tmp_path / "a.node0.log").read_text()[-3000:]
-    # Rank 1 died right after step 1's line: within the bound of that.
+    # Rank 1 died right after step 2's line: within the bound of that.
     assert ended - (tmp_path / "a.jsonl.rank1").stat().st_mtime < BOUND_S
     assert rank_stderr(tmp_path, "a", 0, per_node) == [
         "tierstore: rank 0: stopped because rank 1 (node 0) ended without a word (killed, or "
@@ -215,28 +236,120 @@ def test_train_distributed_equals_one_process_through_a_kill_and_resume(
     assert launch(tmp_path, "b", nodes, per_node, steps=STEPS, resume=True, spec=spec,
                   paradigm="data") == [0]
     ref = single_process(tmp_path, nodes * per_node, corpus)
+    with tierstore.open(tmp_path / "node0", host_cache=0) as st:
+        sm = stored_model(st)
+        n = sm.experts[0].num_experts
+        owned = len(sm.experts) * n // (nodes * per_node)  # per rank, over the MoE layers
+        # One history per rank, beside its step counts; none under the single process's name.
+        assert sorted(st.names("trainer.dense_rule")) == [
+            f"trainer.dense_rule.owned{lo}-{lo + n // 2 - 1}" for lo in (0, n // 2)]
+    runs = []
     for r in range(nodes * per_node):
         first, resumed = metrics(tmp_path, "a", r), metrics(tmp_path, "b", r)
-        assert [m["step"] for m in first] == [1]
-        assert [m["step"] for m in resumed] == list(range(2, STEPS + 1))
+        assert [m["step"] for m in first] == [1, 2]
+        assert [m["step"] for m in resumed] == [3]
         same_steps(ref, first + resumed)
+        runs += first + resumed
+    # Under the dense rule every fetched expert is updated: fewer than a rank owns means
+    # some expert missed a step and was caught up later.
+    assert any(m["experts_touched"] < owned for m in runs)
     check_weights(tmp_path, nodes, per_node)
 
 
+# The command line's own settings for a fine-tune (the CLI has no clip or schedule options).
+CLI_TRAIN = {"seq_len": 8, "grad_accum": 2, "lr": 1e-4, "eval_every": 0}
+
+
+def cli_run(tmp: Path, name: str, nodes: int, *args: str) -> list[subprocess.Popen[bytes]]:
+    """``torchrun ... -m tierstore train --distributed`` on ``nodes`` nodes of one rank,
+    node ``i`` on store ``tmp/node{i}``, with ``CLI_TRAIN``."""
+    port, procs = _port(), []
+    for i in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+               "--node-rank", str(i), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "--log-dir", str(tmp / f"{name}.logs" / f"node{i}"),
+               "--redirects", "3", "-m", "tierstore", "train", "--distributed", "--store",
+               str(tmp / f"node{i}"), "--metrics", str(tmp / f"{name}.jsonl"), "--steps",
+               str(STEPS), "--seed", str(SEED), "--batch-size", "1", "--seq-len", "8",
+               "--grad-accum", "2", "--lr", "1e-4", "--eval-every", "0", "--corpus-max-bytes",
+               str(CORPUS_BYTES), "--host-cache", "4MiB", "--checkpoint-every", "1", *args]
+        with open(tmp / f"{name}.agent{i}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                          stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def test_a_killed_daemon_ends_every_rank_and_the_run_resumes(
+        corpus: Corpus, tokenizer_file: Path, tmp_path: Path) -> None:
+    """``tierstore train --distributed`` fine-tuning Mixtral on two nodes of one rank (the
+    dense rule, a checkpoint every step). Node 1's store daemon is SIGKILLed once step 1 is
+    done: both ranks end within the bound, each with one line naming node 1's daemon;
+    every store is fsck-clean, and ``--resume`` (which starts node 1 a new daemon) gives
+    every step and weight of the single process."""
+    nodes = 2
+    prepare("mixtral", tmp_path, nodes, tokenizer_file)
+    agents = cli_run(tmp_path, "a", nodes, "--failure-timeout", "30")
+    try:
+        done = tmp_path / "a.jsonl.rank1"
+        deadline = time.monotonic() + 300
+        while not (done.exists() and done.read_text().count("\n") >= 1):
+            assert all(p.poll() is None for p in agents), \
+                (tmp_path / "a.agent1.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        info = tierstore.probe_daemon(tmp_path / "node1.run" / "daemon.sock")
+        assert info is not None
+        os.kill(info["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        codes = [p.wait(timeout=BOUND_S + 60) for p in agents]
+        ended = time.monotonic()
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+    assert codes[0] != 0 and codes[1] != 0
+    assert ended - killed < BOUND_S
+    run1 = tmp_path / "node1.run"
+    lost = (f"rank 1 (node 1) failed: node 1's store daemon (process {info['pid']}, "
+            f"{run1 / 'daemon.sock'}) ended while the run used it (killed, or out of memory; "
+            f"its log: {run1 / 'daemon.log'}); a resumed run starts a new one; once that is "
+            "fixed, rerun with --resume to continue from the last complete checkpoint")
+    assert rank_stderr(tmp_path, "a", 1, 1) == [f"tierstore: {lost}"]
+    assert rank_stderr(tmp_path, "a", 0, 1) == [f"tierstore: rank 0: stopped because {lost}"]
+    stop_daemons(tmp_path)
+    for i in range(nodes):
+        with tierstore.open(tmp_path / f"node{i}", host_cache=0) as st:
+            assert st.fsck().ok
+    resumed = cli_run(tmp_path, "b", nodes, "--resume")
+    assert [p.wait(timeout=500) for p in resumed] == [0, 0], \
+        (tmp_path / "b.agent0.log").read_text()[-3000:]
+    ref = train_store(None, STEPS, seed=SEED, corpus=corpus, store_path=tmp_path / "single",
+                      host_cache="4MiB", train=TrainConfig(batch_size=nodes, **CLI_TRAIN))
+    for r in range(nodes):
+        first, then = metrics(tmp_path, "a", r), metrics(tmp_path, "b", r)
+        assert then and then[-1]["step"] == STEPS
+        got = {m["step"]: m for m in first + then}  # a step run twice: the resumed one
+        assert sorted(got) == list(range(1, STEPS + 1))
+        for step, m in got.items():
+            for key in ("loss", "aux_loss", "grad_norm"):
+                assert abs(ref[step - 1][key] - m[key]) < 1e-5, (step, key)
+    check_weights(tmp_path, nodes, 1)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("paradigm", ["token", "data"])
-def test_four_ranks_on_two_nodes_equal_one_process(paradigm: str, corpus: Corpus,
+@pytest.mark.parametrize(("paradigm", "rule"), [("token", "dense"), ("data", "lazy")])
+def test_four_ranks_on_two_nodes_equal_one_process(paradigm: str, rule: str, corpus: Corpus,
                                                    tokenizer_file: Path,
                                                    tmp_path: Path) -> None:
     """W = 4: two nodes of two ranks, each node its own store and daemon (Mixtral, by
-    ``train_distributed``), in either paradigm."""
+    ``train_distributed``), in either paradigm, under either update rule."""
     nodes, per_node = 2, 2
     prepare("mixtral", tmp_path, nodes, tokenizer_file)
-    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
-            "host_cache": 4 << 20}
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1, "update_rule": rule},
+            "corpus_bytes": CORPUS_BYTES, "host_cache": 4 << 20}
     codes = launch(tmp_path, "run", nodes, per_node, steps=STEPS, spec=spec, paradigm=paradigm)
     assert codes == [0] * nodes, (tmp_path / "run.node0.log").read_text()[-3000:]
-    ref = single_process(tmp_path, nodes * per_node, corpus)
+    ref = single_process(tmp_path, nodes * per_node, corpus, rule)
     runs = [metrics(tmp_path, "run", r) for r in range(nodes * per_node)]
     for got in runs:
         assert [m["step"] for m in got] == list(range(1, STEPS + 1))

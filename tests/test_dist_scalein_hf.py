@@ -2,10 +2,14 @@
 (``--node-store``), under torchrun with gloo, as tests/test_dist_finetune_hf.py runs it.
 
 - 2 nodes of one rank -> 1 node of one rank: without the departing store named, one line
-  says to name it; with it (a copy of its directory), every expert state the departing node trained lands in the
-  remaining store bit for bit (weights, both moments, step counts), the departing store is
-  left as its checkpoint had it, and training continues equal to the single process's run
-  (per-step losses and final weights within 1e-5).
+  says to name it; with it (a copy of its directory), every expert state the departing node
+  trained lands in the remaining store bit for bit (weights, both moments, step counts), the
+  remaining rank gets the dense rule's history of the old ranks (equal at the checkpoint)
+  under its own name and the old ranks' are gone, the departing store is left as its
+  checkpoint had it, and training continues under the dense rule equal to the single
+  process's run (per-step losses and final weights within 1e-5), with 16 experts so that
+  some miss a step after the move and are caught up from the moved history.
+- Old ranks' histories that differ (stores of different checkpoints) are refused in one line.
 - 2 nodes of two ranks -> 1 node of two ranks (``slow``): the same, the departing store
   read through a daemon started again on it, through a SIGKILL in the middle of the move
   and a rerun of the same command.
@@ -34,6 +38,8 @@ from test_dist_finetune_hf import (
 from test_dist_train import launch, metrics, rank_stderr, stop_daemons
 from tierstore.hf.layout import stored_model
 from tierstore.hf.node_stores import owned_ranges
+from tierstore.trainer.dist.hf_reshard import agreed_history
+from tierstore.trainer.dist.world import AgreedError
 from tierstore.trainer.train.data import Corpus
 
 import tierstore
@@ -92,12 +98,18 @@ def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int,
     (each store's own path, served by a daemon started again)."""
     (nodes, per_node), (new_nodes, new_per_node) = before, after
     global_batch = nodes * per_node
-    prepare("mixtral", tmp, nodes, tokenizer_file)
+    # 16 experts: with 8, this batch reaches every expert in every step (no catch-up).
+    prepare("mixtral", tmp, nodes, tokenizer_file, num_local_experts=16)
     spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
             "host_cache": 4 << 20}
     assert launch(tmp, "a", nodes, per_node, steps=1, checkpoint_every=1,
                   spec=spec) == [0] * nodes, (tmp / "a.node0.log").read_text()[-3000:]
     trained = [trained_states(tmp / f"node{i}") for i in range(nodes)]
+    old = {}  # every old rank's dense-rule history, cut at the checkpoint (global step 1)
+    for i in range(nodes):
+        old.update(histories(tmp / f"node{i}"))
+    assert len(old) == nodes * per_node
+    assert all(h.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]] for h in old.values()), old
     assert len({k[1] for k in trained[1] if len(k) == 3}) > 0  # node 1 trained some
     departing = [tmp / f"node{i}" for i in range(new_nodes, nodes)]
     if reach == "copy":
@@ -140,16 +152,25 @@ def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int,
         stop_daemons(tmp)
         assert all(d.wait(timeout=60) == 0 for d in daemons)
 
-    ref = single_process(tmp, global_batch, corpus)
+    ref = single_process(tmp, global_batch, corpus)  # the dense rule's
     for r in range(nodes * per_node):
         assert [m["step"] for m in metrics(tmp, "a", r)] == [1]
-    for r in range(new_nodes * new_per_node):
+    new_size = new_nodes * new_per_node
+    with tierstore.open(tmp / "node0", host_cache=0) as st:
+        owns = len(stored_model(st).experts) * 16 // new_size  # per rank, over the layers
+    behind = False
+    for r in range(new_size):
         got = metrics(tmp, "b", r)
         assert [m["step"] for m in got] == list(range(2, STEPS + 1))
+        # Fewer experts updated than the rank owns: some missed a step after the move, and
+        # were caught up (when next fetched, or before the final checkpoint) from the
+        # history the move gave this rank.
+        behind |= any(m["experts_touched"] < owns for m in got)
         for m in metrics(tmp, "a", 0) + got:
             a = ref[m["step"] - 1]
             for key in ("loss", "aux_loss", "grad_norm"):
                 assert abs(a[key] - m[key]) < 1e-5, (m["step"], key, a[key], m[key])
+    assert behind
     check_weights(tmp, new_nodes, new_per_node)
     # The departing stores are as their checkpoint left them: nothing lost there.
     for i, path in enumerate(departing):
@@ -158,6 +179,19 @@ def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int,
     # holds every node's trained states, bit for bit, under the new ranks' count entries.
     want = {k: v for states in trained for k, v in states.items()}
     assert_same(trained_states(tmp / "node0", "dist-000002"), want)
+    # ... and each new rank's dense-rule history, the old ranks' one, under its own name.
+    n = 16 // new_size
+    assert_same(histories(tmp / "node0", "dist-000002"),
+                {f"trainer.dense_rule.owned{r * n}-{r * n + n - 1}": old[min(old)]
+                 for r in range(new_size)})
+
+
+def histories(path: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The dense rule's histories a store holds, by entry name (``tag``: that snapshot's)."""
+    with tierstore.open(path, host_cache=0) as st:
+        if tag is not None:
+            st.restore(tag)
+        return {name: st.get(name, "steps") for name in st.names("trainer.dense_rule")}
 
 
 def assert_same(got: dict[Any, torch.Tensor], want: dict[Any, torch.Tensor]) -> None:
@@ -171,6 +205,19 @@ def test_two_nodes_resume_on_one(corpus: Corpus, tokenizer_file: Path,
     """2 nodes of one rank -> 1 node of one rank, node 1's store named by a copy of its
     directory (module docstring)."""
     scale_in(tmp_path, corpus, tokenizer_file, (2, 1), (1, 1), "copy")
+
+
+def test_old_ranks_histories_that_differ_are_refused() -> None:
+    """The move's check of the old ranks' dense-rule histories (read from every store of
+    the checkpoint): equal ones are the new ranks', a lazy run has none, and two that
+    differ, or one missing, are one line."""
+    cut = [[2.0, 0.0, 0.0, 0.0, 0.0]]
+    assert agreed_history({0: cut, 1: cut, 2: cut}, "checkpoint 2") == cut
+    assert agreed_history({0: None, 1: None}, "checkpoint 2") is None
+    for other in ([[1.0, 0.0, 0.0, 0.0, 0.0]], [*cut, [1e-4, 0.9, 0.95, 1e-8, 0.0]], None):
+        with pytest.raises(AgreedError) as e:
+            agreed_history({0: cut, 1: other}, "checkpoint 2 (step 2)")
+        assert "\n" not in str(e.value) and "rank 0 (at global step 2) and of rank 1" in str(e.value)
 
 
 @pytest.mark.slow

@@ -353,3 +353,55 @@ def test_what_a_trainable_load_and_the_expert_optimizer_refuse(tmp_path: Path) -
                               roots=[]), device="cpu")
     with pytest.raises(tierstore.StoreError, match="trainer preset"):
         tierstore.hf.load(tmp_path / "run", trainable=True, device="cpu")
+
+
+def test_an_expert_parallel_store_keeps_its_rank_history_and_export_catches_it_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load(..., process_group=...)`` (a gloo group of one, in this process) trains under
+    the dense rule by default, with the rank's own history beside its own step counts, and
+    a loop that ends without ``save`` leaves experts behind the last step. ``export-hf``
+    catches them up from that history: the store then holds, expert for expert, what the
+    same loop without a process group holds after ``save``. Loaded trainable without a
+    process group, the store is refused in one line and left as it was."""
+    import socket
+
+    import torch.distributed as dist
+
+    imported("mixtral", tmp_path, "ep", "one")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo")
+    try:
+        model = tierstore.hf.load(tmp_path / "ep", trainable=True, host_cache=SMALL_CACHE,
+                                  process_group=dist.group.WORLD)
+        plain_loop(model, STEPS, TC, random_corpus(), rule="dense")
+        model.tierstore.close()
+    finally:
+        dist.destroy_process_group()
+    one = tierstore.hf.load(tmp_path / "one", trainable=True, host_cache=SMALL_CACHE)
+    plain_loop(one, STEPS, TC, random_corpus(), rule="dense")
+    tierstore.hf.save(one)
+    one.tierstore.close()
+    # Loaded without a process group, the per-rank counts would be missed and the experts
+    # made trainable from scratch: refused in one line saying what continues such a run,
+    # the store untouched.
+    kept = stored_states(tmp_path / "ep", counts=False)
+    with pytest.raises(tierstore.StoreError) as e:
+        tierstore.hf.load(tmp_path / "ep", trainable=True, host_cache=SMALL_CACHE)
+    assert "\n" not in str(e.value) and "process_group=" in str(e.value), e.value
+    assert "--node-store" in str(e.value)
+    assert_same_states(kept, stored_states(tmp_path / "ep", counts=False))
+    with tierstore.open(tmp_path / "ep") as st:
+        assert st.names("trainer.dense_rule") == ["trainer.dense_rule.owned0-7"]
+        counts = [st.get(f"{m.prefix}.owned0-7", kind=STEP_KIND) for m in stored_model(st).experts]
+        assert any(int(c.min()) < STEPS for c in counts)  # some expert missed the last step
+    tierstore.hf.export_hf(tmp_path / "ep", tmp_path / "out", progress=False)
+    with tierstore.open(tmp_path / "ep") as st:
+        counts = [st.get(f"{m.prefix}.owned0-7", kind=STEP_KIND) for m in stored_model(st).experts]
+        assert all(int(c.min()) == STEPS for c in counts)
+    assert_same_states(stored_states(tmp_path / "one", counts=False),
+                       stored_states(tmp_path / "ep", counts=False), atol=1e-6)

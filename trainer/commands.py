@@ -286,6 +286,10 @@ def _list_models(ctx: click.Context, _param: Any, value: bool) -> None:
               show_default=True,
               help="--distributed: send tokens to the experts' owners (token), pull experts to "
                    "the tokens (data, Janus), or choose per MoE block by Janus's ratio (auto).")
+@click.option("--failure-timeout", type=FiniteFloat(min=1.0), metavar="SECONDS",
+              help="--distributed: a rank, or its host, silent this long counts as gone, and "
+                   "every rank ends naming it (a rank or daemon that dies is seen at once) "
+                   "[60].")
 @click.option("--pipeline",
               help="--distributed, an imported model's token-centric blocks: split each into "
                    "N chunks, one chunk's all-to-all in flight while another computes (MPMoE; "
@@ -318,7 +322,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
           seq_len: int | None, lr: float | None, grad_accum: int | None, dtype: str | None,
           eval_every: int | None, distributed: bool, paradigm: str, credits: int | None,
           hierarchical: bool, run_dir: str | None, pipeline: str | None,
-          node_stores: tuple[str, ...]) -> None:
+          failure_timeout: float | None, node_stores: tuple[str, ...]) -> None:
     """Train an MoE model whose experts live in a store: dense parameters on the device,
     expert weights and AdamW moments in STORE, fetched per step for the experts the routers
     picked and written back through the host cache. With --resident, the same model held in
@@ -353,12 +357,13 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                                    "--distributed, which reads the experts each step needs "
                                    "with get_many (--fetch direct) and has no step budget")
     elif (paradigm != "auto" or credits is not None or run_dir is not None or hierarchical
-          or pipeline is not None or node_stores):
+          or pipeline is not None or failure_timeout is not None or node_stores):
         raise click.UsageError("--paradigm, --credits, --hierarchical-a2a, --pipeline, "
-                               "--node-store and --run-dir go with --distributed")
-    if update_rule is not None and (distributed or resident):
+                               "--failure-timeout, --node-store and --run-dir go with "
+                               "--distributed")
+    if update_rule is not None and resident:
         raise click.UsageError("--update-rule is the store trainer's: drop it with "
-                               "--resident and --distributed")
+                               "--resident")
     if connect is not None and not distributed and (store is not None or resident):
         raise click.UsageError("--connect replaces --store and cannot go with --resident")
     if not resident and store is None and connect is None:
@@ -388,7 +393,7 @@ def train(store: str | None, connect: str | None, resident: bool, model: str | N
                                         "pmem_size": pmem_size,
                                         "slab_size": _given(given, "slab_size", slab_size)},
                                 paradigm=paradigm, credits=credits, pipeline=pipeline,
-                                hierarchical=hierarchical,
+                                hierarchical=hierarchical, failure_timeout=failure_timeout,
                                 checkpoint_every=checkpoint_every, resume=resume,
                                 metrics=metrics, corpus=corpus, overrides=overrides,
                                 device=device, echo=click.echo, node_stores=node_stores)

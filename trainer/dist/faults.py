@@ -8,13 +8,17 @@ with SIGTERM, silently, and nothing else. So a run keeps a small side channel of
 (authenticated by a token sent over the process group), and a thread on each rank watches it.
 
 - A rank whose process dies has its connection closed by the kernel, even on SIGKILL: the
-  hub sees that at once. A host that goes silent for :data:`SILENT_AFTER_S` counts as gone
+  hub sees that at once. A host that goes silent for :data:`SILENT_AFTER_S` (or the run's
+  ``failure_timeout_s``, ``--failure-timeout``) counts as gone
   (both sides send a beat every :data:`BEAT_S`).
 - A rank failing with an error of its own sends it to the hub before it raises.
 - The hub turns the first such event into a verdict ("rank 3 (node 1) ended without a word
   ...") and sends it to every rank; each prints it as one line on stderr and ends its process
   (status 1), wherever its main thread is (blocked in a collective, say). A rank whose
   connection to the hub ends without a verdict knows that rank 0 is gone.
+- A rank's node store daemon that ends (:meth:`FaultWatch.watch_daemon`: a pidfd, readable
+  once the process is gone, looked at every tick) is this rank's failure, told as its own
+  error would be, even while the main thread is blocked in a collective or computing.
 - SIGTERM and SIGINT (torchrun stopping a node's ranks, Ctrl-C) wake the thread through the
   signal wakeup fd, so they are seen even while the main thread is blocked in a collective:
   a verdict arriving within :data:`SIGNAL_GRACE_S` is the cause; otherwise the rank reports
@@ -30,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import select
 import selectors
 import signal
 import socket
@@ -109,8 +114,9 @@ class _Peer:
 class FaultWatch:
     """This rank's end of the run's failure channel (see the module docstring)."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, silent_after_s: float = SILENT_AFTER_S) -> None:
         self.world = world
+        self.silent_after_s = silent_after_s
         self.lock = threading.Lock()
         self.verdict: str | None = None
         self.got_verdict = threading.Event()
@@ -132,13 +138,14 @@ class FaultWatch:
         self.token = ""
         self._wake: tuple[int, int] | None = None
         self._saved: tuple[int, dict[int, object]] | None = None
+        self._daemon: tuple[int, str] | None = None  # (its pidfd, what its end means)
 
     # ------------------------------------------------------------------ starting
 
     @classmethod
-    def start(cls, world: World) -> FaultWatch:
+    def start(cls, world: World, silent_after_s: float = SILENT_AFTER_S) -> FaultWatch:
         """Every rank calls it once, after the process group is up."""
-        watch = cls(world)
+        watch = cls(world, silent_after_s)
         if world.size > 1:
             watch._connect()
             watch._catch_signals()
@@ -198,6 +205,12 @@ class FaultWatch:
         old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
         self._saved = (old_fd, old)
         self.sel.register(r, selectors.EVENT_READ, "signal")
+
+    def watch_daemon(self, pidfd: int | None, lost: str) -> None:
+        """End this rank with its own failure ``lost`` once the process behind ``pidfd``
+        (the node's store daemon) has ended."""
+        with self.lock:
+            self._daemon = None if pidfd is None else (pidfd, lost)
 
     # ------------------------------------------------------------------ the thread
 
@@ -286,13 +299,20 @@ class FaultWatch:
             for peer in self._live():
                 peer.send("BEAT")
         for peer in self._live():
-            if now - peer.heard > SILENT_AFTER_S:
-                self._gone(peer, f"has not been heard from for {SILENT_AFTER_S:.0f} s (its "
+            if now - peer.heard > self.silent_after_s:
+                self._gone(peer, f"has not been heard from for {self.silent_after_s:.0f} s (its "
                                  "host is down or cut off)")
         for key in list(self.sel.get_map().values()):  # connected, but never said HELLO
             if isinstance(key.data, _Peer) and key.data.rank is None and \
                     now - key.data.heard > HELLO_WITHIN_S:
                 self._drop(key.data)
+        with self.lock:
+            daemon = self._daemon
+        if daemon is not None and select.select([daemon[0]], [], [], 0)[0]:
+            with self.lock:
+                self._daemon = None  # acted on once
+            self._fail_here(f"{self.who(self.world.rank)} failed: {daemon[1]}; once that is "
+                            f"fixed, {RESUME}")
         with self.lock:
             signalled = self.signalled
             if signalled is not None and now - signalled[1] > SIGNAL_GRACE_S:
@@ -300,14 +320,18 @@ class FaultWatch:
             else:
                 signalled = None
         if signalled is not None:
-            verdict = f"{self.who(self.world.rank)} was stopped by " \
-                      f"{signal.Signals(signalled[0]).name}; {RESUME}"
-            if self.world.rank == 0:
-                self._finish(self._broadcast(verdict))
-            else:
-                assert self.hub is not None
-                self.hub.send(f"ERR {verdict}")
-                self._finish(verdict)
+            self._fail_here(f"{self.who(self.world.rank)} was stopped by "
+                            f"{signal.Signals(signalled[0]).name}; {RESUME}")
+
+    def _fail_here(self, verdict: str) -> None:
+        """(The watcher thread.) This rank fails, for a reason the thread found: the verdict
+        goes to the hub (or out from it), and is this rank's line."""
+        if self.world.rank == 0:
+            self._finish(self._broadcast(verdict))
+        else:
+            assert self.hub is not None
+            self.hub.send(f"ERR {verdict}")
+            self._finish(verdict)
 
     def _live(self) -> list[_Peer]:
         peers = list(self.peers.values()) if self.world.rank == 0 else [self.hub]

@@ -55,7 +55,7 @@ from .collectives import (
     exchange_counts,
     inverse_permutation,
 )
-from ..train.layout import ExpertLayout
+from ..train.layout import ExpertLayout, owned_suffix
 from .exchange import PARADIGMS, ratio_of
 from .hf_pull import Pulls
 from .pipeline import (
@@ -69,8 +69,8 @@ from .pipeline import (
 )
 from .world import World, init_world, owned
 
-# The update rules the experts' AdamW knows; ``lazy`` is the store trainer's.
-RULES = ("lazy",)
+# The update rules the experts' AdamW knows (:mod:`trainer.train.dense_rule`).
+RULES = ("dense", "lazy")
 
 
 class HFExpertParallel:
@@ -297,15 +297,24 @@ def global_router_loss(model: nn.Module, world: World) -> Iterator[None]:
 
 
 def owned_layout(layout: ExpertLayout, world: World) -> tuple[ExpertLayout, range]:
-    """``layout`` as rank ``world.rank`` trains it (its own step-count entry per layer: the
-    node's ranks share the store), and the experts it owns."""
+    """``layout`` as rank ``world.rank`` trains it (its own step-count entry per layer and
+    dense-rule history: the node's ranks share the store), and the experts it owns."""
     mine = owned(world.rank, layout.n_experts, world.size)
-    return replace(layout, counts_suffix=owned_suffix(mine)), mine
+    return replace(layout, counts_suffix=owned_suffix(mine), owned=mine), mine
 
 
-def owned_suffix(ids: range) -> str:
-    """The suffix of a rank's step-count entry of each MoE layer, for experts ``ids``."""
-    return f".owned{ids.start}-{ids.stop - 1}"
+def any_rank(world: World) -> Callable[[bool], bool]:
+    """Whether any rank says yes (the dense rule's question of :class:`ExpertStates`: did
+    any rank's experts get a gradient this step, so that every rank takes the global
+    step). One collective, which every rank asks at the same point of the step."""
+    def agree(mine: bool) -> bool:
+        if world.size == 1:
+            return mine
+        flag = torch.tensor([int(mine)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    return agree
 
 
 def join_world(process_group: Any, device: torch.device) -> World:

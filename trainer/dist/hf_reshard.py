@@ -7,6 +7,14 @@ of every part, and its step count) moved to its new owner's node store before tr
 on; an expert that stays on its node keeps its entries, and only its step count moves to its
 new owner's count entry (``{module}.owned{lo}-{hi}``, one per rank).
 
+Under the dense update rule each rank also keeps its history of the steps' hyperparameters
+(``trainer.dense_rule.owned{lo}-{hi}``, :mod:`..train.dense_rule`); per expert the rule keeps
+nothing beyond the lazy rule's states and the step count, which move as above. A checkpoint
+catches every expert up and cuts every history to the same global step, so the old ranks'
+histories are equal: that is checked (a mismatch is one line: the stores are not one
+checkpoint's), every new rank gets that history under its own range's name, and the
+histories of ranks that no longer exist are deleted with their count entries.
+
 The stores of nodes that leave the run are reached where the user says they are
 (``--node-store PATH`` on any remaining node: the departed node's store directory on a
 shared path, or a copy of it; a store a left-over daemon still serves is read through that
@@ -37,17 +45,18 @@ import torch.distributed as dist
 
 import tierstore
 
-from ..train.checkpoint import MOMENTS, STEP_KIND
-from ..train.layout import ExpertLayout, LayerEntries
+from ..train.checkpoint import HISTORY, MOMENTS, STEP_KIND
+from ..train.layout import ExpertLayout, LayerEntries, owned_suffix
 from . import records
 from .collectives import all_to_all_rows, comm_device
-from .hf_parallel import owned_suffix
 from .reshard import PhaseHook
 from .sidecar import default_run_dir
 from .world import AgreedError, World, owned, owner
 
 PathLike = str | os.PathLike[str]
-KINDS = ("param", *MOMENTS)  # what the lazy rule keeps per part of an expert
+# What either update rule keeps per part of an expert (the dense rule adds only its
+# per-rank history, moved by _agreed_history, and the step count, moved with these).
+KINDS = ("param", *MOMENTS)
 ROUND_BYTES = 256 << 20  # expert states in flight per round of the move, over all ranks
 
 
@@ -151,6 +160,8 @@ def move_states(world: World, store: tierstore.Store, layout: ExpertLayout,
     for r, got in enumerate(reached):
         for i in got or ():
             reader.setdefault(i, world.node_of(r))  # the first node to reach it reads it
+    # Checked before anything is written here (a mismatch leaves the stores as restored).
+    history = _agreed_history(world, store, departed, reader, m)
     leader = [ranks[0] for ranks in world.nodes]
     mine = list(world.nodes[world.node])
     counts = {r: {lay.key: torch.zeros(n, dtype=torch.int64) for lay in layout.layers}
@@ -210,20 +221,60 @@ def move_states(world: World, store: tierstore.Store, layout: ExpertLayout,
                 if on_phase is not None:
                     on_phase("moved", received)
     if world.is_node_leader:
-        new_names = set()
-        items = []
-        for r in mine:
-            for lay in layout.layers:
-                name = lay.prefix + owned_suffix(owned(r, n, world.size))
-                new_names.add(name)
-                items.append((name, STEP_KIND, counts[r][lay.key]))
+        new_suffixes = {owned_suffix(owned(r, n, world.size)) for r in mine}
+        items = [(lay.prefix + suffix, STEP_KIND, counts[r][lay.key])
+                 for r in mine for lay in layout.layers
+                 for suffix in [owned_suffix(owned(r, n, world.size))]]
+        if history is not None:
+            items += [(HISTORY[0] + suffix, HISTORY[1], torch.tensor(history, dtype=torch.float64))
+                      for suffix in sorted(new_suffixes)]
         store.put_many(items)
         for o, i in old_node_of.items():
+            suffix = owned_suffix(owned(o, n, old_size))
+            if i != world.node or suffix in new_suffixes:
+                continue
             for lay in layout.layers:
-                name = lay.prefix + owned_suffix(owned(o, n, old_size))
-                if i == world.node and name not in new_names:
-                    store.delete(name, STEP_KIND, missing_ok=True)
+                store.delete(lay.prefix + suffix, STEP_KIND, missing_ok=True)
+            store.delete(HISTORY[0] + suffix, HISTORY[1], missing_ok=True)
     return received
+
+
+def _agreed_history(world: World, store: tierstore.Store, departed: dict[int, tierstore.Store],
+                    reader: dict[int, int], m: dict[str, Any]) -> list[list[float]] | None:
+    """The dense rule's history every old rank of checkpoint ``m`` keeps (None: a lazy
+    run, which keeps none), each read by the node that reads that rank's store."""
+    n, old_size = m["n_experts"], m["world_size"]
+    mine: dict[int, list[list[float]] | None] = {}
+    if world.is_node_leader:
+        for i, ranks in enumerate(m["nodes"]):
+            if reader.get(i) != world.node:
+                continue
+            src = store if i == world.node else departed[i]
+            for o in ranks:
+                key = (HISTORY[0] + owned_suffix(owned(o, n, old_size)), HISTORY[1])
+                mine[o] = src.get(*key).tolist() if key in src else None
+    gathered: list[Any] = [None] * world.size
+    dist.all_gather_object(gathered, mine)
+    return agreed_history({o: h for got in gathered for o, h in got.items()},
+                          f"checkpoint {m['number']} (step {m['step']})")
+
+
+def agreed_history(by_rank: dict[int, list[list[float]] | None], what: str
+                   ) -> list[list[float]] | None:
+    """The one history the old ranks ``by_rank`` keep; raises where two differ (a checkpoint
+    holds every rank's cut to the same step, so the stores are not one checkpoint's)."""
+    def say(h: list[list[float]] | None) -> str:
+        return "none" if h is None else f"at global step {int(h[0][0]) + len(h) - 1}"
+
+    ranks = sorted(by_rank)
+    first = by_rank[ranks[0]]
+    for r in ranks[1:]:
+        if by_rank[r] != first:
+            raise AgreedError(f"{what}: the dense rule's history of rank {ranks[0]} "
+                              f"({say(first)}) and of rank {r} ({say(by_rank[r])}) differ, so "
+                              "the node stores are not that checkpoint's: name each departing "
+                              "node's store as the checkpoint left it")
+    return first
 
 
 def lay_numel(layout: ExpertLayout) -> int:

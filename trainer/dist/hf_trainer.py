@@ -18,8 +18,10 @@ parameters), and its experts modules are served by :class:`.hf_parallel.HFExpert
   ``W`` are the single process's (:meth:`.hf_parallel.HFExpertParallel.reduce_gradients`);
   the router loss is the global batch's (:func:`.hf_parallel.global_router_loss`);
 - one global norm clips dense and expert gradients (dense squares plus the owned experts'
-  squares summed over the ranks); each owner runs the lazy AdamW of the store trainer
-  (:class:`~trainer.train.expert_states.ExpertStates`) on its experts.
+  squares summed over the ranks); each owner runs the store trainer's AdamW
+  (:class:`~trainer.train.expert_states.ExpertStates`) on its experts, under the dense rule
+  (the default; each rank keeps its own history beside its step counts, and every rank
+  takes every global step) or the lazy one.
 
 So a step computes what ``tierstore train --store`` computes on the global batch, but for the
 order of floating-point sums. Checkpoints are the distributed trainer's (:mod:`.checkpoint`):
@@ -60,7 +62,14 @@ from ..train.resident import (
 )
 from . import records
 from .checkpoint import PhaseHook, claim_stores, write_checkpoint
-from .hf_parallel import RULES, HFExpertParallel, choose, global_router_loss, owned_layout
+from .hf_parallel import (
+    RULES,
+    HFExpertParallel,
+    any_rank,
+    choose,
+    global_router_loss,
+    owned_layout,
+)
 from .hf_reshard import close_all, departed_stores, move_states
 from .manifests import FORMAT
 from .stepmetrics import step_record
@@ -71,7 +80,7 @@ PathLike = str | os.PathLike[str]
 
 def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: int,
                    seed: int | None, tc: TrainConfig, *, resume: bool, checkpoint_every: int,
-                   paradigm: str = "token", rule: str = "lazy",
+                   paradigm: str = "token", rule: str | None = None,
                    metrics_path: PathLike | None = None, corpus: Corpus | None = None,
                    corpus_paths: PathLike | Sequence[PathLike] | None = None,
                    on_step: Callable[[Metrics], None] | None = None,
@@ -81,17 +90,21 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
     """Fine-tune the node stores' imported model on every rank (module docstring) until
     ``steps`` steps are done; ``tc.batch_size`` is the per-rank batch. ``paradigm``:
     ``token``, ``data`` or ``auto`` (per MoE layer, by Janus's ratio). ``rule``: the
-    experts' AdamW rule (:data:`.hf_parallel.RULES`). ``pipeline``: the chunks of a
+    experts' AdamW rule (:data:`.hf_parallel.RULES`; None: a resumed run's own, else
+    ``dense``). ``pipeline``: the chunks of a
     token-centric block, or ``auto`` (:mod:`.pipeline`). ``watch``: the run's
     :class:`~.faults.FaultWatch`, told when training begins. ``node_stores``: where this
     node reaches the stores of nodes that a resumed checkpoint had and this world has not
     (:mod:`.hf_reshard`)."""
+    stored = _stored(store)
+    saved = records.read(store, RUN_ENTRY) if resume else None
+    saved = saved if isinstance(saved, dict) else {}
+    if seed is None:  # a resumed run's own
+        seed = int(saved.get("seed", 0))
+    if rule is None:  # a resumed run's own (runs recorded before the dense rule: lazy)
+        rule = str(saved.get("rule", "lazy")) if saved else "dense"
     if rule not in RULES:
         raise AgreedError(f"the experts' update rule is one of {', '.join(RULES)}, not {rule!r}")
-    stored = _stored(store)
-    if seed is None:  # a resumed run's own
-        saved = records.read(store, RUN_ENTRY) if resume else None
-        seed = int(saved["seed"]) if isinstance(saved, dict) and "seed" in saved else 0
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -108,18 +121,20 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
     sampler, _ = training_batches(global_tc, seed, corpus)
     opt = torch.optim.AdamW(param_groups(list(net.module.named_parameters()), tc.weight_decay),
                             lr=tc.lr, betas=tc.betas, eps=tc.eps)
+    ident = {"format": FORMAT, "imported": stored.family, "hf_config": stored.hf_config,
+             "train_config": asdict(global_tc), "seed": seed, "rule": rule}
+    # The stores are checked for the run (its rule among its identity) and restored before
+    # the experts' states are read: their rule and history are the checkpoint's.
+    start, number, moved = _start(world, store, run_dir, layout, mine, ident, resume, net,
+                                  opt, sampler, node_stores, on_phase)
     tokens = tc.grad_accum * global_tc.batch_size * tc.seq_len
     states = ExpertStates(store, layout, world.device, "direct", tokens, read_ahead=False,
-                          zero_copy=False)
+                          zero_copy=False, rule=rule, agree=any_rank(world))
     try:
         hidden = int(net.module.config.get_text_config().hidden_size)
         paradigms = choose(layout, hidden, paradigm, tc.batch_size * tc.seq_len, world)
         source = HFExpertParallel(world, states, layout.n_experts, paradigms, pipeline)
         net.loaded.attach_trainable(states, source)
-        ident = {"format": FORMAT, "imported": stored.family, "hf_config": stored.hf_config,
-                 "train_config": asdict(global_tc), "seed": seed, "rule": rule}
-        start, number, moved = _start(world, store, run_dir, layout, mine, ident, resume,
-                                      net, opt, sampler, node_stores, on_phase)
         if watch is not None:
             watch.training = True
         if world.rank == 0:
@@ -237,6 +252,9 @@ class _Loop:
         return m
 
     def checkpoint(self, step: int, m: Metrics) -> None:
+        # Dense rule: each rank brings its experts to the step, so the snapshot holds them
+        # current and its history empty.
+        self.states.catch_up_all()
         if self.world.is_node_leader:  # into the snapshot the checkpoint takes next
             write_dense(self.store, self.net.entries)
         payload = {"format": FORMAT, "identity": self.ident,

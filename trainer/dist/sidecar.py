@@ -22,7 +22,9 @@ is never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import subprocess
 import sys
 import time
@@ -99,18 +101,57 @@ def _align(n: int) -> int:
 
 class NodeDaemon:
     """The node's daemon as this rank sees it: :attr:`socket`, :meth:`connect` and
-    :meth:`stop`."""
+    :meth:`stop`; once connected, :attr:`pidfd` (readable once the daemon's process has
+    ended) and :meth:`explain`."""
 
     def __init__(self, socket: Path, store: str | os.PathLike[str], run: str,
-                 users: bool) -> None:
-        self.socket, self.store, self.run = socket, store, run
+                 users: bool, node: int = 0) -> None:
+        self.socket, self.store, self.run, self.node = socket, store, run, node
         self.users = users  # named by --connect: never stopped
         self.proc: subprocess.Popen[bytes] | None = None  # the daemon this rank started
         self.info: dict[str, Any] | None = None  # who answered (local rank 0)
+        self.pid: int | None = None
+        self.pidfd: int | None = None
 
     def connect(self) -> tierstore.RemoteStore:
-        """This rank's client, checked to reach this node's store, claiming it for the run."""
-        return tierstore.connect(self.socket, store=self.store, run=self.run)
+        """This rank's client, checked to reach this node's store, claiming it for the run.
+        The daemon's process (the kernel's word, as the probe gives it) is pinned by a pidfd,
+        so that its end is known at once, whatever the rank is doing."""
+        store = tierstore.connect(self.socket, store=self.store, run=self.run)
+        info = self.info or tierstore.probe_daemon(self.socket)
+        if info is not None:
+            self.pid = int(info["pid"])
+            with contextlib.suppress(OSError):  # gone already: the first call says so
+                self.pidfd = os.pidfd_open(self.pid)
+        return store
+
+    def ended(self, wait_s: float = 0.0) -> bool:
+        """Whether the daemon this rank connected to has ended (within ``wait_s``)."""
+        return self.pidfd is not None and bool(select.select([self.pidfd], [], [], wait_s)[0])
+
+    def lost(self) -> str:
+        """What to say when the daemon has ended under the run."""
+        what = (f"node {self.node}'s store daemon (process {self.pid}, {self.socket}) ended "
+                "while the run used it (killed, or out of memory")
+        if self.users:  # --connect: the user's own daemon, which the run never starts
+            return f"{what}); start it again"
+        return f"{what}; its log: {self.socket.parent / 'daemon.log'}); a resumed run starts " \
+               "a new one"
+
+    def explain(self, error: BaseException) -> BaseException:
+        """``error`` as the line :meth:`lost` says where the store failed because the daemon
+        has ended; otherwise ``error`` itself."""
+        # A dying process closes its sockets a moment before its pidfd turns readable. (The
+        # run's own refusals, DistributedError, are never the daemon's.)
+        if isinstance(error, (tierstore.StoreError, OSError)) and \
+                not isinstance(error, DistributedError) and self.ended(1.0):
+            return DistributedError(self.lost())
+        return error
+
+    def release(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     def stop(self) -> None:
         """Stop the daemon if a training run started it (never one the user started)."""
@@ -161,7 +202,7 @@ def start_node_daemon(world: World, store: str | os.PathLike[str], run_dir: Path
     box: list[Any] = [uuid.uuid4().hex if world.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)  # the run's id, the same on every rank
     sock = Path(connect) if connect is not None else run_dir / "daemon.sock"
-    daemon = NodeDaemon(sock, store, str(box[0]), users=connect is not None)
+    daemon = NodeDaemon(sock, store, str(box[0]), users=connect is not None, node=world.node)
     problem = None
     if world.is_node_leader:
         try:

@@ -57,7 +57,7 @@ from .collectives import all_reduce_sum_, clip_global, sum_over_ranks
 from ..train.hf_finetune import imported
 from .exchange import ExpertParallel, choose_paradigms, janus_ratio
 from .hf_trainer import train_imported
-from .faults import FaultWatch
+from .faults import SILENT_AFTER_S, FaultWatch
 from .owned import OwnedExperts
 from .sidecar import DaemonSettings, default_run_dir, start_node_daemon
 from .stepmetrics import step_record
@@ -100,8 +100,9 @@ def train_distributed(
     overrides: dict[str, Any] | None = None,
     on_step: Callable[[Metrics], None] | None = None,
     on_phase: PhaseHook | None = None,
-    rule: str = "lazy",
+    rule: str | None = None,
     pipeline: int | str | None = None,
+    failure_timeout_s: float = SILENT_AFTER_S,
     node_stores: Sequence[PathLike] = (),
 ) -> list[Metrics]:
     """Train ``model`` on every rank of the torchrun world until ``steps`` steps are done;
@@ -124,14 +125,17 @@ def train_distributed(
     ``hierarchical``: token-centric exchanges in two stages, inside each node first (the
     same numbers; fewer, larger messages between nodes).
     ``metrics_path``: one JSON object per step per rank, ``{path}.rank{r}``.
+    ``failure_timeout_s``: a rank (or its host) silent this long counts as gone
+    (:mod:`.faults`; one that dies, or whose node daemon dies, is seen at once).
     ``on_phase(phase, n)`` is called at the points of a checkpoint (``snapshot``,
     ``manifest``) and of a re-shard (``moved``, ``sent``): see :mod:`.reshard`; fine-tuning
     an import, also mid-step ``n``, after its backward passes (``backward``).
 
     ``model=None`` where the node stores hold a model ``tierstore import-hf`` put there (the
     same checkpoint in every node's store) fine-tunes it expert-parallel through its own
-    ``transformers`` class (:mod:`.hf_trainer`); ``rule`` is the experts' AdamW rule there,
-    and ``pipeline`` the chunks of its token-centric blocks (``auto`` by default;
+    ``transformers`` class (:mod:`.hf_trainer`); ``rule`` is the experts' AdamW rule there
+    (or ``overrides["update_rule"]``; None: a resumed run's own, else ``dense``), and
+    ``pipeline`` the chunks of its token-centric blocks (``auto`` by default;
     :mod:`.pipeline`), which a preset's run refuses. ``node_stores``: where this node reaches
     the stores of nodes that the checkpoint resumed had and this world has not (a shared
     path, or a copy of the store directory): their experts' states move into the remaining
@@ -151,12 +155,15 @@ def train_distributed(
                               else os.fspath(pmem_path), pmem_size, slab_size)
     # From here on a rank that fails tells the others, and they end with one line naming
     # it instead of gloo's traceback, or instead of waiting on it (:mod:`.faults`).
-    watch = FaultWatch.start(world)
+    watch = FaultWatch.start(world, failure_timeout_s)
     try:
         daemon = start_node_daemon(world, store_path, run, settings, connect)
         store = daemon.connect()
     except BaseException as e:
         raise watch.failed(e) from None
+    # The node's daemon ending under the run ends this rank at once, naming it (whatever
+    # the main thread is doing), and so every rank.
+    watch.watch_daemon(daemon.pidfd, daemon.lost())
     finished = False
     try:
         stored = imported(store)
@@ -166,10 +173,11 @@ def train_distributed(
         if stored is not None:
             # The node stores hold an import: the family's own transformers model, fine-tuned
             # expert-parallel over the tierstore experts backend (.hf_trainer).
+            tc = replace(train or TrainConfig(), **(overrides or {}))
             history = train_imported(
-                world, store, run, steps, seed,
-                replace(train or TrainConfig(), **(overrides or {})), resume=resume,
-                checkpoint_every=checkpoint_every, paradigm=paradigm, rule=rule,
+                world, store, run, steps, seed, replace(tc, update_rule=None), resume=resume,
+                checkpoint_every=checkpoint_every, paradigm=paradigm,
+                rule=rule if rule is not None else tc.update_rule,
                 metrics_path=metrics_path, corpus=corpus, corpus_paths=corpus_paths,
                 on_step=on_step, on_phase=on_phase, watch=watch,
                 pipeline="auto" if pipeline is None else pipeline, node_stores=node_stores)
@@ -183,6 +191,11 @@ def train_distributed(
         if pipeline is not None:
             raise AgreedError("--pipeline splits the token-centric blocks of an imported "
                               "model (a store import-hf filled); a preset's are not split")
+        asked = rule or (overrides or {}).get("update_rule") or (train and train.update_rule)
+        if asked not in (None, "lazy"):
+            raise AgreedError(f"update rule {asked!r} is for fine-tuning imported models; a "
+                              "preset trains with the lazy rule")
+        overrides = {k: v for k, v in (overrides or {}).items() if k != "update_rule"}
         if model is None and not resume:
             model = "tiny"
         cfg, tc, seed = _settings(world, store, model, train, seed, resume, overrides or {})
@@ -223,12 +236,13 @@ def train_distributed(
         finished = True
         return history
     except BaseException as e:
-        raise watch.failed(e) from None
+        raise watch.failed(daemon.explain(e)) from None
     finally:
         store.close()
         # After a failure the other ranks may be anywhere (torchrun stops them): no
         # collective, and the daemon stays up for the run's resumption.
         if finished:
+            daemon.release()  # (the watcher thread, which looks at it, has ended)
             node_barrier(world)
             if world.is_node_leader:
                 daemon.stop()

@@ -300,10 +300,12 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
         owners = expert_owners(store, [others.enter_context(open_node_store(p))
                                        for p in node_stores], sm)
         # A fine-tune under the dense update rule: experts behind its last step take the
-        # updates they missed first (what save() and every checkpoint also do).
+        # updates they missed first (what save() and every checkpoint also do), in every
+        # store read, each expert from the history of the rank that trained it.
         from tierstore.trainer.train.dense_rule import catch_up_import
 
-        catch_up_import(store, sm.experts)
+        for st in {id(s): s for s in [store, *owners.values()]}.values():
+            catch_up_import(st, sm.experts)
         dt = asked or DTYPES.get(sm.dtype) or torch.float32
         plan, values = _plan(store, sm, dt, owners)
         outputs = list(plan.outputs())

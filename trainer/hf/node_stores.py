@@ -3,7 +3,7 @@
 After ``tierstore train --distributed`` of an imported model each node's store holds the
 trained states of the experts its ranks own, and the imported originals of the others.
 A store says which it owns: each rank keeps its step counts of every MoE layer in an entry
-``{prefix}.owned{lo}-{hi}`` of kind ``step`` (:func:`tierstore.trainer.dist.hf_parallel.
+``{prefix}.owned{lo}-{hi}`` of kind ``step`` (:func:`tierstore.trainer.train.layout.
 owned_suffix`), for experts ``lo..hi``. The export reads every expert from the store that
 owns it: the store exported (node 0's, whose dense weights every node shares) and the other
 nodes' stores, named with ``--node-store`` wherever they are reachable from the machine

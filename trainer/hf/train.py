@@ -61,6 +61,7 @@ from torch import Tensor, nn
 import tierstore
 
 from .loader import Loaded, open_store
+from .node_stores import owned_ranges
 from .quant_train import build_trainable
 
 
@@ -101,6 +102,8 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
             raise tierstore.StoreError(f"store {st.path} holds a run of a trainer preset, "
                                        "which `tierstore train --resume` continues; a "
                                        "trainable load needs a store import-hf filled")
+        if world is None:
+            _refuse_rank_counts(st, loaded.stored)
         layout = hf_finetune.served_layout(loaded.served, st)
         mine = None
         if world is not None:
@@ -114,9 +117,14 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
         # Sized for a step that touches every expert: the loop's batch is not known here.
         # The rule the store's experts were trained with, dense for a new fine-tune (the
         # forward may run before an ExpertAdamW says which, and must see caught-up experts).
+        agree = None
+        if world is not None:
+            from tierstore.trainer.dist.hf_parallel import any_rank
+
+            agree = any_rank(world)
         states = ExpertStates(st, layout, device, mode, tokens_per_step=layout.n_experts,
-                              budget=device_budget,
-                              rule=rule_of(st, layout) or ("lazy" if world else "dense"))
+                              budget=device_budget, rule=rule_of(st, layout) or "dense",
+                              agree=agree)
         states.begin(1)
         parallel = None
         if world is not None:
@@ -189,8 +197,7 @@ class ExpertAdamW(torch.optim.Optimizer):
     trainable=True)``, beside any optimizer of its dense parameters (the defaults are
     ``torch.optim.AdamW``'s).
 
-    ``rule="dense"`` (the default, except for a model trained expert-parallel, which has
-    only the lazy rule so far): :meth:`step` is ``torch.optim.AdamW`` on the model's
+    ``rule="dense"`` (the default): :meth:`step` is ``torch.optim.AdamW`` on the model's
     fused ``[E, ...]`` expert parameters as ``transformers`` has them: an expert no token
     reached takes the zero-gradient update (moments decay, weight decay, the Adam update of
     the decayed moments), weight decay applies to every expert tensor (biases included: the
@@ -216,15 +223,8 @@ class ExpertAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, rule: str | None = None) -> None:
+                 weight_decay: float = 1e-2, rule: str = "dense") -> None:
         self.loaded = _loaded(model)
-        if rule is None:
-            rule = "lazy" if self.loaded.parallel is not None else "dense"
-        if rule == "dense" and self.loaded.parallel is not None:
-            # Each rank would keep its own history of the steps its experts missed, and two
-            # ranks of a node share one store: not built yet.
-            raise ValueError("the dense update rule is not built for expert-parallel training "
-                             "yet: pass rule='lazy' (the default there)")
         try:
             self.loaded.experts.set_rule(rule)
         except tierstore.StoreError as e:
@@ -346,3 +346,18 @@ def save(model: nn.Module) -> None:
     hf_finetune.write_dense(loaded.store,
                             hf_finetune.dense_entries(loaded.served.model, loaded.stored))
     loaded.store.flush()
+
+
+def _refuse_rank_counts(st: Any, stored: Any) -> None:
+    """A node store of an expert-parallel fine-tune keeps its step counts (and dense-rule
+    histories) per rank, for the experts each rank owned: loaded by one process, which
+    reads the store-wide counts, its experts would be made trainable again from scratch
+    (moments zeroed), so it is refused, saying what continues such a run."""
+    found = next((f"{m.prefix}.owned{r.start}-{r.stop - 1}" for m in stored.experts
+                  for r in owned_ranges(st, m.prefix)), None)
+    if found is not None:
+        raise tierstore.StoreError(
+            f"store {st.path} holds an expert-parallel fine-tune (per-rank step counts such "
+            f"as {found}): continue it with process_group= on its world, or with `tierstore "
+            "train --distributed --resume` (on fewer nodes, naming the others' stores with "
+            "--node-store), or export it with `tierstore export-hf --node-store`")

@@ -12,7 +12,8 @@ Layout
 - :data:`HISTORY` (``trainer.dense_rule``, kind ``steps``), under the dense update rule
   only: the global step and the hyperparameters of each step since the last checkpoint,
   float64 (:mod:`trainer.train.dense_rule`); an expert's step count is then the global step
-  its states are caught up to.
+  its states are caught up to. An expert-parallel rank's is ``trainer.dense_rule.owned{lo}-{hi}``
+  beside its own step counts (``{prefix}.owned{lo}-{hi}``).
 - :data:`RUN_ENTRY` (``trainer.run``, kind ``meta``): the model and training configs and the
   seed, as JSON.
 - :data:`DENSE_ENTRY` (``trainer.dense``, kind ``checkpoint``): the dense part of the latest
@@ -285,7 +286,8 @@ def initialise_imported(store: tierstore.Store, layout: ExpertLayout,
     nothing it had done (the cast is exact), so an interrupted start is simply started
     again. ``experts``: only these of every layer (a rank of an expert-parallel run makes
     its own trainable); all by default."""
-    store.delete(*HISTORY, missing_ok=True)
+    # (the layout's own history: an expert-parallel rank's is named like its counts)
+    store.delete(HISTORY[0] + layout.counts_suffix, HISTORY[1], missing_ok=True)
 
     def states(layer: int, e: int) -> list[tuple[str, str, Tensor]]:
         names = layout.names(layer, e)

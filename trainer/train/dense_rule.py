@@ -26,6 +26,15 @@ read again by its update, from the host cache).
 A store is trained under one rule: :data:`HISTORY` exists once a dense-rule step ran, and a
 store whose experts took lazy steps (step counts above zero, no history) stays lazy
 (:func:`rule_of`).
+
+Expert-parallel, the ranks of a node share its store and each trains the experts it owns
+(the layout's ``owned``): each keeps its own history beside its own step counts, both named
+with the layout's ``counts_suffix`` (:func:`history_key`). So one writer orders a history's
+rows before its experts' states (a rank writes its history first, then its states), and
+the reader of a history is the writer of the counts it pairs with; every rank records the
+same rows, since every rank takes every global step (:meth:`ExpertStates.update` agrees
+across the ranks whether one is taken). :func:`catch_up_import` finds every history a store
+holds, so an export of a node store catches up each rank's experts with its own.
 """
 
 from __future__ import annotations
@@ -38,13 +47,20 @@ from torch import Tensor
 import tierstore
 
 from .checkpoint import HISTORY, MOMENTS, STEP_KIND, TrainerError
-from .layout import ExpertLayout, LayerEntries
+from .layout import ExpertLayout, LayerEntries, owned_of_suffix
 from .optim import adamw_step
 
 RULES = ("dense", "lazy")
 # HISTORY holds one float64 row per recorded step: (lr, beta1, beta2, eps, weight_decay);
 # row 0 holds the global step the first recorded row follows (its other fields unused).
 Hyper = tuple[float, float, float, float, float]
+Key = tuple[str, str]
+
+
+def history_key(layout: ExpertLayout) -> Key:
+    """Where the history of ``layout``'s experts is: :data:`HISTORY`, with the suffix of an
+    expert-parallel rank's own entries."""
+    return HISTORY[0] + layout.counts_suffix, HISTORY[1]
 
 
 def check_rule(rule: str) -> str:
@@ -57,9 +73,11 @@ class StepHistory:
     """The global step and the hyperparameters of the steps since ``base`` (the step every
     expert was last caught up to, at a checkpoint or an export)."""
 
-    def __init__(self, base: int = 0, rows: list[Hyper] | None = None) -> None:
+    def __init__(self, base: int = 0, rows: list[Hyper] | None = None,
+                 key: Key = HISTORY) -> None:
         self.base = base
         self.rows: list[Hyper] = rows or []
+        self.key = key
 
     @property
     def step(self) -> int:
@@ -67,15 +85,15 @@ class StepHistory:
         return self.base + len(self.rows)
 
     @classmethod
-    def read(cls, store: tierstore.Store) -> StepHistory | None:
-        if HISTORY not in store:
+    def read(cls, store: tierstore.Store, key: Key = HISTORY) -> StepHistory | None:
+        if key not in store:
             return None
-        t = store.get(*HISTORY).tolist()
-        return cls(int(t[0][0]), [tuple(r) for r in t[1:]])  # type: ignore[misc]
+        t = store.get(*key).tolist()
+        return cls(int(t[0][0]), [tuple(r) for r in t[1:]], key)  # type: ignore[misc]
 
     def write(self, store: tierstore.Store) -> None:
         rows = [[float(self.base), 0.0, 0.0, 0.0, 0.0], *map(list, self.rows)]
-        store.put(HISTORY[0], torch.tensor(rows, dtype=torch.float64), kind=HISTORY[1])
+        store.put(self.key[0], torch.tensor(rows, dtype=torch.float64), kind=self.key[1])
 
     def advance(self, hyper: Hyper) -> int:
         """Record one more step; returns its (1-based) global step."""
@@ -93,7 +111,7 @@ class StepHistory:
 def rule_of(store: tierstore.Store, layout: ExpertLayout) -> str | None:
     """The rule the store's experts were trained under: ``dense`` where the history is,
     ``lazy`` where some expert took a step without it, ``None`` where none took any."""
-    if HISTORY in store:
+    if history_key(layout) in store:
         return "dense"
     keys = [(layout.counts_name(k), STEP_KIND) for k in layout.keys]
     present = [k for k in keys if k in store]
@@ -128,12 +146,12 @@ def catch_up(p: Tensor, m: Tensor, v: Tensor, count: int, history: StepHistory) 
 def catch_up_layer(store: tierstore.Store, layout: ExpertLayout, layer: int,
                    experts: list[int] | None, history: StepHistory,
                    device: torch.device | str = "cpu") -> list[int]:
-    """Catch up ``layer``'s ``experts`` (None: all) that are behind the global step: their
+    """Catch up ``layer``'s ``experts`` (None: all the layout trains) that are behind the global step: their
     states and the layer's counts written back in one ``put_many``. Returns those caught
     up."""
     counts_key = (layout.counts_name(layer), STEP_KIND)
     counts = store.get(*counts_key).clone()
-    ids = range(layout.n_experts) if experts is None else experts
+    ids = layout.expert_ids if experts is None else experts
     behind = [e for e in ids if int(counts[e]) < history.step]
     if not behind:
         return []
@@ -154,7 +172,7 @@ def catch_up_all(store: tierstore.Store, layout: ExpertLayout,
                  history: StepHistory | None = None) -> int:
     """Bring every expert of a dense-rule store to the global step and cut the history
     there (a no-op for a lazy or untrained store). Returns how many experts moved."""
-    history = history or StepHistory.read(store)
+    history = history or StepHistory.read(store, history_key(layout))
     if history is None:
         return 0
     moved = sum(len(catch_up_layer(store, layout, k, None, history)) for k in layout.keys)
@@ -166,9 +184,20 @@ def catch_up_all(store: tierstore.Store, layout: ExpertLayout,
 def catch_up_import(store: tierstore.Store, modules: list[Any]) -> int:
     """:func:`catch_up_all` for a store ``tierstore import-hf`` filled, its experts modules
     (:class:`tierstore.hf.layout.ExpertsModule`) read off ``model.json``: what ``export-hf``
-    runs first, so that no loaded model is needed."""
-    if HISTORY not in store or not modules:
+    runs first, so that no loaded model is needed. Every history the store holds is caught
+    up to: the single process's, and in a node store of an expert-parallel run each rank's,
+    over the experts that rank owns."""
+    if not modules:
         return 0
     layers = tuple(LayerEntries(i, m.prefix, tuple(p for _, parts in m.params for p in parts),
                                 ()) for i, m in enumerate(modules))
-    return catch_up_all(store, ExpertLayout(layers, int(modules[0].num_experts), 0))
+    n = int(modules[0].num_experts)
+    moved = 0
+    for name, kind in store.keys(HISTORY[0]):
+        suffix = name[len(HISTORY[0]):]
+        owned = None if not suffix else owned_of_suffix(suffix)
+        if kind != HISTORY[1] or (suffix and owned is None):
+            continue
+        layout = ExpertLayout(layers, n, 0, suffix, owned)
+        moved += catch_up_all(store, layout)
+    return moved

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -59,7 +60,14 @@ import tierstore
 
 from ..model import ExpertWeights
 from .checkpoint import MOMENTS, STEP_KIND
-from .dense_rule import StepHistory, catch_up_all, catch_up_layer, check_rule, require_rule
+from .dense_rule import (
+    StepHistory,
+    catch_up_all,
+    catch_up_layer,
+    check_rule,
+    history_key,
+    require_rule,
+)
 from .fetch import ExpertFetch, Moments, RoutingPredictor, make_fetch
 from .layout import ExpertLayout
 from .resident import TrainConfig
@@ -75,14 +83,18 @@ class ExpertStates:
 
     ``fetch`` is ``queue`` or ``direct`` (:func:`~.fetch.make_fetch` says which strategy
     serves it; ``budget`` and ``zero_copy`` go there). ``rule``: the update rule, ``lazy``
-    or ``dense`` (see the module docstring; :meth:`set_rule`).
+    or ``dense`` (see the module docstring; :meth:`set_rule`). ``agree``: where several
+    processes train one model's experts (expert parallelism), whether any of them has an
+    expert gradient this step, given whether this one has: the dense rule's global step is
+    taken by all or by none.
     """
 
     def __init__(self, store: tierstore.Store, layout: ExpertLayout, device: torch.device,
                  fetch: str, tokens_per_step: int, read_ahead: bool | None = None,
                  budget: int | str | None = None, zero_copy: bool | None = None,
-                 rule: str = "lazy") -> None:
+                 rule: str = "lazy", agree: Callable[[bool], bool] | None = None) -> None:
         self.store, self.layout, self.device = store, layout, device
+        self.agree = agree
         self.rule = check_rule(rule)
         self.history: StepHistory | None = None  # the dense rule's, read by set_rule
         self.layers = layout.keys
@@ -124,8 +136,9 @@ class ExpertStates:
         again after restoring a snapshot."""
         require_rule(self.store, self.layout, rule)
         self.rule = rule
-        self.history = (StepHistory.read(self.store) or StepHistory()) if rule == "dense" \
-            else None
+        key = history_key(self.layout)
+        self.history = (StepHistory.read(self.store, key) or StepHistory(key=key)) \
+            if rule == "dense" else None
 
     def catch_up_all(self) -> int:
         """Dense rule: bring every expert to the global step (before a checkpoint or an
@@ -251,7 +264,8 @@ class ExpertStates:
         tc = replace(tc, lr=lr, update_rule=self.rule)
         if self.history is not None:
             leaves = self.tensors()
-            if not any(w.grad is not None for w in leaves):
+            has = any(w.grad is not None for w in leaves)
+            if not (has if self.agree is None else self.agree(has)):
                 return 0
             for w in leaves:
                 if w.grad is None:

@@ -52,8 +52,10 @@ class ExpertLayout:
     n_experts: int
     top_k: int
     # Several ranks of a node share its store and each updates only the experts it owns:
-    # each keeps its step counts in an entry of its own, named with this suffix.
+    # each keeps its step counts (and the dense rule's history) in an entry of its own,
+    # named with this suffix, and ``owned`` says which experts are its (all where None).
     counts_suffix: str = ""
+    owned: range | None = None
 
     @cached_property
     def _by_key(self) -> dict[int, LayerEntries]:
@@ -73,6 +75,11 @@ class ExpertLayout:
     def shapes(self, key: int) -> tuple[tuple[int, ...], ...]:
         """Their shapes, in the same order."""
         return self._by_key[key].shapes
+
+    @property
+    def expert_ids(self) -> range:
+        """The experts of every layer that this layout trains."""
+        return range(self.n_experts) if self.owned is None else self.owned
 
     def counts_name(self, key: int) -> str:
         """The entry (kind ``step``) holding the layer's per-expert AdamW step counts."""
@@ -100,6 +107,19 @@ class ExpertLayout:
     def state_bytes(self) -> int:
         """fp32 bytes of every expert's weights and two AdamW moments."""
         return 3 * 4 * self.n_experts * sum(lay.numel for lay in self.layers)
+
+
+def owned_suffix(ids: range) -> str:
+    """The suffix of the step-count and history entries of a rank that owns ``ids``."""
+    return f".owned{ids.start}-{ids.stop - 1}"
+
+
+def owned_of_suffix(suffix: str) -> range | None:
+    """The experts :func:`owned_suffix` named (None: a suffix it did not make)."""
+    lo, sep, hi = suffix.removeprefix(".owned").partition("-")
+    if not suffix.startswith(".owned") or not sep or not (lo.isdigit() and hi.isdigit()):
+        return None
+    return range(int(lo), int(hi) + 1)
 
 
 def preset_layout(cfg: MoEConfig | ModelConfig) -> ExpertLayout:
