@@ -41,6 +41,9 @@ The modules' command line, one run per call, prints one line of JSON::
 (llama.cpp's runs have a file of their own, ``llamacpp_run.py``, that does not import tierstore.)
 """
 
+# Over 600 lines: one study driver for both peers (accelerate, llama.cpp), sharing fresh
+# processes and memory limits; to split per peer next.
+
 from __future__ import annotations
 
 import json

@@ -7,6 +7,9 @@ mismatch. With the host cache, a miss is read straight into a fresh cache slot u
 entry's key lock, and the slot is published only once every chunk has been verified.
 """
 
+# Over 600 lines: the read path from catalog lookup to the caller's memory, with its checks on
+# the chunk workers; to split next (landing and verification apart from the lookup).
+
 from __future__ import annotations
 
 import collections
