@@ -15,7 +15,6 @@ times and medians are reported; the ratio is daemon / in-process at the same N.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -32,6 +31,8 @@ import numpy as np
 import torch
 
 import tierstore
+
+from .report import write_json
 
 START_DELAY_S = 0.3
 
@@ -184,7 +185,5 @@ def run_daemon_bench(store: str | None, *, entry_bytes: int, entries: int, clien
     for row in rows:
         echo(f"| {row['clients']} | {row['inprocess_gbps']:.2f} | {row['daemon_gbps']:.2f} | "
              f"{row['ratio']:.2f} | {row['daemon_view_per_s']:,.0f} |")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(json_out, result)
     return result

@@ -10,7 +10,6 @@ Random codes: the time of a table lookup does not depend on the values.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -18,6 +17,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+from .report import load_average, write_json
 
 SHAPES = {  # name: (format, hidden, expert intermediate)
     "gpt-oss-120b": ("mxfp4", 2880, 2880),
@@ -89,8 +90,7 @@ def run_dequant(*, repeats: int = 5, threads: int | None = None, workdir: str = 
     if threads:
         torch.set_num_threads(threads)
     fp8_theirs = Fp8Dequantize(None)._dequantize_one
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
+    load = load_average()
     results: dict[str, Any] = {"threads": torch.get_num_threads(), "repeats": repeats,
                                "dtype": "bfloat16", "loadavg_before": load, "shapes": {}}
     for name, (fmt, hidden, inter) in SHAPES.items():
@@ -126,13 +126,8 @@ def run_dequant(*, repeats: int = 5, threads: int | None = None, workdir: str = 
              f"dequantize {row['dequant_s'] * 1e3:.0f} ms (transformers' "
              f"{row['transformers_s'] * 1e3:.0f} ms), read from the store "
              f"{row['transfer_s'] * 1e3:.1f} ms ({row['transfer_bytes_per_s'] / 1e9:.2f} GB/s)")
-    with open("/proc/loadavg") as f:
-        results["loadavg_after"] = f.read().split()[:3]
+    results["loadavg_after"] = load_average()
     echo(f"load average {' '.join(load)} before, {' '.join(results['loadavg_after'])} after; "
          f"{results['threads']} threads")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
-        echo(f"wrote {json_out}")
+    write_json(json_out, results, echo)
     return results

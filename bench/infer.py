@@ -38,7 +38,6 @@ process, cold, optionally under a memory limit.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -57,6 +56,7 @@ from tierstore.trainer.infer.generate import GenerationResult, generate
 import tierstore
 
 from .hf_models import hf_config, write_hf_checkpoint
+from .report import write_json
 
 MiB = 1 << 20
 TIERS = ("nvme", "backing", "host")
@@ -458,9 +458,5 @@ def _bench(store: tierstore.Store, dev: torch.device, *, json_out: str | None,
                      if "vs_bandwidth_limit" in r else "")
             echo(f"  {r['mode']:12s} {r['vs_resident']:.2f} x resident, "
                  f"{r['vs_on_demand']:.2f} x on-demand{extra}")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
-        echo(f"wrote {json_out}")
+    write_json(json_out, results, echo)
     return results

@@ -61,6 +61,7 @@ from typing import Any
 import tierstore
 
 from .memlimit import LimitedRun, drop_page_cache, run_limited
+from .report import write_json
 
 PEERS = ("accelerate", "llamacpp")
 TIERSTORE_MODES = ("resident", "ring", "expert", "on-demand")
@@ -411,11 +412,7 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
     _summarise(results, [n for n, *_ in runs_spec], peer, n_moe, layer_bytes, echo)
     if quant is not None:
         _quant_summary(results, peer, echo)
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
-        echo(f"wrote {json_out}")
+    write_json(json_out, results, echo)
     return results
 
 

@@ -22,7 +22,6 @@ steps, in a fresh process: its step time against the store side's, and its peak 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -39,6 +38,8 @@ from tierstore.trainer.train.store_trainer import cuda_budget
 
 import tierstore
 from tierstore.devices import normalize_device
+
+from .report import write_json
 
 Metrics = dict[str, Any]
 
@@ -172,9 +173,7 @@ def run_train_bench(
                  f"{report['deepspeed_step_time_ratio']:.3f}")
         else:
             echo(f"deepspeed zero-3 nvme did not run: {ds.get('cannot_run')}")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(json_out, report)
     return report
 
 
