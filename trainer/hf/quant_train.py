@@ -19,7 +19,7 @@ masters' cast to the compute dtype).
 ``quantize_to_mxfp4`` makes it, FP8 as ``Fp8Quantize``; the checkpoint's
 ``quantization_config`` with them, so ``from_pretrained`` loads the export as it loads the
 original. The round trip is lossy: the export states the largest weight error against
-the masters (:class:`RoundTrip`).
+the masters (:class:`RoundTrip`) and the logit error it makes (:mod:`.quant_logits`).
 """
 
 from __future__ import annotations
