@@ -147,6 +147,19 @@ def deepseek_fp8(out: str | Path, seed: int = 0, spread: bool = False, **over: A
     return out
 
 
+def export_fp32(store: str | Path, out: str | Path) -> Any:
+    """``tierstore export-hf --dtype fp32`` of ``store`` into ``out`` (exit status 0), as
+    ``from_pretrained`` loads it in fp32."""
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from tierstore.cli import main
+
+    r = CliRunner().invoke(main, ["export-hf", "--store", str(store), str(out), "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+
+
 def reference(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """transformers' own model of a quantized checkpoint, dequantized on the CPU at load."""
     from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
