@@ -9,6 +9,9 @@ to their experts' owners inside the registered ``tierstore`` experts function.
   user's own over ``tierstore.hf.load(..., process_group=...)``, as two nodes of one rank
   with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by the
   distributed trainer, as one node of two ranks sharing its store and daemon.
+- DeepSeek-V3 shipped in block FP8, imported compact: the two ranks of one node unpack
+  its packed weights into fp32 masters together, and the run equals the single process's
+  fine-tune of the same compact store to 1e-5.
 - MPMoE's pipelining of the token-centric blocks: 2 and 4 chunks and ``auto`` give the
   loss, logits and every gradient of one chunk bit for bit, and the counters show chunks
   computed while another chunk's exchange was in flight.
