@@ -99,25 +99,31 @@ def gpt_oss_mxfp4(out: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def deepseek_config(layers: int = 2) -> Any:
+def deepseek_config(layers: int = 2, **over: Any) -> Any:
     from transformers import DeepseekV3Config
 
-    return DeepseekV3Config(
+    return DeepseekV3Config(**{**dict(
         vocab_size=128, hidden_size=128, intermediate_size=128, moe_intermediate_size=256,
         num_hidden_layers=layers, first_k_dense_replace=1 if layers > 1 else 0,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1,
         num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=128,
         qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=16,
         max_position_embeddings=256, dtype="bfloat16",
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        pad_token_id=0, bos_token_id=1, eos_token_id=2), **over})
 
 
-def deepseek_fp8(out: str | Path, seed: int = 0) -> Path:
+def deepseek_fp8(out: str | Path, seed: int = 0, spread: bool = False, **over: Any) -> Path:
     """A tiny DeepSeek-V3 checkpoint in block FP8 as DeepSeek ships it: every linear weight
     whose sides are multiples of 128 (experts, shared expert, dense MLP, attention) in e4m3
-    with its ``weight_scale_inv``; embeddings, norms, the router and the head as saved."""
+    with its ``weight_scale_inv``; embeddings, norms, the router and the head as saved.
+    ``spread``: every weight drawn larger (tests/hf_models.py), so that training moves
+    each by its gradient, not by rounding noise. ``over``: config fields."""
     out = Path(out)
-    model = _random_model(deepseek_config(), "mlp.gate.weight", seed)
+    model = _random_model(deepseek_config(**over), "mlp.gate.weight", seed)
+    if spread:
+        from hf_models import spread as draw_larger
+
+        draw_larger(model)
     # save_pretrained's own layout (per-expert gate/up/down_proj), then quantized.
     model.save_pretrained(out / "_plain")
     from safetensors.torch import load_file
@@ -139,6 +145,19 @@ def deepseek_fp8(out: str | Path, seed: int = 0) -> Path:
     shutil.rmtree(out / "_plain")
     _save(model, out, tensors, FP8_CONFIG)
     return out
+
+
+def export_fp32(store: str | Path, out: str | Path) -> Any:
+    """``tierstore export-hf --dtype fp32`` of ``store`` into ``out`` (exit status 0), as
+    ``from_pretrained`` loads it in fp32."""
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from tierstore.cli import main
+
+    r = CliRunner().invoke(main, ["export-hf", "--store", str(store), str(out), "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
 
 
 def reference(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:

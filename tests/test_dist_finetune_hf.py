@@ -9,6 +9,9 @@ to their experts' owners inside the registered ``tierstore`` experts function.
   user's own over ``tierstore.hf.load(..., process_group=...)``, as two nodes of one rank
   with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by the
   distributed trainer, as one node of two ranks sharing its store and daemon.
+- DeepSeek-V3 shipped in block FP8, imported compact: the two ranks of one node unpack
+  its packed weights into fp32 masters together, and the run equals the single process's
+  fine-tune of the same compact store to 1e-5.
 - MPMoE's pipelining of the token-centric blocks: 2 and 4 chunks and ``auto`` give the
   loss, logits and every gradient of one chunk bit for bit, and the counters show chunks
   computed while another chunk's exchange was in flight.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -361,4 +365,43 @@ def test_four_ranks_on_two_nodes_equal_one_process(paradigm: str, rule: str, cor
     moved = "experts" if paradigm == "data" else "tokens"
     for step in range(STEPS):  # each step, something crossed between the nodes
         assert sum(got[step][f"{moved}_cross_bytes"] for got in runs) > 0
+    check_weights(tmp_path, nodes, per_node)
+
+
+def test_ranks_unpack_a_quantized_store_and_train_as_one_process(
+        corpus: Corpus, tokenizer_file: Path, tmp_path: Path) -> None:
+    """DeepSeek-V3 shipped in block FP8 (experts and dense weights packed), imported
+    compact into one node's store that two ranks share, fine-tuned by ``train_distributed``:
+    the ranks turn the packed weights into fp32 masters at the first trainable load (each
+    its own experts, the node leader the dense ones, one commit), and every step and weight
+    equals the single process's fine-tune of the same compact store."""
+    from hf_quant import deepseek_fp8
+
+    nodes, per_node = 1, 2
+    ckpt = deepseek_fp8(tmp_path / "hf", spread=True, vocab_size=VOCAB)
+    shutil.copy(tokenizer_file, ckpt / "tokenizer.json")
+    for path in ("node0", "single", "start"):
+        tierstore.hf.import_hf(ckpt, tmp_path / path, progress=False)
+    # The starting masters, as one process makes them.
+    tierstore.hf.load(tmp_path / "start", trainable=True, device="cpu").tierstore.close()
+    # fp32 compute (a bf16 checkpoint's default is bf16 autocast, far coarser than 1e-5)
+    train = {**TRAIN, "dtype": "float32"}
+    spec = {"model": None, "train": {**train, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "host_cache": 4 << 20}
+    codes = launch(tmp_path, "a", nodes, per_node, steps=STEPS, spec=spec, paradigm="data")
+    assert codes == [0], (tmp_path / "a.node0.log").read_text()[-3000:]
+    ref = train_store(None, STEPS, seed=SEED, corpus=corpus, store_path=tmp_path / "single",
+                      host_cache="4MiB", train=TrainConfig(batch_size=nodes * per_node, **train))
+    for r in range(nodes * per_node):
+        got = metrics(tmp_path, "a", r)
+        assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+        for m in got:
+            a = ref[m["step"] - 1]
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - m[key]) < 1e-5, (r, m["step"], key, a[key], m[key])
+            assert m["grad_norm"] > 2 * TRAIN["clip"]  # the clip scaled every gradient
+    with tierstore.open(tmp_path / "node0", host_cache=0) as st:
+        sm = stored_model(st)
+        assert sm.quant == "fp8" and not sm.dense_scales and sm.requantize
+        assert not [n for n in st.names() if n.endswith("_scale_inv")]
     check_weights(tmp_path, nodes, per_node)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from hf_models import ATOL, daemon_serving, prompt_ids
-from hf_quant import deepseek_fp8, gpt_oss_mxfp4, reference
+from hf_quant import deepseek_fp8, export_fp32, gpt_oss_mxfp4, reference
 from safetensors import safe_open
 from tierstore.hf import load
 from tierstore.hf.layout import MODEL_ENTRY, read_json_entry
@@ -361,12 +361,7 @@ def test_expert_format_fp8_quantizes_a_bf16_checkpoint_at_import(tmp_path: Path)
             torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=ATOL, rtol=0)
     finally:
         model.tierstore.close()
-    r = CliRunner().invoke(main, ["export-hf", "--store", str(tmp_path / "st"),
-                                  str(tmp_path / "out"), "--dtype", "fp32"])
-    assert r.exit_code == 0, r.output
-    from transformers import AutoModelForCausalLM
-
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    again = export_fp32(tmp_path / "st", tmp_path / "out")
     for attr in ("gate_up_proj", "down_proj"):
         assert torch.equal(getattr(again.get_submodule(module), attr), getattr(experts, attr))
     ckpt = gpt_oss_mxfp4(tmp_path / "gpt")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from hf_models import ATOL, make_hf_model, prompt_ids
+from hf_quant import export_fp32
 from tierstore.hf import load
 from tierstore.hf.quant import Dequantizer, as_module_holds, quantize_mxfp4
 
@@ -130,12 +131,7 @@ def test_expert_format_mxfp4_serves_transformers_dequantized(family: str, tmp_pa
                 tokens.tolist(), mode
         finally:
             model.tierstore.close()
-    r = CliRunner().invoke(main, ["export-hf", "--store", str(tmp_path / "st"),
-                                  str(tmp_path / "out"), "--dtype", "fp32"])
-    assert r.exit_code == 0, r.output
-    from transformers import AutoModelForCausalLM
-
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    again = export_fp32(tmp_path / "st", tmp_path / "out")
     for name, p in hf.named_parameters():
         if ".experts." in name:
             assert torch.equal(again.get_parameter(name), p), name

@@ -12,6 +12,8 @@ import json
 import multiprocessing
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from test_hf_finetune_families import ATOL, batches, over_the_store  # noqa: E40
 from test_hf_finetune_families import reference as train_in_memory  # noqa: E402
 from tierstore.hf.layout import stored_model  # noqa: E402
 from tierstore.hf.quant import Dequantizer, as_module_holds, quantize  # noqa: E402
+from tierstore.hf.quant_logits import PROMPTS, TOKENS, prompt_ids  # noqa: E402
 
 import tierstore  # noqa: E402
 
@@ -123,6 +126,44 @@ def test_full_finetune_of_a_quantized_checkpoint(family: str, tmp_path: Path) ->
         # largest group's e2m1 grid, FP8 e4m3's three mantissa bits.
         assert worst == pytest.approx(rt["max_abs_weight_error"], rel=1e-6), (worst, rt)
         assert 0 < rt["relative"] < (0.2 if fmt == "mxfp4" else 0.07), rt
+        # The stated logit error: the export as loaded against the same model holding the
+        # masters, on the fixed ids; recorded in the index's metadata too.
+        ids = prompt_ids(hf.config.vocab_size)
+        with torch.no_grad():
+            packed = back(ids).logits
+            for name in sm.requantize:
+                back.get_parameter(name).copy_(masters[name])
+            err = (back(ids).logits - packed).abs()
+        assert rt["max_abs_logit_error"] == pytest.approx(float(err.max()), rel=1e-5), rt
+        assert rt["mean_abs_logit_error"] == pytest.approx(float(err.mean()), rel=1e-5), rt
+        assert 0 < rt["mean_abs_logit_error"] < rt["max_abs_logit_error"], rt
+        index = json.loads((tmp_path / f"out-{rule}" / "model.safetensors.index.json")
+                           .read_text())
+        assert index["metadata"]["tierstore_requantized"] == rt
+
+
+def test_export_states_zero_logit_error_for_untouched_masters(tmp_path: Path) -> None:
+    """Masters made by a trainable load and never stepped pack back to the shipped bytes:
+    ``export-hf`` prints a weight and a logit error of 0; ``--no-logit-error`` says it
+    skipped the logit error, in one line."""
+    ckpt = gpt_oss_mxfp4(tmp_path / "hf")
+    tierstore.hf.import_hf(ckpt, tmp_path / "st", progress=False)
+    tierstore.hf.load(tmp_path / "st", trainable=True, device="cpu").tierstore.close()
+    done = subprocess.run([sys.executable, "-m", "tierstore", "export-hf", str(tmp_path / "out"),
+                           "--store", str(tmp_path / "st")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "largest weight error 0 against" in done.stdout, done.stdout
+    assert (f"logit error on {PROMPTS * TOKENS} fixed positions: max 0, mean 0 "
+            in done.stdout), done.stdout
+    assert _tensors(tmp_path / "out").keys() == _tensors(ckpt).keys()
+    for name, t in _tensors(ckpt).items():
+        assert torch.equal(_tensors(tmp_path / "out")[name].view(torch.uint8),
+                           t.view(torch.uint8)), name
+    rt = tierstore.hf.export_hf(tmp_path / "st", tmp_path / "out2", progress=False,
+                                logit_error=False)["requantized"]
+    assert rt["max_abs_weight_error"] == 0 and "max_abs_logit_error" not in rt
+    assert "--no-logit-error" in rt["skipped"]
 
 
 @pytest.fixture(scope="module")

@@ -113,8 +113,12 @@ def _list_families(ctx: click.Context, value: bool) -> None:
                    "node's store, as reachable here (a shared path, or a copy of its store "
                    "directory; repeatable). Each expert is read from the store that trained "
                    "it; a node's store alone is refused.")
+@click.option("--logit-error/--no-logit-error", default=True, show_default=True,
+              help="For a fine-tuned quantized checkpoint packed again in its own format: "
+                   "also state the round trip's logit error on fixed token ids (loads the "
+                   "export in fp32 on the CPU; skipped by itself beyond half the memory).")
 def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, force: bool,
-              node_stores: tuple[str, ...]) -> None:
+              node_stores: tuple[str, ...], logit_error: bool) -> None:
     """Write the model in STORE to OUT_DIR as a Hugging Face checkpoint that
     transformers' AutoModelForCausalLM.from_pretrained loads: config.json, sharded
     safetensors with model.safetensors.index.json, generation config and tokenizer files.
@@ -134,7 +138,7 @@ def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, forc
 
     def go() -> None:
         s = export(store, out_dir, dtype=dtype, shard_size=shard_size, force=force,
-                   progress=True, node_stores=node_stores)
+                   progress=True, node_stores=node_stores, logit_error=logit_error)
         for path in s["removed"]:
             click.echo(f"removed {path}, left by an export that was killed")
         click.echo(f"exported {s['source']} as {s['family']}: {s['tensors']} tensors in "
@@ -145,6 +149,13 @@ def export_hf(out_dir: str, store: str, dtype: str | None, shard_size: int, forc
             click.echo(f"re-quantized the fine-tuned fp32 masters: largest weight error "
                        f"{rt['max_abs_weight_error']:.3g} against a largest master of "
                        f"{rt['max_abs_master']:.3g} ({rt['relative']:.2%})")
+            if "skipped" in rt:
+                click.echo(f"  logit error not measured: {rt['skipped']}")
+            else:
+                click.echo(f"  logit error on {rt['positions']} fixed positions: max "
+                           f"{rt['max_abs_logit_error']:.3g}, mean {rt['mean_abs_logit_error']:.3g}"
+                           f" (largest logit {rt['max_abs_logit']:.3g}); greedy choice kept at "
+                           f"{rt['greedy_same']} of {rt['positions']}")
 
     _run(go)
 

@@ -9,9 +9,10 @@ parameters), and its experts modules are served by :class:`.hf_parallel.HFExpert
 
 - rank ``r`` owns experts ``[r*E/W, (r+1)*E/W)`` of every MoE layer. At the first start it
   makes them trainable in its node's store (fp32 masters, zero moments, its own step-count
-  entry per layer, since the node's ranks share the store); their masters and moments are
-  read and written there only, through the node's daemon. The node's copies of the other
-  experts are never read;
+  entry per layer, since the node's ranks share the store; a store imported compact is
+  first unpacked by the node's ranks together, :mod:`tierstore.hf.quant_train`); their
+  masters and moments are read and written there only, through the node's daemon. The
+  node's copies of the other experts are never read;
 - dense parameters are replicated: their gradients are summed over the ranks;
 - the global batch is ``W x batch_size`` rows, rank ``r`` training the r-th slice; every
   rank's loss is its batch's mean, and the gradients summed over the ranks and divided by
@@ -108,7 +109,7 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    net = HFNet(store, stored, tc, world.device)
+    net = HFNet(store, stored, tc, world.device, world)
     check_divides(net.layout.n_experts, world.size)
     layout, mine = owned_layout(net.layout, world)
     if corpus is None:

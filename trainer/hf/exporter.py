@@ -48,6 +48,7 @@ from torch import Tensor, nn
 import tierstore
 from tierstore.durable import replace_file
 
+from . import quant_logits
 from .config import FLOAT_DTYPES as DTYPES
 from .config import hf_config, meta_model
 from .convert import expert_params
@@ -271,7 +272,8 @@ def _write_group(group: Group, plan: ReversePlan, values: _Values, shards: Shard
 def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
               dtype: str | torch.dtype | None = None, shard_size: int | str = DEFAULT_SHARD_SIZE,
               force: bool = False, progress: bool | Progress = True,
-              node_stores: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
+              node_stores: Sequence[str | os.PathLike[str]] = (),
+              logit_error: bool = True) -> dict[str, Any]:
     """Export the model in the store at ``store_path`` to ``out_dir`` (see the module
     docstring) and return a summary: ``family`` (the architecture written), ``source``
     (``tierstore`` for a trainer run, else the family), ``dtype``, ``files``, ``shards``,
@@ -284,7 +286,10 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
     receives byte counts. ``node_stores``: after an expert-parallel fine-tune
     (``tierstore train --distributed``), the other nodes' stores, as reachable here (a
     shared path, or a copy of the store directory): each expert is read from the store that
-    trained it (:mod:`tierstore.hf.node_stores`)."""
+    trained it (:mod:`tierstore.hf.node_stores`). ``logit_error``: for a fine-tuned quantized
+    checkpoint, packed again, also measure the logit error of the round trip
+    (:mod:`tierstore.hf.quant_logits`; ``requantized`` in the summary and in the index's
+    metadata holds both errors)."""
     store_path, out_dir = os.fspath(store_path), os.fspath(out_dir)
     asked = export_dtype(dtype)
     limit = tierstore.parse_size(shard_size)
@@ -344,9 +349,17 @@ def export_hf(store_path: str | os.PathLike[str], out_dir: str | os.PathLike[str
                 replace_file(os.path.join(work.path, fname), data)
             replace_file(os.path.join(work.path, "config.json"),
                        json.dumps(config_json(sm, dt), indent=2, sort_keys=True).encode() + b"\n")
+            requantized = None
+            if sm.requantize:
+                requantized = values.round_trip.to_json()
+                requantized.update(quant_logits.logit_error(work.path, values) if logit_error
+                                   else {"skipped": "not asked for (--no-logit-error)"})
+                index["metadata"]["tierstore_requantized"] = requantized
+                replace_file(os.path.join(work.path, INDEX_FILE),
+                             json.dumps(index, indent=2).encode())
             files = sorted(os.listdir(work.path))
             work.move_into_place(force)
     return {"family": sm.family, "source": "tierstore" if sm.step is not None else sm.family,
             "dtype": dtype_name(dt), "files": files, "shards": len(shards.files),
             "tensors": len(outputs), "bytes": shards.total, "removed": removed,
-            "requantized": values.round_trip.to_json() if sm.requantize else None}
+            "requantized": requantized}

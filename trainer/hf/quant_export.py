@@ -39,8 +39,9 @@ class PackedValues:
     def __init__(self, values: Any, part: int) -> None:
         self.values, self.part = values, part
 
-    def _master(self, name: str, entry: str, transposed: bool) -> Tensor:
-        w = self.values._get([entry])[entry]
+    def _master(self, name: str, entry: str, transposed: bool,
+                owner: tierstore.Store | None = None) -> Tensor:
+        w = self.values._get([entry], owner)[entry]  # owner: the store that trained it
         fmt = self.values.sm.requantize[name]
         return requantize(fmt, w, transposed, self.part, self.values.round_trip)
 
@@ -55,8 +56,9 @@ class PackedValues:
     def expert(self, names: list[str], e: int) -> dict[str, Tensor]:
         if self.values.sm.requantize:
             m, parts, out_dim = self.values.experts[names[0]]
+            owner = self.values.owners.get((m.prefix, e))
             return {n: self._master(n, f"{m.prefix}.{e}.{self.values.experts[n][1][0]}",
-                                    self.values.experts[n][2] == -1).unsqueeze(0)
+                                    self.values.experts[n][2] == -1, owner).unsqueeze(0)
                     for n in names}
         entries = {n: self.entry(n, e) for n in names}
         got = self.values._get(list(entries.values()))

@@ -11,7 +11,9 @@ Once every master is durable, one commit of ``model.json`` points the model at t
 records each one's format (``requantize``); only then are the packed entries deleted. A
 kill before that commit leaves the packed model as it was (the next load starts over, the
 masters it rewrites being the same values); a kill after it leaves packed entries no
-model names, which the next trainable load deletes. From there on the store is an unquantized
+model names, which the next trainable load deletes. The ranks of an expert-parallel run
+that share a node's store unpack it together, each writing its own experts' masters, under
+the same one commit (:func:`_unpack_on_ranks`). From there on the store is an unquantized
 import's as the trainer sees it (moments, step counts, both update rules, compute in the
 masters' cast to the compute dtype).
 
@@ -19,11 +21,12 @@ masters' cast to the compute dtype).
 ``quantize_to_mxfp4`` makes it, FP8 as ``Fp8Quantize``; the checkpoint's
 ``quantization_config`` with them, so ``from_pretrained`` loads the export as it loads the
 original. The round trip is lossy: the export states the largest weight error against
-the masters (:class:`RoundTrip`).
+the masters (:class:`RoundTrip`) and the logit error it makes (:mod:`.quant_logits`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,17 +50,19 @@ def _transposed(model: nn.Module, m: ExpertsModule) -> bool:
     return bool(getattr(model.get_submodule(m.module), "is_transposed", False))
 
 
-def unpack(store: tierstore.Store, sm: StoredModel, model: nn.Module) -> StoredModel:
-    """Give every packed weight of ``sm`` an fp32 master and commit the model that names
-    them (see the module docstring); returns it. ``model``: the family's model, for each
-    experts module's orientation."""
+def write_masters(store: tierstore.Store, sm: StoredModel, model: nn.Module,
+                  writes: Callable[[int], bool] | None = None, dense: bool = True) -> None:
+    """Put the fp32 master of every packed weight of ``sm`` beside its packed entries
+    (nothing names them yet). ``model``: the family's model, for each experts module's
+    orientation. ``writes(e)``: whether to write expert ``e`` (of every layer; all by
+    default); ``dense``: whether to write the dense weights' masters too."""
     deq = Dequantizer()
-    requant: dict[str, str] = {}
-    experts = []
     for m in sm.experts:
         transposed = _transposed(model, m)
         params = dict(m.params)
         for e in range(m.num_experts):
+            if writes is not None and not writes(e):
+                continue
             names = [f"{m.prefix}.{e}.{p}" for a in m.formats for p in params[a]]
             got = store.get_many(names)
             items = []
@@ -67,18 +72,29 @@ def unpack(store: tierstore.Store, sm: StoredModel, model: nn.Module) -> StoredM
                 items.append((f"{m.prefix}.{e}.{a}{MASTER}",
                               as_module_holds(w, fmt, transposed).contiguous()))
             store.put_many(items)
+    if dense:
+        for name, scales in sm.dense_scales.items():
+            got = store.get_many([sm.dense[name], scales])
+            w = deq.fp8(got[sm.dense[name]], got[scales], torch.float32, reuse=False)
+            store.put(sm.dense[name] + MASTER, w.clone())
+    store.flush()  # every master durable before the model names them
+
+
+def name_masters(store: tierstore.Store, sm: StoredModel) -> StoredModel:
+    """The one commit that points ``sm``'s model at the masters :func:`write_masters`
+    wrote (and records each one's format to pack it in again), then the packed entries
+    dropped; returns the model committed."""
+    requant: dict[str, str] = {}
+    experts = []
+    for m in sm.experts:
         for a, fmt in m.formats.items():
             requant[f"{m.module}.{a}" if m.module else a] = fmt
         experts.append(replace(m, params=[(a, [a + MASTER] if a in m.formats else parts)
                                           for a, parts in m.params], formats={}))
     dense = dict(sm.dense)
-    for name, scales in sm.dense_scales.items():
-        got = store.get_many([sm.dense[name], scales])
-        w = deq.fp8(got[sm.dense[name]], got[scales], torch.float32, reuse=False)
+    for name in sm.dense_scales:
         dense[name] = sm.dense[name] + MASTER
-        store.put(dense[name], w.clone())
         requant[name] = FP8
-    store.flush()  # every master durable before the model names them
     if sm.quantized_at_import:
         requant = {}  # the checkpoint's own format is its unquantized one
     out = replace(sm, experts=experts, dense=dense, dense_scales={}, requantize=requant)
@@ -86,6 +102,13 @@ def unpack(store: tierstore.Store, sm: StoredModel, model: nn.Module) -> StoredM
     store.flush()
     drop_packed(store, out)
     return out
+
+
+def unpack(store: tierstore.Store, sm: StoredModel, model: nn.Module) -> StoredModel:
+    """Give every packed weight of ``sm`` an fp32 master and commit the model that names
+    them (see the module docstring); returns it."""
+    write_masters(store, sm, model)
+    return name_masters(store, sm)
 
 
 def drop_packed(store: tierstore.Store, sm: StoredModel) -> None:
@@ -108,27 +131,53 @@ def drop_packed(store: tierstore.Store, sm: StoredModel) -> None:
 
 
 def build_trainable(store: tierstore.Store, owns: bool, device: torch.device,
-                    parallel: bool = False) -> tuple[nn.Module, Any]:
+                    world: Any = None) -> tuple[nn.Module, Any]:
     """``loader.build`` in fp32 for training: a store of packed weights is unpacked first
-    (once), and the model built over its masters. ``parallel``: one of several ranks that
-    may share the store, which do not unpack it (they would race)."""
+    (once), and the model built over its masters. ``world``: this rank's place in an
+    expert-parallel run (:class:`~tierstore.trainer.dist.world.World`), whose ranks unpack
+    their node's store together (:func:`_unpack_on_ranks`)."""
     from .loader import build
 
     model, loaded = build(store, owns, device=device, dtype=torch.float32)
-    if parallel and packed(loaded.stored):
-        raise tierstore.StoreError(
-            f"store {store.path} holds packed {loaded.stored.quant} weights, which the ranks "
-            "of an expert-parallel run would unpack at once: load it trainable once in one "
-            "process first (tierstore.hf.load(store, trainable=True)), which makes its fp32 "
-            "masters")
-    if parallel:
-        return model, loaded
     if not packed(loaded.stored):
-        drop_packed(store, loaded.stored)  # left by a kill after the commit, if any
+        if world is None or world.is_node_leader:
+            drop_packed(store, loaded.stored)  # left by a kill after the commit, if any
         return model, loaded
-    unpack(store, loaded.stored, model)
+    if world is None:
+        unpack(store, loaded.stored, model)
+    else:
+        _unpack_on_ranks(store, loaded.stored, model, world)
     loaded.passes.remove()
     return build(store, owns, device=device, dtype=torch.float32)
+
+
+def _unpack_on_ranks(store: tierstore.Store, sm: StoredModel, model: nn.Module,
+                     world: Any) -> None:
+    """:func:`unpack` shared by the ranks of a node's store: each rank writes the masters
+    of the experts it owns, and the experts no rank of its node owns are shared out among
+    the node's ranks (every node's store keeps all its experts, as an unquantized import's
+    does); the node leader writes the dense masters. Once every rank's are durable (a
+    barrier), the node leader's one commit names them all; a second barrier holds the
+    ranks until it is made. Every rank sees the same store at the first barrier, so all
+    take this path or none; a kill before the commit leaves the packed model, which the
+    next start unpacks again."""
+    from tierstore.trainer.dist.world import barrier, owner
+
+    local = world.nodes[world.node]
+
+    def writes(e: int, n: int) -> bool:
+        o = owner(e, n, world.size)
+        return (o if o in local else local[e % len(local)]) == world.rank
+
+    for m in sm.experts:  # one module at a time: each may have its own expert count
+        write_masters(store, replace(sm, experts=[m], dense_scales={}), model,
+                      lambda e, n=m.num_experts: writes(e, n), dense=False)
+    if world.is_node_leader:
+        write_masters(store, replace(sm, experts=[]), model)
+    barrier(world)
+    if world.is_node_leader:
+        name_masters(store, sm)
+    barrier(world)
 
 
 @dataclass

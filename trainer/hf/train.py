@@ -97,7 +97,7 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
     st, owns = open_store(store, host_cache=host_cache, device_budget=device_budget)
     try:
         # A quantized store's packed weights become fp32 masters (tierstore.hf.quant_train).
-        model, loaded = build_trainable(st, owns, device, parallel=world is not None)
+        model, loaded = build_trainable(st, owns, device, world)
         if loaded.stored.dense_state is not None:
             raise tierstore.StoreError(f"store {st.path} holds a run of a trainer preset, "
                                        "which `tierstore train --resume` continues; a "

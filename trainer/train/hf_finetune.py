@@ -132,8 +132,10 @@ class HFNet(TrainNet):
     finetune = True
 
     def __init__(self, store: tierstore.Store, stored: StoredModel, tc: TrainConfig,
-                 device: torch.device) -> None:
-        model, loaded = build_trainable(store, False, device)
+                 device: torch.device, world: Any = None) -> None:
+        # world: an expert-parallel rank's, whose node's ranks unpack a quantized store
+        # together (tierstore.hf.quant_train)
+        model, loaded = build_trainable(store, False, device, world)
         self.module, self.loaded = model, loaded
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if isinstance(limit, int) and tc.seq_len > limit:
