@@ -10,18 +10,20 @@ machine) and daemon. Every MoE block runs token-centric, in ``N`` chunks (MPMoE,
 Per run, from every rank's per-step metrics (the steps after the first; the first holds
 ``auto``'s unchunked measurement): the chunks, the experts' compute time, the time spent
 waiting for exchanges, the compute that overlapped an exchange in flight and the part of it
-that hid one still incomplete, and the bytes moved. These counters are per step and rank,
-summed over the MoE blocks, so the figures are per run (mean over the ranks), not per block.
-The communication time is the metrics' ``comm_s`` (the exchanges' exposed time: a pipelined
-block's waits, an unchunked block's exchanges) plus the hidden time; the hidden fraction is
-``hidden / (comm_s + hidden)``: the share of the exchanges' time that ran under compute. A
-block run unchunked (``N = 1``, or ``auto``'s choice of 1) takes the plain exchange, whose
-compute the counters do not count ("-" in the table).
+that hid one still incomplete, the experts' fetch from the store and the part of it that ran
+under compute, and the bytes moved. Per step and rank, summed over the MoE blocks (the
+run's table), and per block (``pipeline_blocks``, the per-block table): mean over the ranks
+and steps, the bytes summed over the ranks, so the blocks' bytes add up to the run's.
+The communication time is the exchanges' exposed time (a pipelined block's waits, an
+unchunked block's exchanges) plus the hidden time; the hidden fraction is
+``hidden / (comm + hidden)``: the share of the exchanges' time that ran under compute.
 
 The performance model's figures come from the ``auto`` run of the same batch and world: rank
 0 logs each block's α (the chunk counts' exchange), β (per byte), the dispatch's bytes and
 the compute ``c``, and ``T(N) = (N - 1)·max(c/N, m) + c/N + 2m``, ``m = α + β·bytes/N``, is
-given per block for every ``N`` asked, and summed over the blocks beside each run.
+given per block for every ``N`` asked, and summed over the blocks beside each run. Beside
+each block's, the measured ``T``: its exchanges' exposed time plus its compute (the fetch
+apart), per step; the model's is per forward pass, times the block's passes per step.
 """
 
 from __future__ import annotations
@@ -51,11 +53,16 @@ _MODEL_LINE = re.compile(
     r"pipeline: (?P<block>\S+): (?P<n>\d+) chunk\(s\) \(alpha (?P<alpha>[\d.]+) us, beta "
     r"(?P<beta>[\d.]+) ns/B, (?P<kb>[\d.]+) kB, compute (?P<c>[\d.]+) ms")
 COUNTERS = ("pipeline_compute_s", "pipeline_wait_s", "pipeline_overlapped_s",
-            "pipeline_hidden_s", "comm_s", "step_time_s")
+            "pipeline_hidden_s", "pipeline_fetch_s", "pipeline_fetch_hidden_s",
+            "pipeline_fetches_ahead", "comm_s", "step_time_s")
+BLOCK_COUNTERS = ("calls", "compute_s", "comm_s", "overlapped_s", "hidden_s", "fetch_s",
+                  "fetch_wait_s", "fetch_hidden_s", "fetches_ahead")
 NOTES = [
-    "Per run, not per MoE block: the trainer's counters are per step and rank, summed over "
-    "the blocks (mean over the ranks and the steps after the first). The model's T(N) is per "
-    "block, from the auto run's logged alpha, beta, bytes and c, and summed over the blocks.",
+    "Per run, the trainer's counters are per step and rank, summed over the blocks; per "
+    "block, each MoE block's (mean over the ranks and the steps after the first; bytes summed "
+    "over the ranks). The model's T(N) is per block, from the auto run's logged alpha, beta, "
+    "bytes and c, and summed over the blocks; per block beside the measured T (exchanges' "
+    "exposed time plus compute, per step).",
     "On this machine's 2 CPU cores every rank, daemon and gloo thread share the cores: the "
     "times (compute, wait, step) cannot rank the chunk counts, and alpha absorbs the ranks' "
     "skew. The figures to trust are the hidden fraction (how much of the exchanges ran under "
@@ -136,7 +143,35 @@ def summarise_hf(ranks: list[list[dict[str, Any]]]) -> dict[str, Any]:
     out["cross_bytes"] = statistics.fmean(sum(h[s]["tokens_cross_bytes"] for h in ranks)
                                           for s in range(n_steps))
     out["losses"] = [m["loss"] for m in ranks[0][:n_steps]]
+    out["blocks"] = summarise_blocks(measured, ranks, n_steps)
     return out
+
+
+def summarise_blocks(measured: list[list[dict[str, Any]]], ranks: list[list[dict[str, Any]]],
+                     n_steps: int) -> list[dict[str, Any]]:
+    """One row per token-centric MoE block: its counters (``pipeline_blocks``, mean over
+    the ranks and the measured steps), the chunk counts it ran in, and its bytes (summed
+    over the ranks, mean over every step, as the run's ``moved_bytes``)."""
+    keys = sorted({k for h in ranks for m in h for k in m.get("pipeline_blocks", {})}, key=int)
+    rows = []
+    for key in keys:
+        seen = [[m["pipeline_blocks"][key] for m in h if key in m.get("pipeline_blocks", {})]
+                for h in measured]
+        row: dict[str, Any] = {"layer": int(key), "block": seen[0][0]["block"],
+                               "n": sorted({b["n"] for h in seen for b in h})}
+        for name in BLOCK_COUNTERS:
+            row[name] = statistics.fmean(statistics.fmean(b[name] for b in h) for h in seen)
+        row["comm_time_s"] = row["comm_s"] + row["hidden_s"]
+        row["hidden_frac"] = row["hidden_s"] / row["comm_time_s"] if row["comm_time_s"] \
+            else 0.0
+        row["fetch_hidden_frac"] = row["fetch_hidden_s"] / row["fetch_s"] if row["fetch_s"] \
+            else 0.0
+        row["measured_T_s"] = row["compute_s"] + row["comm_s"]
+        row["bytes"] = statistics.fmean(
+            sum(h[s]["pipeline_blocks"].get(key, {}).get("bytes", 0) for h in ranks)
+            for s in range(n_steps))
+        rows.append(row)
+    return rows
 
 
 def _predict(rows: list[dict[str, Any]]) -> None:
@@ -149,14 +184,15 @@ def _predict(rows: list[dict[str, Any]]) -> None:
             if (r["batch_size"], r["world"]) != (auto["batch_size"], auto["world"]):
                 continue
             n = r["pipeline"] if isinstance(r["pipeline"], int) else None
-            if n is None:  # auto: each block's own choice
-                per = [model_time(b["auto_chunks"], b["alpha_s"], b["beta_s_per_byte"],
-                                  b["bytes"], b["compute_s"]) for b in blocks]
-            else:
-                per = [model_time(n, b["alpha_s"], b["beta_s_per_byte"], b["bytes"],
-                                  b["compute_s"]) for b in blocks]
+            # auto: each block's own choice
+            per = [model_time(n or b["auto_chunks"], b["alpha_s"], b["beta_s_per_byte"],
+                              b["bytes"], b["compute_s"]) for b in blocks]
             r["model_T_s_per_block"] = per
             r["model_T_s"] = sum(per)
+            by_name = dict(zip((b["block"] for b in blocks), per))
+            for row in r.get("blocks", []):
+                if row["block"] in by_name:  # per forward pass: times the passes per step
+                    row["model_T_s"] = by_name[row["block"]] * row["calls"]
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
@@ -167,7 +203,6 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         t = r.get("model_T_s")
         rows.append([str(r["batch_size"]), r["world"], str(r["pipeline"]),
                      ",".join(map(str, r["chunks_per_step"])),
-                     "-" if r["chunks_per_step"] == [0] else
                      f"{r['pipeline_compute_s'] * 1e3:.2f}", f"{r['comm_time_s'] * 1e3:.2f}",
                      f"{r['pipeline_hidden_s'] * 1e3:.2f}", f"{r['hidden_frac'] * 100:.0f}",
                      f"{r['pipeline_overlapped_s'] * 1e3:.2f}",
@@ -176,6 +211,9 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"{result['settings']['model']}: per run, mean over the ranks and the steps after "
              "the first (times per step, summed over the MoE blocks):"]
     lines += _table(rows)
+    lines += ["", "per MoE block, mean over the ranks and the steps after the first (times per "
+              "step; bytes per step, every rank's):"]
+    lines += _table(block_rows(ok))
     for r in ok:
         for b in r.get("model_blocks") or []:
             lines.append(f"  model B={r['batch_size']} W={r['world']} {b['block']}: alpha "
@@ -187,6 +225,21 @@ def report_lines(result: dict[str, Any]) -> list[str]:
             lines.append(f"FAILED B={r['batch_size']} W={r['world']} N={r['pipeline']}: "
                          f"{r['error']}")
     return lines + [""] + result["notes"]
+
+
+def block_rows(ok: list[dict[str, Any]]) -> list[list[str]]:
+    rows = [["B", "W", "N", "block", "n", "compute ms", "comm ms", "hidden %", "fetch ms",
+             "fetch hidden %", "bytes", "model T ms", "measured T ms"]]
+    for r in ok:
+        for b in r.get("blocks", []):
+            t = b.get("model_T_s")
+            rows.append([str(r["batch_size"]), r["world"], str(r["pipeline"]), b["block"],
+                         ",".join(map(str, b["n"])), f"{b['compute_s'] * 1e3:.2f}",
+                         f"{b['comm_time_s'] * 1e3:.2f}", f"{b['hidden_frac'] * 100:.0f}",
+                         f"{b['fetch_s'] * 1e3:.2f}", f"{b['fetch_hidden_frac'] * 100:.0f}",
+                         fmt_bytes(b["bytes"]), "-" if t is None else f"{t * 1e3:.2f}",
+                         f"{b['measured_T_s'] * 1e3:.2f}"])
+    return rows
 
 
 def run_dist_hf_bench(model_dir: str | None, family: str | None,

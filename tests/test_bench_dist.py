@@ -112,6 +112,23 @@ def test_imported_family_at_each_pipeline_granularity(tmp_path: Path) -> None:
         assert len(r["model_T_s_per_block"]) == 2 and r["model_T_s"] > 0
     # chunks regroup the rows, they do not add any
     assert fixed["moved_bytes"] == auto["moved_bytes"]
+    # Per block: the chunks it ran in, its counters' relations, its bytes (they add up to
+    # the run's), the next chunk's experts fetched while a chunk computed (once per pass in
+    # 2 chunks, never unchunked), and the model's T(N) beside the measured one.
+    assert "measured T ms" in done.stdout and "fetch hidden %" in done.stdout
+    names = [b["block"] for b in blocks]
+    for r in rows:
+        assert [b["block"] for b in r["blocks"]] == names
+        assert sum(b["bytes"] for b in r["blocks"]) == pytest.approx(r["moved_bytes"])
+        for b in r["blocks"]:
+            assert b["calls"] >= 1 and b["bytes"] > 0 and b["measured_T_s"] > 0
+            assert 0 <= b["hidden_s"] <= b["overlapped_s"] <= b["compute_s"]
+            assert 0 <= b["hidden_frac"] <= 1 and 0 <= b["fetch_hidden_frac"] <= 1
+            assert b["model_T_s"] > 0
+    assert all(b["n"] == [2] and b["fetches_ahead"] == b["calls"] for b in fixed["blocks"])
+    for b, m in zip(auto["blocks"], blocks):
+        assert b["n"] == [m["auto_chunks"]]
+        assert b["fetches_ahead"] == b["calls"] * (m["auto_chunks"] - 1)
 
 
 def test_pipeline_settings_are_checked_in_one_line(tmp_path: Path) -> None:

@@ -142,6 +142,13 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
     assert out["figures"]["tokens_cross_bytes"] > 0
     # (the loop never restarts the counters: every step's, 2 chunks x 3 blocks x 2 passes)
     assert out["figures"]["pipeline_chunks"] == 2 * 3 * TRAIN["grad_accum"] * STEPS
+    # Each block's second chunk's experts were fetched from the store while its first
+    # chunk computed; per block, the counters add up to the step's.
+    assert out["figures"]["pipeline_fetches_ahead"] == 3 * TRAIN["grad_accum"] * STEPS
+    blocks = out["figures"]["pipeline_blocks"]
+    assert sorted(blocks) == ["0", "1", "2"] and all(b["n"] == 2 for b in blocks.values())
+    assert sum(b["bytes"] for b in blocks.values()) == out["figures"]["tokens_cross_bytes"]
+    assert sum(b["chunks"] for b in blocks.values()) == out["figures"]["pipeline_chunks"]
     # MPMoE's pipelining: 2 and 4 chunks, and auto's choice, bit-identical to one chunk,
     # forward and backward; a chunk computed while another's exchange was in flight.
     probe = out["probe"]
@@ -149,6 +156,8 @@ def test_own_loop_equals_one_process(corpus: Corpus, tokenizer_file: Path,
         assert probe[setting]["same"] and probe[setting]["pipeline_chunks"] == chunks, setting
         assert (probe[setting]["pipeline_overlapped_s"] > 0) == (chunks > 0), setting
         assert probe[setting]["tokens_cross_bytes"] == probe["1"]["tokens_cross_bytes"]
+        # chunk j+1's experts fetched while chunk j computed: n - 1 per block, 3 blocks
+        assert probe[setting]["pipeline_fetches_ahead"] == 3 * max(0, chunks // 3 - 1), setting
     assert probe["auto1"]["same"] and probe["auto2"]["same"]
     assert set(probe["chosen"]) == {"0", "1", "2"}
     assert set(probe["chosen"].values()) <= {1, 2, 4}

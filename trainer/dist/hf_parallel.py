@@ -13,9 +13,10 @@ of every experts module points at an :class:`HFExpertParallel`, whose
 2. The owner runs each of its experts on its rows with the backend's own
    :func:`~tierstore.hf.backend.expert_output` (the module's gate, orientation, biases,
    post-expert norm), the experts' fp32 leaves fetched from its node's store by its
-   :class:`~trainer.train.expert_states.ExpertStates`. Rows arrive rank 0's first, so a
-   stable sort by expert gives every expert its rows in the global batch's order, as one
-   process would see them.
+   :class:`~trainer.train.expert_states.ExpertStates` (on the fetch thread: a pipelined
+   block's next chunk's while this chunk computes, see :mod:`.pipeline`). Rows arrive rank
+   0's first, so a stable sort by expert gives every expert its rows in the global batch's
+   order, as one process would see them.
 3. A second all-to-all brings the outputs back, and they are weighted by ``top_k_weights``
    in fp32 and summed over the k slots, as the backend does in one process.
 
@@ -39,6 +40,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -64,6 +66,7 @@ from .pipeline import (
     agree_model,
     best_chunks,
     check_pipeline,
+    fetch_now,
     model_time,
     pipelined_block,
 )
@@ -81,7 +84,11 @@ class HFExpertParallel:
     ``paradigms``: ``token`` or ``data`` per MoE layer key (:func:`choose`); token-centric
     where it names none. ``pipeline``: the chunks a token-centric block is split into
     (:mod:`.pipeline`), or ``auto``: per block, by MPMoE's model of the times its first
-    call measures (unchunked)."""
+    call measures (unchunked).
+
+    The step's figures (:meth:`step_figures`) hold each token-centric block's counters
+    (``pipeline_blocks``, by layer key: an :class:`~.pipeline.Overlap` and the bytes its
+    exchanges sent, forward and backward) and their sums (``pipeline_*``)."""
 
     def __init__(self, world: World, states: Any, n_experts: int,
                  paradigms: Mapping[int, str] | None = None, pipeline: int | str = 1) -> None:
@@ -90,18 +97,26 @@ class HFExpertParallel:
         self.paradigms = dict(paradigms or {})
         self.pipeline = check_pipeline(pipeline, n_experts // world.size)
         self.chunks: dict[int, int] = {}  # per layer, as auto chose
-        self.traffic = Traffic(world)
+        self.traffic = Traffic(world)  # the data-centric blocks'
         self.pulls = Pulls(world, states, n_experts, self.traffic)
-        self.overlap = Overlap()
-        self.comm_s = 0.0
+        # Per token-centric block: its counters, its exchanges' bytes, its module's name.
+        self.blocks: dict[int, tuple[Overlap, Traffic, str]] = {}
         self.used: dict[int, str] = {}
+        # The owner's fetches from the store, one at a time and in order (the states are
+        # not shared between threads; the training thread waits before touching them).
+        self.fetcher = ThreadPoolExecutor(1, thread_name_prefix="ep-fetch")
 
     def begin(self) -> None:
         self.traffic.reset()
         self.pulls.reset()
-        self.overlap = Overlap()
-        self.comm_s = self.pulls.comm_s = 0.0
+        self.blocks = {}
+        self.pulls.comm_s = 0.0
         self.used = {}
+
+    def _block(self, layer: ExpertLayer) -> tuple[Overlap, Traffic, str]:
+        if layer.key not in self.blocks:
+            self.blocks[layer.key] = (Overlap(), Traffic(self.world), layer.module_name)
+        return self.blocks[layer.key]
 
     # The experts source protocol (experts() is for a source that computes locally).
 
@@ -120,6 +135,7 @@ class HFExpertParallel:
         n = self.pipeline if isinstance(self.pipeline, int) else self.chunks.get(layer.key)
         if n != 1:
             return self._pipelined(module, layer, x, top_k_index, top_k_weights, n)
+        overlap, traffic, _ = self._block(layer)
         w, e_total = self.world.size, self.n_experts
         n_tok, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
@@ -130,13 +146,19 @@ class HFExpertParallel:
         send = torch.bincount(sorted_ids * w // e_total, minlength=w).tolist()
         t0 = time.perf_counter()
         recv = exchange_counts(send, self.world)
-        rows = exchange(x[order // k], send, recv, None, self.world, self.traffic)
+        rows = exchange(x[order // k], send, recv, None, self.world, traffic)
         got_ids = exchange(sorted_ids[:, None], send, recv, None, self.world)[:, 0]
-        self.comm_s += time.perf_counter() - t0
-        out = self._compute(module, layer, rows, got_ids)
+        overlap.comm_s += time.perf_counter() - t0
+        weights = fetch_now(lambda ids: self._fetch(layer, ids), got_ids, overlap)
         t0 = time.perf_counter()
-        y_sorted = exchange(out, recv, send, None, self.world, self.traffic)
-        self.comm_s += time.perf_counter() - t0
+        out = self._compute(module, layer, rows, got_ids, weights)
+        overlap.compute_s += time.perf_counter() - t0
+        overlap.rows += int(rows.shape[0])
+        t0 = time.perf_counter()
+        y_sorted = exchange(out, recv, send, None, self.world, traffic)
+        overlap.comm_s += time.perf_counter() - t0
+        overlap.calls += 1
+        overlap.n = 1
         y = y_sorted[inverse_permutation(order)].view(n_tok, k, -1)
         # As the backend in one process: the routing weights in fp32, summed over k.
         return (y * top_k_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
@@ -144,13 +166,16 @@ class HFExpertParallel:
     def _pipelined(self, module: nn.Module, layer: ExpertLayer, x: Tensor, top_k_index: Tensor,
                    top_k_weights: Tensor, n: int | None) -> Tensor:
         """The block in ``n`` chunks; ``None``: auto's first call, unchunked, measured."""
-        overlap = self.overlap if n is not None else Overlap()
-        y = pipelined_block(x, top_k_index, top_k_weights, n or 1, self.n_experts,
-                            self.world, lambda rows, ids: self._compute(module, layer, rows, ids),
-                            overlap, self.traffic)
+        block, traffic, _ = self._block(layer)
+        overlap = block if n is not None else Overlap()
+        y = pipelined_block(
+            x, top_k_index, top_k_weights, n or 1, self.n_experts, self.world,
+            lambda ids: self._fetch(layer, ids),
+            lambda rows, ids, weights: self._compute(module, layer, rows, ids, weights),
+            overlap, traffic, self.fetcher)
         if n is None:
             self.chunks[layer.key] = self._choose(layer, overlap)
-            self.overlap.merge(overlap)
+            block.merge(overlap)
         return y
 
     def _choose(self, layer: ExpertLayer, measured: Overlap) -> int:
@@ -168,16 +193,21 @@ class HFExpertParallel:
                   flush=True)
         return n
 
-    def _compute(self, module: nn.Module, layer: ExpertLayer, rows: Tensor,
-                 got_ids: Tensor) -> Tensor:
+    def _fetch(self, layer: ExpertLayer, got_ids: Tensor) -> Mapping[int, Sequence[Tensor]]:
+        """The owned experts' leaves for the rows of experts ``got_ids`` (ascending ids, as
+        the unchunked block asks)."""
+        id_list = torch.unique(got_ids).tolist()
+        if any(e not in self.ids for e in id_list):
+            raise RuntimeError(f"rank {self.world.rank} received rows of experts it does not "
+                               f"own ({id_list}): the ranks disagree on ownership")
+        return self.states(layer.key, id_list) if id_list else {}
+
+    def _compute(self, module: nn.Module, layer: ExpertLayer, rows: Tensor, got_ids: Tensor,
+                 weights: Mapping[int, Sequence[Tensor]]) -> Tensor:
         """The owner's work: each owned expert on its rows, in the global batch's order."""
         by_expert = torch.argsort(got_ids, stable=True)
         ids, counts = torch.unique_consecutive(got_ids[by_expert], return_counts=True)
         id_list = ids.tolist()
-        if any(e not in self.ids for e in id_list):
-            raise RuntimeError(f"rank {self.world.rank} received rows of experts it does not "
-                               f"own ({id_list}): the ranks disagree on ownership")
-        weights = self.states(layer.key, id_list) if id_list else {}
         pieces, start = [], 0
         for e, c in zip(id_list, counts.tolist()):
             pieces.append(expert_output(module, rows[by_expert[start:start + c]],
@@ -222,10 +252,22 @@ class HFExpertParallel:
         return clip_global(dense, owned_grads, self.world, max_norm)
 
     def step_figures(self) -> dict[str, Any]:
-        return {**self.traffic.figures(),
-                "comm_s": self.comm_s + self.pulls.comm_s + self.overlap.comm_s,
+        total, blocks = Overlap(), {}
+        moved = self.traffic.figures()
+        for key, (overlap, traffic, name) in sorted(self.blocks.items()):
+            total.merge(overlap)
+            sent = traffic.figures()
+            for kind, nbytes in sent.items():
+                moved[kind] += nbytes
+            blocks[str(key)] = {"block": name, **overlap.block_figures(),
+                                "bytes": sent["tokens_intra_bytes"] + sent["tokens_cross_bytes"]}
+        return {**moved, "comm_s": self.pulls.comm_s + total.comm_s,
                 "paradigm": {str(k): v for k, v in sorted(self.used.items())},
-                **self.overlap.figures()}
+                **total.figures(), "pipeline_blocks": blocks}
+
+    def close(self) -> None:
+        """Stop the fetch thread (idle between blocks)."""
+        self.fetcher.shutdown(wait=True)
 
 
 def choose(layout: ExpertLayout, hidden: int, paradigm: str, tokens_per_rank: int,

@@ -131,6 +131,7 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
     tokens = tc.grad_accum * global_tc.batch_size * tc.seq_len
     states = ExpertStates(store, layout, world.device, "direct", tokens, read_ahead=False,
                           zero_copy=False, rule=rule, agree=any_rank(world))
+    source = None
     try:
         hidden = int(net.module.config.get_text_config().hidden_size)
         paradigms = choose(layout, hidden, paradigm, tc.batch_size * tc.seq_len, world)
@@ -153,6 +154,8 @@ def train_imported(world: World, store: tierstore.Store, run_dir: Path, steps: i
         with global_router_loss(net.module, world):
             return run_steps(range(start, steps), lambda s: loop.step(s, steps), log, on_step)
     finally:
+        if source is not None:  # its fetch thread first: it uses the states
+            source.close()
         states.close()
 
 

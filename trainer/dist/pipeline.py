@@ -16,18 +16,28 @@ threads): every chunk's dispatch is started before the first chunk computes, and
 chunk's combine as soon as it has computed; the block waits for a chunk's rows just before
 computing it and for the combines at the end. The backward pass exchanges synchronously.
 
-:class:`Overlap` counts, per step, the compute time during which another chunk's exchange
-was in flight (started and, when the compute ended, not yet complete): the time pipelining
-hid, and the communication and compute times the performance model (:func:`best_chunks`)
-reads, MPMoE's: ``T(n) = (n - 1) * max(c/n, m(n)) + c/n + 2 * m(n)`` with
-``m(n) = alpha + beta * bytes / n`` per exchange and ``c`` the block's compute time.
+The owner's experts of a chunk are fetched from the store the same way: chunk 0's as soon
+as its expert ids have arrived (while its rows may still be in flight), chunk j+1's on the
+fetch thread while chunk j computes. The ids are a separate, tiny exchange started with the
+rows, so the owner knows a chunk's exact experts before computing the one before it; the
+fetches run in chunk order on one thread, each only after the last, so the store sees the
+calls of ``n = 1``, in the same order, and the results stay bit for bit.
+
+:class:`Overlap` counts, per step and block, the compute time during which another chunk's
+exchange was in flight (started and, when the compute ended, not yet complete): the time
+pipelining hid; the fetch time and the part of it that ran under compute; and the
+communication and compute times the performance model (:func:`best_chunks`) reads, MPMoE's:
+``T(n) = (n - 1) * max(c/n, m(n)) + c/n + 2 * m(n)`` with ``m(n) = alpha + beta * bytes / n``
+per exchange and ``c`` the block's compute time.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -40,8 +50,10 @@ from .world import World
 
 @dataclass
 class Overlap:
-    """Per-step counters of the pipelined blocks."""
+    """Per-step counters of a token-centric block (or, merged, of several). A block run
+    unchunked counts its compute, exchange and fetch times, no chunks."""
 
+    calls: int = 0  # the block's forward passes
     chunks: int = 0
     compute_s: float = 0.0
     comm_s: float = 0.0  # waiting for exchanges
@@ -53,18 +65,71 @@ class Overlap:
     comm_bytes: int = 0
     rows: int = 0
     count_s: float = 0.0  # the chunk counts' exchange: a message of a few bytes (alpha)
+    # The owner's experts from the store: the fetches' own time, the compute's wait for
+    # them, the part of their time that did not hold the compute up (timing, not asserted),
+    # and how many were started before the compute of the chunk before theirs.
+    fetch_s: float = 0.0
+    fetch_wait_s: float = 0.0
+    fetch_hidden_s: float = 0.0
+    fetches: int = 0
+    fetches_ahead: int = 0
+    n: int = 0  # the chunks of the block's last call (1: unchunked); not summed
     samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes) waits
 
     def merge(self, other: Overlap) -> None:
-        for name in ("chunks", "compute_s", "comm_s", "overlapped_s", "hidden_s",
-                     "comm_bytes", "rows", "count_s"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            if f.name not in ("n", "samples"):
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         self.samples += other.samples
+        self.n = other.n or self.n
 
     def figures(self) -> dict[str, Any]:
+        """The step's metrics of the merged blocks."""
         return {"pipeline_chunks": self.chunks, "pipeline_compute_s": self.compute_s,
                 "pipeline_wait_s": self.comm_s, "pipeline_overlapped_s": self.overlapped_s,
-                "pipeline_hidden_s": self.hidden_s}
+                "pipeline_hidden_s": self.hidden_s, "pipeline_fetch_s": self.fetch_s,
+                "pipeline_fetch_wait_s": self.fetch_wait_s,
+                "pipeline_fetch_hidden_s": self.fetch_hidden_s,
+                "pipeline_fetches_ahead": self.fetches_ahead}
+
+    def block_figures(self) -> dict[str, Any]:
+        """One block's entry of the step's ``pipeline_blocks``."""
+        return {"n": self.n, "calls": self.calls, "chunks": self.chunks,
+                "compute_s": self.compute_s, "comm_s": self.comm_s,
+                "overlapped_s": self.overlapped_s, "hidden_s": self.hidden_s,
+                "fetch_s": self.fetch_s, "fetch_wait_s": self.fetch_wait_s,
+                "fetch_hidden_s": self.fetch_hidden_s, "fetches": self.fetches,
+                "fetches_ahead": self.fetches_ahead, "rows": self.rows}
+
+
+Fetch = Callable[[Tensor], Any]
+
+
+def _timed(fetch: Fetch, ids: Tensor) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    got = fetch(ids)
+    return got, time.perf_counter() - t0
+
+
+def fetch_now(fetch: Fetch, ids: Tensor, overlap: Overlap) -> Any:
+    """``fetch(ids)`` on this thread, counted: nothing of it is hidden."""
+    got, took = _timed(fetch, ids)
+    overlap.fetches += 1
+    overlap.fetch_s += took
+    overlap.fetch_wait_s += took
+    return got
+
+
+def _fetched(pending: Future[tuple[Any, float]], overlap: Overlap) -> Any:
+    """A fetch started earlier: its result, counting the wait for it."""
+    t0 = time.perf_counter()
+    got, took = pending.result()
+    waited = time.perf_counter() - t0
+    overlap.fetches += 1
+    overlap.fetch_s += took
+    overlap.fetch_wait_s += waited
+    overlap.fetch_hidden_s += max(0.0, took - waited)
+    return got
 
 
 class _Handle:
@@ -133,11 +198,14 @@ def chunk_counts(send: Sequence[Sequence[int]], world: World) -> list[list[int]]
 
 
 def pipelined_block(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, n: int,
-                    n_experts: int, world: World,
-                    compute: Callable[[Tensor, Tensor], Tensor],
-                    overlap: Overlap, traffic: Traffic | None = None) -> Tensor:
-    """A token-centric block in ``n`` chunks (module docstring). ``compute(rows, ids)``
-    is the owner's work on received rows and their expert ids (``[N, H]`` -> ``[N, H]``)."""
+                    n_experts: int, world: World, fetch: Fetch,
+                    compute: Callable[[Tensor, Tensor, Any], Tensor],
+                    overlap: Overlap, traffic: Traffic | None = None,
+                    fetcher: Executor | None = None) -> Tensor:
+    """A token-centric block in ``n`` chunks (module docstring). ``fetch(ids)`` gets the
+    owner's experts of a chunk's received expert ids, ``compute(rows, ids, fetched)`` is
+    the owner's work on them (``[N, H]`` -> ``[N, H]``). ``fetcher``: the one thread the
+    fetches run on, ahead of the compute (without one, each runs just before its chunk)."""
     w = world.size
     per_rank = n_experts // w
     if n < 1 or per_rank % n:
@@ -171,26 +239,51 @@ def pipelined_block(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, n: in
         got, h = _start(piece, send[j], recv[j], traffic)
         got_ids, h_ids = _start(ids_piece, send[j], recv[j], None)
         flights.append((got, h, got_ids, h_ids))
+    pending: list[Future[tuple[Any, float]]] = []
+    ids_wait = [0.0] * n
+
+    def fetch_ahead(j: int) -> None:
+        """Start chunk ``j``'s fetch as soon as its ids are in (a wait, if any, is comm)."""
+        t0 = time.perf_counter()
+        flights[j][3].wait()
+        ids_wait[j] = time.perf_counter() - t0
+        assert fetcher is not None
+        pending.append(fetcher.submit(_timed, fetch, flights[j][2][:, 0]))
+
     backs = []
-    for j in range(n):
-        got, h, got_ids, h_ids = flights[j]
-        t0 = time.perf_counter()
-        h.wait()
-        h_ids.wait()
-        waited = time.perf_counter() - t0
-        overlap.comm_s += waited
-        overlap.samples.append((waited, h.nbytes))
-        t0 = time.perf_counter()
-        out = compute(got, got_ids[:, 0])
-        took = time.perf_counter() - t0
-        overlap.compute_s += took
-        overlap.rows += int(got.shape[0])
-        others = [f[1] for f in flights[j + 1:]] + [b[1] for b in backs]
-        if others:
-            overlap.overlapped_s += took
-        if any(not o.done() for o in others):
-            overlap.hidden_s += took
-        backs.append(_start(out, recv[j], send[j], traffic))
+    try:
+        if fetcher is not None:
+            fetch_ahead(0)  # while chunk 0's rows are in flight
+        for j in range(n):
+            got, h, got_ids, h_ids = flights[j]
+            t0 = time.perf_counter()
+            h.wait()
+            h_ids.wait()
+            waited = time.perf_counter() - t0 + ids_wait[j]
+            overlap.comm_s += waited
+            overlap.samples.append((waited, h.nbytes))
+            if fetcher is None:
+                fetched = fetch_now(fetch, got_ids[:, 0], overlap)
+            else:
+                if j + 1 < n:  # chunk j+1's experts come while chunk j computes
+                    fetch_ahead(j + 1)
+                    overlap.fetches_ahead += 1
+                fetched = _fetched(pending[j], overlap)
+            t0 = time.perf_counter()
+            out = compute(got, got_ids[:, 0], fetched)
+            took = time.perf_counter() - t0
+            overlap.compute_s += took
+            overlap.rows += int(got.shape[0])
+            others = [f[1] for f in flights[j + 1:]] + [b[1] for b in backs]
+            if others:
+                overlap.overlapped_s += took
+            if any(not o.done() for o in others):
+                overlap.hidden_s += took
+            backs.append(_start(out, recv[j], send[j], traffic))
+    finally:
+        # A failed chunk must not leave a fetch running beside the caller's next use of
+        # the store's states (they are one thread's at a time).
+        wait_all(pending)
     pieces = []
     for y, h in backs:
         t0 = time.perf_counter()
@@ -198,6 +291,8 @@ def pipelined_block(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, n: in
         overlap.comm_s += time.perf_counter() - t0
         pieces.append(y)
     overlap.chunks += n
+    overlap.calls += 1
+    overlap.n = n
     y_chunked = torch.cat(pieces)
     y_sorted = y_chunked[inverse_permutation(perm)]  # back to the unchunked order
     y = y_sorted[inverse_permutation(order)].view(n_tok, k, -1)

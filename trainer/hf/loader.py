@@ -145,6 +145,9 @@ class Loaded:
         if self.source is not None:
             self.source.close()
             self.source = None
+        if self.parallel is not None:  # its fetch thread first: it uses the states
+            self.parallel.close()
+            self.parallel = None
         if self.experts is not None:
             self.experts.close()
             self.experts = None
