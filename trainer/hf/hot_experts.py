@@ -1,0 +1,156 @@
+"""Quantized experts kept dequantized while they stay hot, beside the packed host cache.
+
+On a CPU, dequantizing a packed expert costs 14-22x reading it from the store
+(docs/inference.md, "Quantized experts"), and expert mode dequantizes every routed expert
+at every use, hits of the packed host cache included. :class:`HotExperts` keeps some
+experts as the experts function uses them, in the compute dtype: a routed expert it holds
+is neither asked of the source (no read, no host-cache lookup) nor dequantized again.
+
+A dequantized expert takes ``byte ratio`` (2x for FP8, 3.76x for MXFP4) the bytes of a
+packed one, so only what is routed to often earns a place: the same ``lfu-decay`` policy
+as expert mode's device cache (decayed counts, a ghost table, and admission that refuses
+a new key whose count is below a resident one's it would evict). Its bytes are a share of
+the memory budget (``--dequantized-cache``, :func:`split_budget`), never on top of it.
+
+Each tensor it holds is its own: dequantized into fresh tensors (never into the
+:class:`~tierstore.hf.quant.Dequantizer`'s reused buffers, which the next expert
+overwrites) and unstored parameters (biases) copied out of the source's borrowed slots.
+Its values are those of a fresh dequantization, since the stored experts do not change
+while a source serves them; it belongs to one source (:attr:`source`) and serves nothing
+to another (a trainer's, or the next attached one). It is used from the thread that runs
+the model only (the experts function), never from a prefetch thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from tierstore.lab import make_policy
+
+Key = tuple[int, int]  # (layer, expert)
+Weights = dict[str, list[Tensor]]
+
+# As expert mode's device cache (DEFAULT_POLICY_ARGS there): decode-like traces favour a
+# short memory.
+POLICY_ARGS: dict[str, Any] = {"period": 16}
+
+
+def split_budget(spare: int, setting: str | int | None, device_type: str) -> int:
+    """The dequantized cache's bytes out of ``spare``, the experts' share of the device
+    budget beyond what the mode needs at the least. ``setting``: ``auto`` (None), a
+    fraction of ``spare`` (a float in [0, 1] given as a string) or bytes (an int, at most
+    ``spare``).
+
+    ``auto``: all of ``spare`` on a CPU, nothing on a GPU. On a CPU the packed host cache
+    saves a read (about 40 ms for a 13 MB expert) where a dequantized hit saves the read
+    and a dequantization 14-22x longer, so a byte holding a dequantized expert saves more
+    than ``byte ratio`` bytes of packed ones would; the host cache keeps ``--host-cache``.
+    On a GPU the dequantization is a few kernels (well under a millisecond) and the packed
+    bytes hold 2-4x the experts, so the budget stays packed (not measured)."""
+    spare = max(0, int(spare))
+    if setting is None or setting == "auto":
+        return spare if device_type == "cpu" else 0
+    if isinstance(setting, int):
+        return min(setting, spare)
+    return int(spare * float(setting))
+
+
+class HotExperts:
+    """A bounded cache of dequantized experts (see the module docstring). ``capacity``:
+    bytes it may hold."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, int(capacity))
+        self.policy = make_policy("lfu-decay", **POLICY_ARGS)
+        self.policy.attach(self.capacity)
+        self.source: Any = None  # the source whose experts these are
+        self._held: dict[Key, Weights] = {}
+        self._sizes: dict[Key, int] = {}
+        self.held_bytes = self.peak_bytes = 0
+        self.hits = self.misses = self.dequantized = self.admitted = self.evicted = 0
+
+    def serves(self, source: Any) -> bool:
+        """Whether this cache may answer for ``source``'s experts (or those of the source
+        it wraps for one generation, its ``inner``)."""
+        while source is not None and source is not self.source:
+            source = getattr(source, "inner", None)
+        return self.capacity > 0 and source is not None
+
+    def bind(self, source: Any) -> None:
+        """Serve ``source`` from now on; what was held for another is dropped."""
+        if source is not self.source:
+            self.clear()
+        self.source = source
+
+    def holds(self, key: Key) -> bool:
+        return key in self._held
+
+    def hit(self, key: Key) -> Weights:
+        """``key``'s weights (it is held), counted as a hit."""
+        self.hits += 1
+        self.policy.record_hit(key)
+        return self._held[key]
+
+    def miss(self, key: Key, nbytes: int, dequantize: Callable[[bool], Weights],
+             pinned: set[Key]) -> Weights:
+        """``key`` (``nbytes`` dequantized) was routed to and is not held: its weights from
+        ``dequantize(reuse)``, kept when the policy admits it (then dequantized into fresh
+        tensors; else into reused buffers). ``pinned``: keys not to evict (this layer's
+        hits, which the source was not asked for)."""
+        self.misses += 1
+        self.dequantized += 1
+        if not self._admit(key, nbytes, pinned):
+            return dequantize(True)
+        weights = dequantize(False)
+        self._held[key], self._sizes[key] = weights, nbytes
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        self.admitted += 1
+        return weights
+
+    def _admit(self, key: Key, nbytes: int, pinned: set[Key]) -> bool:
+        """The policy's protocol for a miss (``cache.policies.base``): whether ``key`` is
+        kept, having evicted what makes room for it."""
+        if nbytes > self.capacity:
+            return False
+        policy = self.policy
+        policy.record_miss(key, nbytes)
+        free = self.capacity - self.held_bytes
+        victims: list[Key] = []
+        if policy.evict_first(free >= nbytes):
+            for v in policy.candidates(key, lambda k: k not in pinned):
+                victims.append(v)
+                free += self._sizes[v]
+                if free >= nbytes and not policy.evicts_all:
+                    break
+            if free < nbytes:
+                return False
+        if not policy.admit(key, nbytes, victims):
+            return False
+        for v in victims:
+            policy.record_remove(v, evicted=True)
+            self._forget(v)
+            self.evicted += 1
+        policy.record_insert(key, nbytes)
+        return True
+
+    def _forget(self, key: Key) -> None:
+        self._held.pop(key, None)
+        self.held_bytes -= self._sizes.pop(key, 0)
+
+    def clear(self) -> None:
+        for key in list(self._held):
+            self.policy.record_remove(key, evicted=False)
+            self._forget(key)
+
+    def stats(self) -> dict[str, Any]:
+        accesses = self.hits + self.misses
+        return {"capacity_bytes": self.capacity, "held_bytes": self.held_bytes,
+                "peak_bytes": self.peak_bytes, "experts": len(self._held),
+                "hits": self.hits, "misses": self.misses,
+                "hit_rate": self.hits / accesses if accesses else None,
+                "dequantized": self.dequantized, "admitted": self.admitted,
+                "evicted": self.evicted}
