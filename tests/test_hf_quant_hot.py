@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from hf_models import prompt_ids
 from hf_quant import deepseek_fp8, gpt_oss_mxfp4
 from tierstore.hf import load
-from tierstore.hf.hot_experts import split_budget
+from tierstore.hf.hot_experts import PACKED_FLOOR, split_budget
 from tierstore.hf.quant import Dequantizer
 
 from tierstore.cli import main
@@ -130,10 +130,11 @@ def test_a_small_cache_stays_within_its_bytes_and_holds_its_own_tensors(store: P
 
 
 def test_generate_splits_the_budget_and_gives_the_same_tokens(store: Path) -> None:
-    """`tierstore generate` on a CPU: auto keeps the experts' share of the device budget
-    beyond one layer's routed experts dequantized; 0 keeps none; the tokens are the same."""
+    """`tierstore generate` on a CPU: 1.0 keeps the experts' share of the device budget
+    beyond one layer's routed experts dequantized, 0.5 half of it, 0 none, auto at most
+    all of it; the tokens are the same."""
     runs = {}
-    for setting in ("0", "auto", "0.5"):
+    for setting in ("0", "auto", "1.0", "0.5"):
         r = CliRunner().invoke(main, [
             "generate", "--store", str(store), "--prompt-ids", "1,2,3,4", "--max-new-tokens", "4",
             "--greedy", "--device", "cpu", "--mode", "expert", "--host-cache", "1MiB",
@@ -141,16 +142,22 @@ def test_generate_splits_the_budget_and_gives_the_same_tokens(store: Path) -> No
         assert r.exit_code == 0, r.output
         runs[setting] = json.loads(r.output.strip().splitlines()[-1])
     assert runs["0"]["dequantized_cache"] is None
-    auto, half = runs["auto"]["dequantized_cache"], runs["0.5"]["dequantized_cache"]
-    assert 0 < auto["capacity_bytes"] < 64 << 20
-    assert half["capacity_bytes"] == pytest.approx(auto["capacity_bytes"] / 2, abs=1)
-    for s in (auto, half):
+    auto, whole, half = (runs[s]["dequantized_cache"] for s in ("auto", "1.0", "0.5"))
+    assert 0 < whole["capacity_bytes"] < 64 << 20
+    assert 0 < auto["capacity_bytes"] <= whole["capacity_bytes"]
+    assert half["capacity_bytes"] == pytest.approx(whole["capacity_bytes"] / 2, abs=1)
+    for s in (auto, whole, half):
         assert s["peak_bytes"] <= s["capacity_bytes"] and s["hits"] > 0
-    assert runs["auto"]["tokens"] == runs["0"]["tokens"] == runs["0.5"]["tokens"]
+    assert all(r["tokens"] == runs["0"]["tokens"] for r in runs.values())
 
 
 def test_the_split_rule() -> None:
-    assert split_budget(1000, None, "cpu") == 1000
+    # auto: the packed experts held made up to PACKED_FLOOR of them all first
+    assert PACKED_FLOOR == 0.5
+    assert split_budget(1000, None, "cpu", packed_held=600, every_packed=1000) == 1000
+    assert split_budget(1000, None, "cpu", packed_held=200, every_packed=1000) == 700
+    assert split_budget(1000, None, "cpu", packed_held=0, every_packed=4000) == 0
+    assert split_budget(1000, "1.0", "cpu", packed_held=0, every_packed=4000) == 1000
     assert split_budget(1000, "auto", "cuda") == 0
     assert split_budget(1000, "0.25", "cuda") == 250
     assert split_budget(1000, 4000, "cpu") == 1000

@@ -37,23 +37,36 @@ Weights = dict[str, list[Tensor]]
 # As expert mode's device cache (DEFAULT_POLICY_ARGS there): decode-like traces favour a
 # short memory.
 POLICY_ARGS: dict[str, Any] = {"period": 16}
+# auto: the packed experts held are made up to this share of them all before any budget
+# goes to dequantized ones (split_budget).
+PACKED_FLOOR = 0.5
 
 
-def split_budget(spare: int, setting: str | int | None, device_type: str) -> int:
+def split_budget(spare: int, setting: str | int | None, device_type: str, *,
+                 packed_held: int = 0, every_packed: int = 0) -> int:
     """The dequantized cache's bytes out of ``spare``, the experts' share of the device
     budget beyond what the mode needs at the least. ``setting``: ``auto`` (None), a
     fraction of ``spare`` (a float in [0, 1] given as a string) or bytes (an int, at most
     ``spare``).
 
-    ``auto``: all of ``spare`` on a CPU, nothing on a GPU. On a CPU the packed host cache
-    saves a read (about 40 ms for a 13 MB expert) where a dequantized hit saves the read
-    and a dequantization 14-22x longer, so a byte holding a dequantized expert saves more
-    than ``byte ratio`` bytes of packed ones would; the host cache keeps ``--host-cache``.
-    On a GPU the dequantization is a few kernels (well under a millisecond) and the packed
-    bytes hold 2-4x the experts, so the budget stays packed (not measured)."""
+    ``auto`` on a CPU: breadth first, then depth. The packed experts held otherwise
+    (``packed_held``: the host cache, or every expert when resident) are first made up to
+    :data:`PACKED_FLOOR` of every packed expert (``every_packed``) out of ``spare``, and
+    the dequantized cache takes the rest. A packed byte holds ``byte ratio`` times the
+    experts a dequantized one does and saves their reads; a dequantized byte saves a read
+    and a dequantization 14-22x longer, but only for the experts that keep being routed
+    to. With all of ``spare`` dequantized, the FP8 study's host cache held 27 % of the
+    packed experts, read 82 MB a token and decoded at 0.42 of its bf16 twin; with half,
+    1.20. With half, the MXFP4 study's dequantized cache held 18 experts and decoded at
+    0.19 of bf16; with all (its host cache already held 48 % of them), 0.37
+    (docs/inference.md). On a GPU ``auto`` keeps nothing dequantized: there the
+    dequantization is a few kernels (well under a millisecond) and the packed bytes hold
+    2-4x the experts (not measured)."""
     spare = max(0, int(spare))
     if setting is None or setting == "auto":
-        return spare if device_type == "cpu" else 0
+        if device_type != "cpu":
+            return 0
+        return max(0, spare - max(0, int(PACKED_FLOOR * every_packed) - packed_held))
     if isinstance(setting, int):
         return min(setting, spare)
     return int(spare * float(setting))

@@ -372,25 +372,30 @@ def least(mode: str, served: Any, resident_bounded: bool) -> tuple[str, int]:
 
 
 def hot_share(mode: str, served: Any, plan: GenerationBudget, setting: str | int,
-              device: torch.device, *, pooled: bool, working: int, bounded: bool) -> int:
+              device: torch.device, *, pooled: bool, working: int, bounded: bool,
+              host_cache: int) -> int:
     """The bytes of quantized experts kept dequantized (:mod:`tierstore.hf.hot_experts`):
     ``setting``'s share (:func:`~tierstore.hf.hot_experts.split_budget`) of what the
     experts' share of the device budget leaves beyond the mode's least (pooled: one
-    layer's routed experts, ``working`` bytes, the host cache holding the packed ones;
-    resident: every expert). 0 for a model whose experts are not quantized, and for the
-    ring unless a share is given (its slots take the whole budget)."""
+    layer's routed experts, ``working`` bytes, the host cache of ``host_cache`` bytes
+    holding the packed ones; resident: every expert). 0 for a model whose experts are not
+    quantized, and for the ring unless a share is given (its slots take the whole
+    budget)."""
     from tierstore.hf.hot_experts import split_budget
 
     if served.fetch_dtype is not None or (mode == "ring" and setting == "auto"):
         return 0
+    every = len(served.moe_layers) * served.n_experts * served.expert_bytes()
     if pooled:
         need = min(plan.experts, working)
     elif mode == "resident":
-        need = len(served.moe_layers) * served.n_experts * served.expert_bytes()
+        need = every
     else:
         need = least(mode, served, bounded)[1]
     auto = setting == "auto"
-    return split_budget(plan.experts - need, None if auto else setting, device.type)
+    return split_budget(plan.experts - need, None if auto else setting, device.type,
+                        packed_held=every if mode == "resident" else host_cache,
+                        every_packed=every)
 
 
 def _parse_prompt_ids(prompt_ids: Sequence[str]) -> list[list[int]]:
@@ -462,7 +467,8 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
         one = sum(st.info(n).nbytes for n in served.expert_names(served.moe_layers[0], 0))
         per_layer = min(served.n_experts, served.top_k * len(ids))
         hot = hot_share(chosen, served, plan, dequantized_cache, dev, pooled=pooled,
-                        working=per_layer * one, bounded=device_budget is not None)
+                        working=per_layer * one, bounded=device_budget is not None,
+                        host_cache=host_cache_bytes(st) if connect is None else 0)
         experts_budget -= hot
         if pooled:
             # One cache instead of two overlapping ones (budget.pooled_host_cache): the
