@@ -57,9 +57,10 @@ def split_budget(spare: int, setting: str | int | None, device_type: str, *,
     and a dequantization 14-22x longer, but only for the experts that keep being routed
     to. With all of ``spare`` dequantized, the FP8 study's host cache held 27 % of the
     packed experts, read 82 MB a token and decoded at 0.42 of its bf16 twin; with half,
-    1.20. With half, the MXFP4 study's dequantized cache held 18 experts and decoded at
-    0.19 of bf16; with all (its host cache already held 48 % of them), 0.37
-    (docs/inference.md). On a GPU ``auto`` keeps nothing dequantized: there the
+    1.20, and with this rule 0.88. With half, the MXFP4 study's dequantized cache held 18
+    experts, fewer than a token routes to, hit none and decoded at 0.19 of bf16; with all
+    (its host cache already held half of them, so this rule gives all), 0.37-0.60
+    (docs/inference.md, one round each on a shared machine). On a GPU ``auto`` keeps nothing dequantized: there the
     dequantization is a few kernels (well under a millisecond) and the packed bytes hold
     2-4x the experts (not measured)."""
     spare = max(0, int(spare))
@@ -120,7 +121,7 @@ class HotExperts:
         admissions then allocate nothing, so the process's memory stays the cache's
         bytes instead of growing with the allocator's fragments (on gpt-oss-shaped
         experts, fresh tensors for every admission and every dequantization's scratch
-        took the peak RSS from 1.0 to 1.8 GB with 0.47 GB held)."""
+        took the peak RSS to 1.80 GB with 0.47 GB held, against 1.32 GB recycled)."""
         self.misses += 1
         self.dequantized += 1
         freed: list[Weights] = []
