@@ -487,7 +487,8 @@ def _run_row(name: str, rnd: int, res: LimitedRun, prompt_len: int, cmd: list[st
                cold_start_s=res.wall_s - got["prefill_s"] - got["decode_s"])
     for k in ("load_s", "prepare_s", "import_s", "bytes_read", "bytes_read_generating",
               "hit_rate", "spec_accuracy", "stall_frac", "accelerate", "transformers",
-              "llama_cpp", "cache_after_load", "offloaded_modules", "threads"):
+              "llama_cpp", "cache_after_load", "offloaded_modules", "threads",
+              "dequantized_cache"):
         if got.get(k) is not None:
             row[k] = got[k]
     return row

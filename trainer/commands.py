@@ -24,6 +24,24 @@ from tierstore.cli_options import run_command as _run
 DEFAULT_DEMO_STORE = "demo-store"
 
 
+class ShareOrSize(click.ParamType):
+    """``auto``; a fraction in [0, 1] written with its point (``0.5``); or bytes or a size
+    (``256MiB``, ``0``)."""
+
+    name = "auto|fraction|size"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str | int:
+        text = str(value).strip()
+        if text == "auto":
+            return text
+        if "." in text and text.replace(".", "", 1).isdigit():
+            if float(text) > 1:
+                self.fail(f"{value!r}: a fraction is at most 1.0 (or give a size: 256MiB)",
+                          param, ctx)
+            return text
+        return SIZE.convert(value, param, ctx)
+
+
 def _preset(ctx: click.Context, _param: Any, value: str | None) -> str | None:
     # Checked while parsing: demo reaches its training part only after the tier
     # walk-through, and an unknown name there is a ValueError (a traceback).
@@ -468,6 +486,14 @@ def _given(source: Any, name: str, value: Any) -> Any:
               help="cpu, cuda, cuda:N (auto: cuda if available).")
 @click.option("--host-cache", type=CACHE_SIZE,
               help="Host-memory cache in front of the backing tier (default: the store's, 1GiB).")
+@click.option("--dequantized-cache", type=ShareOrSize(), default="auto", show_default=True,
+              help="Quantized experts: how much of the experts' share of --device-budget, "
+                   "beyond what the mode needs at the least, keeps the hottest experts "
+                   "dequantized, so a hit is neither read nor dequantized again: a fraction "
+                   "(0.5), a size (256MiB) or 0; auto: all of it on a CPU, where the "
+                   "dequantization costs far more than the read, none on a GPU (auto gives "
+                   "the ring none). It comes out of the budget, never on top of it "
+                   "(docs/inference.md).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="CPU compute threads (default: torch's; on a CPU device, ring and expert "
                    "modes use one fewer while they stream experts from the backing tier, "
@@ -490,8 +516,8 @@ def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
              prompt_ids: tuple[str, ...],
              max_new_tokens: int, greedy: bool, temperature: float, top_p: float,
              seed: int | None, device_budget: int | None, ring_slots: str, mode: str,
-             device: str, host_cache: int | None, threads: int | None, trace: str | None,
-             warm_up: bool, as_json: bool) -> None:
+             device: str, host_cache: int | None, dequantized_cache: str | int,
+             threads: int | None, trace: str | None, warm_up: bool, as_json: bool) -> None:
     """Generate text from the model in STORE with its experts offloaded, through the
     family's own transformers model and its generate: a batch of prompts (left-padded), a
     KV cache, one token per step until max-new-tokens or every prompt's end-of-sequence
@@ -514,4 +540,4 @@ def generate(store: str | None, connect: str | None, prompts: tuple[str, ...],
         greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
         device_budget=device_budget, ring_slots=ring_slots, mode=mode, device=device,
         host_cache=host_cache, trace=trace, as_json=as_json, threads=threads,
-        echo=click.echo, connect=connect, warm=warm_up))
+        echo=click.echo, connect=connect, warm=warm_up, dequantized_cache=dequantized_cache))

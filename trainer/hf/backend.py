@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .quant import as_module_holds
+from .quant import MXFP4, as_module_holds
 
 IMPLEMENTATION = "tierstore"
 BINDING = "_tierstore_experts"  # the attribute an experts module's ExpertLayer is kept in
@@ -85,6 +85,7 @@ class ExpertLayer:
     calls: int = field(default=0, repr=False)
     dtype: torch.dtype | None = None  # quantized layers: the compute dtype to dequantize to
     dequantizer: Any = field(default=None, repr=False)  # a tierstore.hf.quant.Dequantizer
+    hot: Any = field(default=None, repr=False)  # a tierstore.hf.hot_experts.HotExperts
     transposed: bool = False  # the module holds [in, out] (gpt-oss)
     _plain: Any = field(default=None, repr=False)
 
@@ -120,7 +121,7 @@ class ExpertLayer:
     def dequantize(self, tensors: Sequence[Tensor], reuse: bool) -> dict[str, list[Tensor]]:
         """One expert's stored tensors by role in the compute dtype: packed parameters
         dequantized (into the dequantizer's reused buffers where ``reuse``), the others
-        cast."""
+        cast (copied where not ``reuse``: a source's tensors are borrowed slots)."""
         out = self.split(tensors)
         for p in self.params:
             got = out[p.role]
@@ -128,8 +129,18 @@ class ExpertLayer:
                 w = self.dequantizer(p.format, got[0], got[1], self.dtype, reuse=reuse)
                 out[p.role] = [as_module_holds(w, p.format, self.transposed)]
             else:
-                out[p.role] = [t.to(self.dtype) for t in got]
+                out[p.role] = [t.to(self.dtype, copy=not reuse) for t in got]
         return out
+
+    def dequantized_bytes(self, tensors: Sequence[Tensor]) -> int:
+        """The bytes :meth:`dequantize` gives for one expert's stored ``tensors``."""
+        size = torch.empty(0, dtype=self.dtype).element_size()
+        n = 0
+        for p, got in zip(self.params, self.split(tensors).values()):
+            # MXFP4: two values a packed byte; FP8: one a byte; the rest as they are.
+            n += got[0].numel() * (2 if p.format == MXFP4 else 1) if p.format is not None \
+                else sum(t.numel() for t in got)
+        return n * size
 
 
 def _project(x: Tensor, parts: list[Tensor], bias: list[Tensor] | None,
@@ -183,9 +194,6 @@ def local_forward(module: nn.Module, layer: ExpertLayer, source: Any, hidden_sta
     id_list, count_list = ids.tolist(), counts.tolist()
     # Ids past the module's experts are expert-parallel sentinels: owned elsewhere.
     routed = [e for e in id_list if 0 <= e < layer.num_experts]
-    found: Mapping[int, Sequence[Tensor]] = source.experts(layer.key, routed, hidden_states) \
-        if routed else {}
-    token_of = order // k
     # Autograd keeps an expert's weight for the input's gradient. An inference source's
     # weights are borrowed (host-cache slots, the ring's slots) and reused after the layer,
     # so frozen experts under a backward (adapters trained on the rest) compute with a copy;
@@ -193,6 +201,19 @@ def local_forward(module: nn.Module, layer: ExpertLayer, source: Any, hidden_sta
     keep = torch.is_grad_enabled() and hidden_states.requires_grad
     # A warm-up's zero experts come dequantized (tierstore.hf.warmup).
     packed = layer.quantized and not getattr(source, "dequantized", False)
+    # Experts held dequantized (tierstore.hf.hot_experts) are not asked of the source.
+    hot = layer.hot if packed and not keep and layer.hot is not None \
+        and layer.hot.serves(source) else None
+    held = {(layer.key, e) for e in routed if hot.holds((layer.key, e))} \
+        if hot is not None else set()
+    if held:
+        routed = [e for e in routed if (layer.key, e) not in held]
+        noted = getattr(source, "routed_held", None)  # a routing trace records them too
+        if noted is not None:
+            noted(layer.key, sorted(e for _, e in held))
+    found: Mapping[int, Sequence[Tensor]] = source.experts(layer.key, routed, hidden_states) \
+        if routed else {}
+    token_of = order // k
     pieces = []
     start = 0
     for e, c in zip(id_list, count_list):
@@ -201,11 +222,17 @@ def local_forward(module: nn.Module, layer: ExpertLayer, source: Any, hidden_sta
         if not 0 <= e < layer.num_experts:
             pieces.append(hidden_states.new_zeros(c, hidden_states.shape[-1]))
             continue
+        if (layer.key, e) in held:
+            pieces.append(expert_output(module, hidden_states[rows], hot.hit((layer.key, e))))
+            continue
         if e not in found:  # not a lookup's KeyError: a source's own errors pass through
             raise KeyError(f"expert {e} of {layer.module_name} was routed to but its weights "
                            "were not supplied")
         weights = found[e]
-        if packed:
+        if hot is not None:
+            split = hot.miss((layer.key, e), layer.dequantized_bytes(weights),
+                             lambda reuse, w=weights: layer.dequantize(w, reuse=reuse), held)
+        elif packed:
             split = layer.dequantize(weights, reuse=not keep)
         else:
             if keep:

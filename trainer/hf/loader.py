@@ -94,6 +94,18 @@ class Loaded:
     # An expert-parallel source (tierstore.trainer.dist.hf_parallel) between the experts
     # modules and ``experts``, which then holds this rank's own experts only.
     parallel: Any = None
+    hot: Any = None  # quantized experts kept dequantized (tierstore.hf.hot_experts)
+
+    def keep_dequantized(self, nbytes: int) -> None:
+        """Keep up to ``nbytes`` of the hottest quantized experts dequantized, for the
+        source attached now (:class:`tierstore.hf.hot_experts.HotExperts`); 0 keeps none."""
+        from .hot_experts import HotExperts
+
+        self.hot = HotExperts(nbytes) if nbytes > 0 else None
+        for layer in self.served.layers.values():
+            layer.hot = self.hot if layer.quantized else None
+        if self.hot is not None:
+            self.hot.bind(self.source)
 
     def attach(self, source: Any, mode: str, *, close_previous: bool = True) -> None:
         """Feed every experts module from ``source`` (closing the one before, unless
@@ -101,12 +113,16 @@ class Loaded:
         if close_previous and self.source is not None and self.source is not source:
             self.source.close()
         self.source, self.mode = source, mode
+        if self.hot is not None:
+            self.hot.bind(source)
         self.swap_source(source)
         source.prepare(self.served)
 
     def detach(self) -> None:
         """Forget the source without closing it (its owner does)."""
         self.source, self.mode = None, ""
+        if self.hot is not None:
+            self.hot.bind(None)
         self.swap_source(None)
 
     def swap_source(self, source: Any) -> None:
@@ -129,6 +145,8 @@ class Loaded:
         if self.source is not None:
             self.source.close()
             self.source = None
+        if self.hot is not None:
+            self.hot.bind(None)
         self.mode = "train"
         self.experts, self.parallel = states, parallel
         self.passes.source = None
@@ -137,7 +155,10 @@ class Loaded:
         self.served.model.train()
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.source.stats()) if self.source is not None else {}
+        out = dict(self.source.stats()) if self.source is not None else {}
+        if self.hot is not None:
+            out["dequantized_cache"] = self.hot.stats()
+        return out
 
     def close(self) -> None:
         """Give back what the source (or the trainable experts) hold and close the store if
@@ -148,6 +169,8 @@ class Loaded:
         if self.parallel is not None:  # its fetch thread first: it uses the states
             self.parallel.close()
             self.parallel = None
+        if self.hot is not None:
+            self.hot.bind(None)
         if self.experts is not None:
             self.experts.close()
             self.experts = None

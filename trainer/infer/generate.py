@@ -33,6 +33,7 @@ import tierstore
 from ..model import ExpertSource, ExpertWeights
 from .budget import (
     BudgetError,
+    GenerationBudget,
     PassShape,
     check_budget_fits,
     generation_budget,
@@ -108,7 +109,8 @@ class GenerationResult:
                 # the phases apart, for benchmarks that run `tierstore generate` per process
                 "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                 "prepare_s": self.prepare_s, "bytes_read": self.source.get("bytes_read"),
-                "peak_rss_bytes": self.peak_rss_bytes, "mode": self.mode}
+                "peak_rss_bytes": self.peak_rss_bytes, "mode": self.mode,
+                "dequantized_cache": self.source.get("dequantized_cache")}
 
 
 class Instrumented(ExpertSource):
@@ -140,6 +142,12 @@ class Instrumented(ExpertSource):
             return self.inner.experts(layer, ids, x)
         finally:
             self.waited += time.perf_counter() - t0
+
+    def routed_held(self, layer: int, ids: list[int]) -> None:
+        """Routed experts the model held dequantized and did not ask for
+        (:mod:`tierstore.hf.hot_experts`): in the trace as well."""
+        if self.recorder is not None:
+            self.recorder.record(self.step, layer, ids, self.nbytes)
 
     def layer_done(self, layer: int) -> None:
         self.inner.layer_done(layer)
@@ -304,6 +312,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     new = out[:, ids.shape[1]:].tolist()
     tokens = _trim(new, set(eos))
     stats = dict(inner.stats())
+    if getattr(loaded, "hot", None) is not None:
+        stats["dequantized_cache"] = loaded.hot.stats()
     stall = float(stats.get("stall_s", wrapped.waited))
     return GenerationResult(tokens=tokens, seconds=seconds, prefill_s=prefill_s,
                             decode_s=seconds - prefill_s,
@@ -361,6 +371,33 @@ def least(mode: str, served: Any, resident_bounded: bool) -> tuple[str, int]:
     return f"one expert ({mode} mode)", one
 
 
+def hot_share(mode: str, served: Any, plan: GenerationBudget, setting: str | int,
+              device: torch.device, *, pooled: bool, working: int, bounded: bool,
+              host_cache: int) -> int:
+    """The bytes of quantized experts kept dequantized (:mod:`tierstore.hf.hot_experts`):
+    ``setting``'s share (:func:`~tierstore.hf.hot_experts.split_budget`) of what the
+    experts' share of the device budget leaves beyond the mode's least (pooled: one
+    layer's routed experts, ``working`` bytes, the host cache of ``host_cache`` bytes
+    holding the packed ones; resident: every expert). 0 for a model whose experts are not
+    quantized, and for the ring unless a share is given (its slots take the whole
+    budget)."""
+    from tierstore.hf.hot_experts import split_budget
+
+    if served.fetch_dtype is not None or (mode == "ring" and setting == "auto"):
+        return 0
+    every = len(served.moe_layers) * served.n_experts * served.expert_bytes()
+    if pooled:
+        need = min(plan.experts, working)
+    elif mode == "resident":
+        need = every
+    else:
+        need = least(mode, served, bounded)[1]
+    auto = setting == "auto"
+    return split_budget(plan.experts - need, None if auto else setting, device.type,
+                        packed_held=every if mode == "resident" else host_cache,
+                        every_packed=every)
+
+
 def _parse_prompt_ids(prompt_ids: Sequence[str]) -> list[list[int]]:
     try:
         return [[int(x) for x in p.replace(" ", "").split(",") if x] for p in prompt_ids]
@@ -374,7 +411,8 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
                  seed: int | None, device_budget: int | None, ring_slots: str, mode: str,
                  device: str, host_cache: int | None, trace: str | None, as_json: bool,
                  threads: int | None = None, echo: Any = print,
-                 connect: str | None = None, warm: bool = True) -> None:
+                 connect: str | None = None, warm: bool = True,
+                 dequantized_cache: str | int = "auto") -> None:
     """What ``tierstore generate`` runs (see its --help)."""
     import json
 
@@ -426,14 +464,19 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
         every = every_expert_bytes(served)
         pooled = (chosen in ("expert", "on-demand") and cpu and connect is None
                   and 0 < host_cache_bytes(st) < every)
+        one = sum(st.info(n).nbytes for n in served.expert_names(served.moe_layers[0], 0))
+        per_layer = min(served.n_experts, served.top_k * len(ids))
+        hot = hot_share(chosen, served, plan, dequantized_cache, dev, pooled=pooled,
+                        working=per_layer * one, bounded=device_budget is not None,
+                        host_cache=host_cache_bytes(st) if connect is None else 0)
+        experts_budget -= hot
         if pooled:
             # One cache instead of two overlapping ones (budget.pooled_host_cache): the
             # store is opened again with the experts' share of the device budget, less one
-            # layer's routed experts, added to its host cache. The dense weights are the
-            # model's own tensors, read already.
-            one = sum(st.info(n).nbytes for n in served.expert_names(served.moe_layers[0], 0))
-            arena, experts_budget = pooled_host_cache(
-                plan, host_cache_bytes(st), one, min(served.n_experts, served.top_k * len(ids)))
+            # layer's routed experts and the dequantized experts' share, added to its host
+            # cache. The dense weights are the model's own tensors, read already.
+            arena, experts_budget = pooled_host_cache(plan, host_cache_bytes(st), one, per_layer)
+            arena -= hot
             st.close()
             st, _ = open_store(where, host_cache=arena, device_budget=device_budget)
             loaded.store = st
@@ -446,6 +489,7 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
         st.prefetch_budget(dev, experts_budget)
         loaded.attach(make_source(chosen, st, served, budget=experts_budget, ring_slots=slots,
                                   host_pool=pooled and chosen == "expert"), chosen)
+        loaded.keep_dequantized(hot)
         recorder = None
         if trace is not None:
             recorder = TraceRecorder(trace, comment=f"tierstore generate --mode {chosen}: "
