@@ -10,6 +10,11 @@
   process's run (per-step losses and final weights within 1e-5), with 16 experts so that
   some miss a step after the move and are caught up from the moved history.
 - Old ranks' histories that differ (stores of different checkpoints) are refused in one line.
+- RNG streams across the move (attention dropout on, so every step draws from torch's
+  generator): the new rank continues old rank 0's streams (the checkpoint taken right after
+  the move holds them), and the same resume run again gives the same losses. The data order
+  after the move is the uninterrupted run's: the first case's losses equal the single
+  process's on the same global batches.
 - 2 nodes of two ranks -> 1 node of two ranks (``slow``): the same, the departing store
   read through a daemon started again on it, through a SIGKILL in the middle of the move
   and a rerun of the same command.
@@ -40,6 +45,7 @@ from tierstore.hf.layout import stored_model
 from tierstore.hf.node_stores import owned_ranges
 from tierstore.trainer.dist.hf_reshard import agreed_history
 from tierstore.trainer.dist.world import AgreedError
+from tierstore.trainer.train.checkpoint import DENSE_ENTRY, unpack
 from tierstore.trainer.train.data import Corpus
 
 import tierstore
@@ -184,6 +190,48 @@ def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int,
     assert_same(histories(tmp / "node0", "dist-000002"),
                 {f"trainer.dense_rule.owned{r * n}-{r * n + n - 1}": old[min(old)]
                  for r in range(new_size)})
+
+
+def test_scale_in_continues_the_rng_streams(corpus: Corpus, tokenizer_file: Path,
+                                            tmp_path: Path) -> None:
+    """2 nodes of one rank -> 1 node of one rank with dropout: the new rank resumes with
+    old rank 0's RNG states, and the resume is the same run whenever it is made."""
+    tmp = tmp_path
+    prepare("mixtral", tmp, 2, tokenizer_file, attention_dropout=0.5)
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "host_cache": 4 << 20}
+    assert launch(tmp, "a", 2, 1, steps=1, checkpoint_every=1, spec=spec) == [0, 0]
+    stop_daemons(tmp)
+    keep = tmp / "keep"  # node 0 as the checkpoint left it, to resume from twice
+    for name in ("node0", "node0.run"):
+        shutil.copytree(tmp / name, keep / name, ignore=shutil.ignore_patterns("*.sock"))
+    shutil.copytree(tmp / "node1", tmp / "copy1")
+    spec = {**spec, "train": {**TRAIN, "batch_size": 2}, "node_stores": [str(tmp / "copy1")]}
+    runs = []
+    for name in ("b", "c"):
+        for d in ("node0", "node0.run"):
+            shutil.rmtree(tmp / d)
+            shutil.copytree(keep / d, tmp / d)
+        assert launch(tmp, name, 1, 1, steps=STEPS, resume=True, spec=spec) == [0], (
+            (tmp / f"{name}.node0.log").read_text()[-3000:])
+        stop_daemons(tmp)
+        runs.append([(m["step"], m["loss"], m["aux_loss"], m["grad_norm"])
+                     for m in metrics(tmp, name, 0)])
+        # The checkpoint taken right after the move holds the RNG states rank 0 began with.
+        old, new = (dense(path, tag) for path, tag in ((keep / "node0", "dist-000001"),
+                                                       (tmp / "node0", "dist-000002")))
+        assert len(old["rng"]) == 2 and len(new["rng"]) == 1 and new["step"] == 1
+        assert torch.equal(new["rng"][0]["torch"], old["rng"][0]["torch"])
+        assert new["rng"][0]["python"] == old["rng"][0]["python"]
+    assert [s for s, *_ in runs[0]] == list(range(2, STEPS + 1))
+    assert runs[0] == runs[1]
+
+
+def dense(path: Path, tag: str) -> dict[str, Any]:
+    """The dense state (RNG states among it) that snapshot ``tag`` of a store holds."""
+    with tierstore.open(path, host_cache=0) as st:
+        st.restore(tag)
+        return unpack(st.get(*DENSE_ENTRY))
 
 
 def histories(path: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
