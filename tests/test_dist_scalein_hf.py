@@ -10,6 +10,10 @@
   process's run (per-step losses and final weights within 1e-5), with 16 experts so that
   some miss a step after the move and are caught up from the moved history.
 - Old ranks' histories that differ (stores of different checkpoints) are refused in one line.
+- ``tierstore.hf.load(node_store, trainable=True)`` without a process group: refused in one
+  line naming the missing experts while node 0's store holds half of them; after the
+  scale-in, which gives it all, it loads, the ranks' counts and history merged under the
+  store-wide names and every state as trained.
 - RNG streams across the move (attention dropout on, so every step draws from torch's
   generator): the new rank continues old rank 0's streams (the checkpoint taken right after
   the move holds them), and the same resume run again gives the same losses. The data order
@@ -71,8 +75,11 @@ def trained_states(path: Path, tag: str | None = None) -> dict[Any, torch.Tensor
         if tag is not None:
             st.restore(tag)
         for m in stored_model(st).experts:
-            for ids in owned_ranges(st, m.prefix):
-                steps = st.get(f"{m.prefix}.owned{ids.start}-{ids.stop - 1}", "step")
+            # A node store loaded by one process keeps its counts under the store-wide name.
+            spans = [(f"{m.prefix}.owned{ids.start}-{ids.stop - 1}", ids)
+                     for ids in owned_ranges(st, m.prefix)] or [(m.prefix, range(m.num_experts))]
+            for name, ids in spans:
+                steps = st.get(name, "step")
                 for e in ids:
                     out[(m.prefix, e, "step")] = steps[e].clone()
                     keys = [(f"{m.prefix}.{e}.{part}", k) for _, parts in m.params
@@ -117,6 +124,14 @@ def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int,
     assert len(old) == nodes * per_node
     assert all(h.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]] for h in old.values()), old
     assert len({k[1] for k in trained[1] if len(k) == 3}) > 0  # node 1 trained some
+    # Node 0's store alone, loaded by one process: refused in one line naming the experts
+    # other stores trained, and left as it was (not made trainable again from the import).
+    with pytest.raises(tierstore.StoreError) as e:
+        tierstore.hf.load(tmp / "node0", trainable=True, host_cache="4MiB")
+    assert "\n" not in str(e.value), e.value
+    assert "experts 8-15 of model.layers.0.mlp.experts were trained in other nodes' " in str(
+        e.value) and "process_group=" in str(e.value), e.value
+    assert_same(trained_states(tmp / "node0"), trained[0])
     departing = [tmp / f"node{i}" for i in range(new_nodes, nodes)]
     if reach == "copy":
         for i, path in enumerate(departing):
@@ -190,6 +205,14 @@ def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int,
     assert_same(histories(tmp / "node0", "dist-000002"),
                 {f"trainer.dense_rule.owned{r * n}-{r * n + n - 1}": old[min(old)]
                  for r in range(new_size)})
+    # Now node 0's store holds every expert: loaded by one process it becomes a single
+    # process's fine-tune of the states trained, its ranks' counts and (equal) histories
+    # under the store-wide names.
+    final, kept = trained_states(tmp / "node0"), histories(tmp / "node0")
+    assert len(kept) == new_size and len({str(h.tolist()) for h in kept.values()}) == 1
+    tierstore.hf.load(tmp / "node0", trainable=True, host_cache="4MiB").tierstore.close()
+    assert_same(trained_states(tmp / "node0"), final)
+    assert_same(histories(tmp / "node0"), {"trainer.dense_rule": next(iter(kept.values()))})
 
 
 def test_scale_in_continues_the_rng_streams(corpus: Corpus, tokenizer_file: Path,
