@@ -109,7 +109,7 @@ def merge_rank_entries(store: tierstore.Store, sm: StoredModel) -> bool:
     single process's: each rank's step counts of a layer into the layer's one entry, its
     dense-rule history (every expert first caught up with it, as ``export-hf`` does; each
     then at the same global step) into the store's one history; the per-rank entries are
-    deleted. The expert states themselves are not touched. Returns whether there was
+    deleted. Past that catch-up the expert states are not touched. Returns whether there was
     anything to merge. A store that lacks some experts, or whose ranks' histories stop at
     different steps (not a checkpoint's state), raises :class:`tierstore.StoreError` with one
     line and is left as it was."""
