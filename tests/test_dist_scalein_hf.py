@@ -10,6 +10,15 @@
   process's run (per-step losses and final weights within 1e-5), with 16 experts so that
   some miss a step after the move and are caught up from the moved history.
 - Old ranks' histories that differ (stores of different checkpoints) are refused in one line.
+- ``tierstore.hf.load(node_store, trainable=True)`` without a process group: refused in one
+  line naming the missing experts while node 0's store holds half of them; after the
+  scale-in, which gives it all, it loads, the ranks' counts and history merged under the
+  store-wide names and every state as trained.
+- RNG streams across the move (attention dropout on, so every step draws from torch's
+  generator): the new rank continues old rank 0's streams (the checkpoint taken right after
+  the move holds them), and the same resume run again gives the same losses. The data order
+  after the move is the uninterrupted run's: the first case's losses equal the single
+  process's on the same global batches.
 - 2 nodes of two ranks -> 1 node of two ranks (``slow``): the same, the departing store
   read through a daemon started again on it, through a SIGKILL in the middle of the move
   and a rerun of the same command.
@@ -40,6 +49,7 @@ from tierstore.hf.layout import stored_model
 from tierstore.hf.node_stores import owned_ranges
 from tierstore.trainer.dist.hf_reshard import agreed_history
 from tierstore.trainer.dist.world import AgreedError
+from tierstore.trainer.train.checkpoint import DENSE_ENTRY, unpack
 from tierstore.trainer.train.data import Corpus
 
 import tierstore
@@ -65,8 +75,11 @@ def trained_states(path: Path, tag: str | None = None) -> dict[Any, torch.Tensor
         if tag is not None:
             st.restore(tag)
         for m in stored_model(st).experts:
-            for ids in owned_ranges(st, m.prefix):
-                steps = st.get(f"{m.prefix}.owned{ids.start}-{ids.stop - 1}", "step")
+            # A node store loaded by one process keeps its counts under the store-wide name.
+            spans = [(f"{m.prefix}.owned{ids.start}-{ids.stop - 1}", ids)
+                     for ids in owned_ranges(st, m.prefix)] or [(m.prefix, range(m.num_experts))]
+            for name, ids in spans:
+                steps = st.get(name, "step")
                 for e in ids:
                     out[(m.prefix, e, "step")] = steps[e].clone()
                     keys = [(f"{m.prefix}.{e}.{part}", k) for _, parts in m.params
@@ -111,6 +124,14 @@ def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int,
     assert len(old) == nodes * per_node
     assert all(h.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]] for h in old.values()), old
     assert len({k[1] for k in trained[1] if len(k) == 3}) > 0  # node 1 trained some
+    # Node 0's store alone, loaded by one process: refused in one line naming the experts
+    # other stores trained, and left as it was (not made trainable again from the import).
+    with pytest.raises(tierstore.StoreError) as e:
+        tierstore.hf.load(tmp / "node0", trainable=True, host_cache="4MiB")
+    assert "\n" not in str(e.value), e.value
+    assert "experts 8-15 of model.layers.0.mlp.experts were trained in other nodes' " in str(
+        e.value) and "process_group=" in str(e.value), e.value
+    assert_same(trained_states(tmp / "node0"), trained[0])
     departing = [tmp / f"node{i}" for i in range(new_nodes, nodes)]
     if reach == "copy":
         for i, path in enumerate(departing):
@@ -184,6 +205,56 @@ def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int,
     assert_same(histories(tmp / "node0", "dist-000002"),
                 {f"trainer.dense_rule.owned{r * n}-{r * n + n - 1}": old[min(old)]
                  for r in range(new_size)})
+    # Now node 0's store holds every expert: loaded by one process it becomes a single
+    # process's fine-tune of the states trained, its ranks' counts and (equal) histories
+    # under the store-wide names.
+    final, kept = trained_states(tmp / "node0"), histories(tmp / "node0")
+    assert len(kept) == new_size and len({str(h.tolist()) for h in kept.values()}) == 1
+    tierstore.hf.load(tmp / "node0", trainable=True, host_cache="4MiB").tierstore.close()
+    assert_same(trained_states(tmp / "node0"), final)
+    assert_same(histories(tmp / "node0"), {"trainer.dense_rule": next(iter(kept.values()))})
+
+
+def test_scale_in_continues_the_rng_streams(corpus: Corpus, tokenizer_file: Path,
+                                            tmp_path: Path) -> None:
+    """2 nodes of one rank -> 1 node of one rank with dropout: the new rank resumes with
+    old rank 0's RNG states, and the resume is the same run whenever it is made."""
+    tmp = tmp_path
+    prepare("mixtral", tmp, 2, tokenizer_file, attention_dropout=0.5)
+    spec = {"model": None, "train": {**TRAIN, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
+            "host_cache": 4 << 20}
+    assert launch(tmp, "a", 2, 1, steps=1, checkpoint_every=1, spec=spec) == [0, 0]
+    stop_daemons(tmp)
+    keep = tmp / "keep"  # node 0 as the checkpoint left it, to resume from twice
+    for name in ("node0", "node0.run"):
+        shutil.copytree(tmp / name, keep / name, ignore=shutil.ignore_patterns("*.sock"))
+    shutil.copytree(tmp / "node1", tmp / "copy1")
+    spec = {**spec, "train": {**TRAIN, "batch_size": 2}, "node_stores": [str(tmp / "copy1")]}
+    runs = []
+    for name in ("b", "c"):
+        for d in ("node0", "node0.run"):
+            shutil.rmtree(tmp / d)
+            shutil.copytree(keep / d, tmp / d)
+        assert launch(tmp, name, 1, 1, steps=STEPS, resume=True, spec=spec) == [0], (
+            (tmp / f"{name}.node0.log").read_text()[-3000:])
+        stop_daemons(tmp)
+        runs.append([(m["step"], m["loss"], m["aux_loss"], m["grad_norm"])
+                     for m in metrics(tmp, name, 0)])
+        # The checkpoint taken right after the move holds the RNG states rank 0 began with.
+        old, new = (dense(path, tag) for path, tag in ((keep / "node0", "dist-000001"),
+                                                       (tmp / "node0", "dist-000002")))
+        assert len(old["rng"]) == 2 and len(new["rng"]) == 1 and new["step"] == 1
+        assert torch.equal(new["rng"][0]["torch"], old["rng"][0]["torch"])
+        assert new["rng"][0]["python"] == old["rng"][0]["python"]
+    assert [s for s, *_ in runs[0]] == list(range(2, STEPS + 1))
+    assert runs[0] == runs[1]
+
+
+def dense(path: Path, tag: str) -> dict[str, Any]:
+    """The dense state (RNG states among it) that snapshot ``tag`` of a store holds."""
+    with tierstore.open(path, host_cache=0) as st:
+        st.restore(tag)
+        return unpack(st.get(*DENSE_ENTRY))
 
 
 def histories(path: Path, tag: str | None = None) -> dict[str, torch.Tensor]:

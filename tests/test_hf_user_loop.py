@@ -355,14 +355,10 @@ def test_what_a_trainable_load_and_the_expert_optimizer_refuse(tmp_path: Path) -
         tierstore.hf.load(tmp_path / "run", trainable=True, device="cpu")
 
 
-def test_an_expert_parallel_store_keeps_its_rank_history_and_export_catches_it_up(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``load(..., process_group=...)`` (a gloo group of one, in this process) trains under
-    the dense rule by default, with the rank's own history beside its own step counts, and
-    a loop that ends without ``save`` leaves experts behind the last step. ``export-hf``
-    catches them up from that history: the store then holds, expert for expert, what the
-    same loop without a process group holds after ``save``. Loaded trainable without a
-    process group, the store is refused in one line and left as it was."""
+def expert_parallel_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tmp_path/ep``: Mixtral trained ``STEPS`` dense-rule steps by ``load(...,
+    process_group=...)`` in a gloo group of one, in this process, ending without ``save``;
+    ``tmp_path/one``: the same import, untrained."""
     import socket
 
     import torch.distributed as dist
@@ -382,26 +378,88 @@ def test_an_expert_parallel_store_keeps_its_rank_history_and_export_catches_it_u
         model.tierstore.close()
     finally:
         dist.destroy_process_group()
+
+
+# A load in a child process that SIGKILLs itself right after its n-th committed delete.
+KILLED_LOAD = """
+import os, signal, sys
+import tierstore.hf
+from tierstore.writes import WritePath
+real, done = WritePath._delete, [0]
+def _delete(self, *args):
+    out = real(self, *args)
+    done[0] += 1
+    if done[0] == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+WritePath._delete = _delete
+tierstore.hf.load(sys.argv[1], trainable=True, host_cache="64KiB")
+"""
+
+
+def test_a_node_store_load_killed_midway_is_finished_by_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The merge of a node store's per-rank entries (a trainable load without a process
+    group) SIGKILLed after each of its deletes: the store is fsck-clean and the next load
+    ends in the uninterrupted merge's state, never refusing the store as partial."""
+    import subprocess
+    import sys
+
+    expert_parallel_store(tmp_path, monkeypatch)
+    for name in ("whole", "k1", "k2", "k3"):
+        shutil.copytree(tmp_path / "ep", tmp_path / name)
+    tierstore.hf.load(tmp_path / "whole", trainable=True, host_cache=SMALL_CACHE).tierstore.close()
+    want = stored_states(tmp_path / "whole")
+    for n in (1, 2, 3):  # a layer's counts; both layers' (history left); the history too
+        path = tmp_path / f"k{n}"
+        got = subprocess.run([sys.executable, "-c", KILLED_LOAD, str(path), str(n)])
+        assert got.returncode == -9
+        with tierstore.open(path) as st:
+            assert st.fsck().ok
+            assert ("trainer.ranks_merged", "meta") in st
+        tierstore.hf.load(path, trainable=True, host_cache=SMALL_CACHE).tierstore.close()
+        assert_same_states(want, stored_states(path))
+        with tierstore.open(path) as st:
+            assert st.names("trainer.dense_rule") == ["trainer.dense_rule"]
+            assert "trainer.ranks_merged" not in st.names("trainer.")
+            assert not [x for x in st.names(kind=STEP_KIND) if ".owned" in x]
+
+
+def test_an_expert_parallel_store_keeps_its_rank_history_and_export_catches_it_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load(..., process_group=...)`` (a gloo group of one, in this process) trains under
+    the dense rule by default, with the rank's own history beside its own step counts, and
+    a loop that ends without ``save`` leaves experts behind the last step. ``export-hf``
+    catches them up from that history: the store then holds, expert for expert, what the
+    same loop without a process group holds after ``save``. Loaded trainable without a
+    process group (the store holds every expert: a world of one node), the store becomes a
+    single process's: its experts caught up the same way, and the rank's counts and history
+    under the store-wide names, each equal to the single process's."""
+    expert_parallel_store(tmp_path, monkeypatch)
     one = tierstore.hf.load(tmp_path / "one", trainable=True, host_cache=SMALL_CACHE)
     plain_loop(one, STEPS, TC, random_corpus(), rule="dense")
     tierstore.hf.save(one)
     one.tierstore.close()
-    # Loaded without a process group, the per-rank counts would be missed and the experts
-    # made trainable from scratch: refused in one line saying what continues such a run,
-    # the store untouched.
-    kept = stored_states(tmp_path / "ep", counts=False)
-    with pytest.raises(tierstore.StoreError) as e:
-        tierstore.hf.load(tmp_path / "ep", trainable=True, host_cache=SMALL_CACHE)
-    assert "\n" not in str(e.value) and "process_group=" in str(e.value), e.value
-    assert "--node-store" in str(e.value)
-    assert_same_states(kept, stored_states(tmp_path / "ep", counts=False))
     with tierstore.open(tmp_path / "ep") as st:
         assert st.names("trainer.dense_rule") == ["trainer.dense_rule.owned0-7"]
         counts = [st.get(f"{m.prefix}.owned0-7", kind=STEP_KIND) for m in stored_model(st).experts]
         assert any(int(c.min()) < STEPS for c in counts)  # some expert missed the last step
+    shutil.copytree(tmp_path / "ep", tmp_path / "ep2")  # the same store, for the load below
     tierstore.hf.export_hf(tmp_path / "ep", tmp_path / "out", progress=False)
     with tierstore.open(tmp_path / "ep") as st:
         counts = [st.get(f"{m.prefix}.owned0-7", kind=STEP_KIND) for m in stored_model(st).experts]
         assert all(int(c.min()) == STEPS for c in counts)
     assert_same_states(stored_states(tmp_path / "one", counts=False),
                        stored_states(tmp_path / "ep", counts=False), atol=1e-6)
+    # Loaded without a process group: the rank's counts and history become the store's.
+    model = tierstore.hf.load(tmp_path / "ep2", trainable=True, host_cache=SMALL_CACHE)
+    model.tierstore.close()
+    with tierstore.open(tmp_path / "ep2") as st:
+        assert st.names("trainer.dense_rule") == ["trainer.dense_rule"]
+        assert not [n for n in st.names(kind=STEP_KIND) if ".owned" in n]
+        assert "trainer.ranks_merged" not in st.names("trainer.")
+        history = st.get("trainer.dense_rule", "steps")
+    with tierstore.open(tmp_path / "one") as st:
+        assert torch.equal(history, st.get("trainer.dense_rule", "steps"))
+    assert_same_states(stored_states(tmp_path / "one"), stored_states(tmp_path / "ep2"),
+                       atol=1e-6)

@@ -338,12 +338,21 @@ def _resume(world: World, store: tierstore.Store, cfg: TrainModel, mine: dict[st
     opt.load_state_dict(payload["optimizer"])
     sampler.load_state_dict(payload["sampler"])
     same = m["world_size"] == world.size and old_nodes == world.nodes
-    if m["world_size"] == world.size:
-        set_rng_state(payload["rng"][world.rank])
+    set_rng_state(rank_rng(payload["rng"], world.rank))
     if not same:
         reshard(world, store, cfg, old_nodes, m["world_size"], on_phase)
     barrier(world)
     return int(m["step"]), int(m["number"]) + 1, not same
+
+
+def rank_rng(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+    """The RNG states (torch's CPU and CUDA generators, Python's, NumPy's) that ``rank``
+    resumes with, from a checkpoint's per-rank ``saved``: old rank ``rank mod W_old``'s. At
+    the checkpoint's world size that is the rank's own, so the streams go on exactly; on
+    another world each new rank continues the stream of an old one, the same whenever the
+    checkpoint is resumed on that world. The data order needs none of them: the sampler
+    draws batch ``n`` of the global batch from ``(seed, n)`` (:mod:`..train.data`)."""
+    return saved[rank % len(saved)]
 
 
 def dense_payload(cfg: TrainModel, tc: TrainConfig, seed: int, net: MoEModel,

@@ -62,7 +62,7 @@ from ..train.resident import (
     training_batches,
 )
 from . import records
-from .checkpoint import PhaseHook, claim_stores, write_checkpoint
+from .checkpoint import PhaseHook, claim_stores, rank_rng, write_checkpoint
 from .hf_parallel import (
     RULES,
     HFExpertParallel,
@@ -202,8 +202,7 @@ def _start(world: World, store: tierstore.Store, run_dir: Path, layout: Any, min
     net.load_dense(store, {})
     opt.load_state_dict(payload["optimizer"])
     sampler.load_state_dict(payload["sampler"])
-    if manifest["world_size"] == world.size:
-        set_rng_state(payload["rng"][world.rank])
+    set_rng_state(rank_rng(payload["rng"], world.rank))  # on any world (rank_rng)
     return int(manifest["step"]), int(manifest["number"]) + 1, not same
 
 

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 import tierstore
 
 from .loader import Loaded, open_store
-from .node_stores import owned_ranges
+from .node_stores import merge_rank_entries
 from .quant_train import build_trainable
 
 
@@ -102,8 +102,8 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
             raise tierstore.StoreError(f"store {st.path} holds a run of a trainer preset, "
                                        "which `tierstore train --resume` continues; a "
                                        "trainable load needs a store import-hf filled")
-        if world is None:
-            _refuse_rank_counts(st, loaded.stored)
+        if world is None:  # a node store holding every expert: a single process's now
+            merge_rank_entries(st, loaded.stored)
         layout = hf_finetune.served_layout(loaded.served, st)
         mine = None
         if world is not None:
@@ -346,18 +346,3 @@ def save(model: nn.Module) -> None:
     hf_finetune.write_dense(loaded.store,
                             hf_finetune.dense_entries(loaded.served.model, loaded.stored))
     loaded.store.flush()
-
-
-def _refuse_rank_counts(st: Any, stored: Any) -> None:
-    """A node store of an expert-parallel fine-tune keeps its step counts (and dense-rule
-    histories) per rank, for the experts each rank owned: loaded by one process, which
-    reads the store-wide counts, its experts would be made trainable again from scratch
-    (moments zeroed), so it is refused, saying what continues such a run."""
-    found = next((f"{m.prefix}.owned{r.start}-{r.stop - 1}" for m in stored.experts
-                  for r in owned_ranges(st, m.prefix)), None)
-    if found is not None:
-        raise tierstore.StoreError(
-            f"store {st.path} holds an expert-parallel fine-tune (per-rank step counts such "
-            f"as {found}): continue it with process_group= on its world, or with `tierstore "
-            "train --distributed --resume` (on fewer nodes, naming the others' stores with "
-            "--node-store), or export it with `tierstore export-hf --node-store`")
