@@ -8,7 +8,8 @@ to their experts' owners inside the registered ``tierstore`` experts function.
   steps and caught up by their owners, each rank from its own history. Mixtral (the global batch's router loss) in a loop of the
   user's own over ``tierstore.hf.load(..., process_group=...)``, as two nodes of one rank
   with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by the
-  distributed trainer, as one node of two ranks sharing its store and daemon.
+  distributed trainer, as one node of two ranks sharing its store and daemon. Two nodes
+  (``slow``): W = 4 in both paradigms under both rules, W = 2 under the lazy rule.
 - DeepSeek-V3 shipped in block FP8, imported compact: the two ranks of one node unpack
   its packed weights into fp32 masters together, and the run equals the single process's
   fine-tune of the same compact store to 1e-5.
@@ -349,14 +350,18 @@ def test_a_killed_daemon_ends_every_rank_and_the_run_resumes(
     check_weights(tmp_path, nodes, 1)
 
 
+# Every paradigm under every rule at W = 4; at W = 2 the lazy rule (the tests above run
+# W = 2 under the dense one, token-centric and data-centric).
 @pytest.mark.slow
-@pytest.mark.parametrize(("paradigm", "rule"), [("token", "dense"), ("data", "lazy")])
-def test_four_ranks_on_two_nodes_equal_one_process(paradigm: str, rule: str, corpus: Corpus,
-                                                   tokenizer_file: Path,
-                                                   tmp_path: Path) -> None:
-    """W = 4: two nodes of two ranks, each node its own store and daemon (Mixtral, by
-    ``train_distributed``), in either paradigm, under either update rule."""
-    nodes, per_node = 2, 2
+@pytest.mark.parametrize(("per_node", "paradigm", "rule"), [
+    (2, "token", "dense"), (2, "token", "lazy"), (2, "data", "dense"), (2, "data", "lazy"),
+    (1, "token", "lazy"), (1, "data", "lazy")])
+def test_two_nodes_equal_one_process(per_node: int, paradigm: str, rule: str,
+                                     corpus: Corpus, tokenizer_file: Path,
+                                     tmp_path: Path) -> None:
+    """Two nodes of ``per_node`` ranks (W = 2 or 4), each node its own store and daemon
+    (Mixtral, by ``train_distributed``), in either paradigm, under either update rule."""
+    nodes = 2
     prepare("mixtral", tmp_path, nodes, tokenizer_file)
     spec = {"model": None, "train": {**TRAIN, "batch_size": 1, "update_rule": rule},
             "corpus_bytes": CORPUS_BYTES, "host_cache": 4 << 20}
