@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from hf_models import generate_with, imported_path, load_bound, logits  # noqa: E402
 
 KEYS = {"tokens", "tokens_per_s", "stall_frac", "hit_rate", "spec_accuracy", "prefill_s",
-        "decode_s", "prepare_s", "bytes_read", "peak_rss_bytes", "mode"}
+        "decode_s", "prepare_s", "bytes_read", "peak_rss_bytes", "mode", "dequantized_cache"}
 
 
 @pytest.fixture(scope="module")
