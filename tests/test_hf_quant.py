@@ -284,8 +284,13 @@ def test_served_compact_through_the_daemon(imported: Any, tmp_path: Path) -> Non
                 assert out.tolist() == tokens.tolist(), mode
                 layer = next(iter(model.tierstore.served.layers.values()))
                 one = sum(model.tierstore.store.info(n).nbytes for n in layer.entry_names(0))
-                moved = model.tierstore.stats()["bytes_moved"]
-                assert moved > 0 and moved % one == 0, (mode, moved, one)
+                st = model.tierstore.stats()
+                # Every cached expert crossed whole; a guess for a layer not routed to may
+                # still be landing entry by entry, so only bounds are exact. Dequantized
+                # entries would be ~7x bigger and break the upper bound.
+                lo = st["cached_experts"] * one
+                hi = (st["misses"] + st["spec_requested"]) * one
+                assert 0 < lo <= st["bytes_moved"] <= hi, (mode, st, one)
             finally:
                 model.tierstore.close()
 
