@@ -15,6 +15,7 @@ from .policies import (
     LruPolicy,
     Policy,
     SemoePolicy,
+    admit_miss,
     make_policy,
 )
 from .simulate import AccountingCache, SimResult, policy_overhead_ns, simulate, sweep
@@ -49,6 +50,7 @@ __all__ = [
     "TraceRecorder",
     "TraceSpec",
     "WriteBack",
+    "admit_miss",
     "generate_trace",
     "make_policy",
     "parse_spec",

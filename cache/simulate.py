@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .policies import Policy, make_policy
+from .policies import Policy, admit_miss, make_policy
 from .traces import Trace
 
 __all__ = ["AccountingCache", "SimResult", "policy_overhead_ns", "simulate", "sweep"]
@@ -93,18 +93,9 @@ class AccountingCache:
         policy = self.policy
         if nbytes > self.capacity:
             return False
-        fits = self.used + nbytes <= self.capacity
-        victims: list[Hashable] = []
-        if policy.evict_first(fits):
-            freed = 0
-            for victim in policy.candidates(key):
-                victims.append(victim)
-                freed += self.sizes[victim]
-                if not policy.evicts_all and self.used - freed + nbytes <= self.capacity:
-                    break
-            if self.used - freed + nbytes > self.capacity:
-                return False
-        if not policy.admit(key, nbytes, victims):
+        victims = admit_miss(policy, key, nbytes, self.capacity - self.used,
+                             self.sizes.__getitem__)
+        if victims is None:
             return False
         for victim in victims:
             policy.record_remove(victim, evicted=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import IsEvictable, Key, Policy, heap_walk
+from .base import IsEvictable, Key, Policy, admit_miss, heap_walk
 from .baselines import ArcPolicy, BeladyPolicy, LfuPolicy, LruPolicy, SemoePolicy
 from .lfu_decay import CLOCKS, LfuDecayPolicy
 
@@ -25,6 +25,7 @@ __all__ = [
     "LruPolicy",
     "Policy",
     "SemoePolicy",
+    "admit_miss",
     "heap_walk",
     "make_policy",
 ]

@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
-__all__ = ["IsEvictable", "Key", "Policy", "heap_walk"]
+__all__ = ["IsEvictable", "Key", "Policy", "admit_miss", "heap_walk"]
 
 Key = Hashable
 IsEvictable = Callable[[Key], bool]
@@ -119,6 +119,26 @@ class Policy(ABC):
     def victim(self, incoming: Key = None, is_evictable: IsEvictable = _always) -> Key | None:
         """The first eviction candidate, or None when nothing is evictable."""
         return next(self.candidates(incoming, is_evictable), None)
+
+
+def admit_miss(policy: Policy, key: Key, nbytes: int, free: int,
+               size_of: Callable[[Key], int],
+               is_evictable: IsEvictable = _always) -> list[Key] | None:
+    """The miss half of the protocol (after ``record_miss``) for a cache whose bytes are
+    one pool: the victims that make room for ``key`` (``free`` bytes free now, each
+    victim's size from ``size_of``), or None when it is not to be cached (nothing
+    evictable makes room, or ``admit`` refuses). The caller evicts the victims, calling
+    ``record_remove`` for each, then ``record_insert(key)``."""
+    victims: list[Key] = []
+    if policy.evict_first(free >= nbytes):
+        for v in policy.candidates(key, is_evictable):
+            victims.append(v)
+            free += size_of(v)
+            if free >= nbytes and not policy.evicts_all:
+                break
+        if free < nbytes:
+            return None
+    return victims if policy.admit(key, nbytes, victims) else None
 
 
 class _HeapPolicy(Policy):

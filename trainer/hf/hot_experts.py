@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import Tensor
 
-from tierstore.lab import make_policy
+from tierstore.lab import admit_miss, make_policy
 
 Key = tuple[int, int]  # (layer, expert)
 Weights = dict[str, list[Tensor]]
@@ -141,17 +141,9 @@ class HotExperts:
             return False
         policy = self.policy
         policy.record_miss(key, nbytes)
-        free = self.capacity - self.held_bytes
-        victims: list[Key] = []
-        if policy.evict_first(free >= nbytes):
-            for v in policy.candidates(key, lambda k: k not in pinned):
-                victims.append(v)
-                free += self._sizes[v]
-                if free >= nbytes and not policy.evicts_all:
-                    break
-            if free < nbytes:
-                return False
-        if not policy.admit(key, nbytes, victims):
+        victims = admit_miss(policy, key, nbytes, self.capacity - self.held_bytes,
+                             self._sizes.__getitem__, lambda k: k not in pinned)
+        if victims is None:
             return False
         for v in victims:
             policy.record_remove(v, evicted=True)

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 import tierstore
-from tierstore.lab import make_policy
+from tierstore.lab import admit_miss, make_policy
 
 from ..model import ExpertSource, ExpertWeights, RoutedExperts
 from .budget import too_small
@@ -339,19 +339,11 @@ class ExpertModeSource(ExpertSource):
             return
         self.misses += 1
         self.policy.record_miss(k, self.expert_bytes)
-        free = self.cache_bytes - self._cached_bytes()
-        fits = free >= self.expert_bytes
-        victims: list[Key] = []
-        if self.policy.evict_first(fits):
-            for v in self.policy.candidates(k, lambda c: c not in pinned):
-                victims.append(v)
-                free += self.expert_bytes
-                if free >= self.expert_bytes and not self.policy.evicts_all:
-                    break
-            if free < self.expert_bytes:
-                return  # nothing evictable makes room: stays transient
-        if not self.policy.admit(k, self.expert_bytes, victims):
-            return
+        victims = admit_miss(self.policy, k, self.expert_bytes,
+                             self.cache_bytes - self._cached_bytes(),
+                             lambda _: self.expert_bytes, lambda c: c not in pinned)
+        if victims is None:
+            return  # stays transient
         for v in victims:
             self._evict(v)
         self.policy.record_insert(k, self.expert_bytes)
