@@ -158,6 +158,13 @@ def test_the_split_rule() -> None:
     assert split_budget(1000, None, "cpu", packed_held=200, every_packed=1000) == 700
     assert split_budget(1000, None, "cpu", packed_held=0, every_packed=4000) == 0
     assert split_budget(1000, "1.0", "cpu", packed_held=0, every_packed=4000) == 1000
+    # auto keeps nothing dequantized where one token's routed experts would not fit: each
+    # token would evict what the next needs; a share asked for is kept
+    assert split_budget(1000, None, "cpu", packed_held=600, every_packed=1000,
+                        one_token=1001) == 0
+    assert split_budget(1000, None, "cpu", packed_held=600, every_packed=1000,
+                        one_token=1000) == 1000
+    assert split_budget(1000, "1.0", "cpu", one_token=5000) == 1000
     assert split_budget(1000, "auto", "cuda") == 0
     assert split_budget(1000, "0.25", "cuda") == 250
     assert split_budget(1000, 4000, "cpu") == 1000

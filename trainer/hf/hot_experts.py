@@ -43,7 +43,7 @@ PACKED_FLOOR = 0.5
 
 
 def split_budget(spare: int, setting: str | int | None, device_type: str, *,
-                 packed_held: int = 0, every_packed: int = 0) -> int:
+                 packed_held: int = 0, every_packed: int = 0, one_token: int = 0) -> int:
     """The dequantized cache's bytes out of ``spare``, the experts' share of the device
     budget beyond what the mode needs at the least. ``setting``: ``auto`` (None), a
     fraction of ``spare`` (a float in [0, 1] given as a string) or bytes (an int, at most
@@ -60,14 +60,18 @@ def split_budget(spare: int, setting: str | int | None, device_type: str, *,
     1.20, and with this rule 0.88. With half, the MXFP4 study's dequantized cache held 18
     experts, fewer than a token routes to, hit none and decoded at 0.19 of bf16; with all
     (its host cache already held half of them, so this rule gives all), 0.37-0.60
-    (docs/inference.md, one round each on a shared machine). On a GPU ``auto`` keeps nothing dequantized: there the
-    dequantization is a few kernels (well under a millisecond) and the packed bytes hold
-    2-4x the experts (not measured)."""
+    (docs/inference.md, one round each on a shared machine). So ``auto`` keeps nothing
+    dequantized where its share would hold fewer bytes than ``one_token``, the experts one
+    decoded token routes to in every MoE layer, dequantized: each token then evicts what
+    the next one needs, and the room serves the packed cache better. On a GPU ``auto``
+    keeps nothing dequantized: there the dequantization is a few kernels (well under a
+    millisecond) and the packed bytes hold 2-4x the experts (not measured)."""
     spare = max(0, int(spare))
     if setting is None or setting == "auto":
         if device_type != "cpu":
             return 0
-        return max(0, spare - max(0, int(PACKED_FLOOR * every_packed) - packed_held))
+        share = max(0, spare - max(0, int(PACKED_FLOOR * every_packed) - packed_held))
+        return share if share >= max(1, one_token) else 0
     if isinstance(setting, int):
         return min(setting, spare)
     return int(spare * float(setting))

@@ -373,14 +373,15 @@ def least(mode: str, served: Any, resident_bounded: bool) -> tuple[str, int]:
 
 def hot_share(mode: str, served: Any, plan: GenerationBudget, setting: str | int,
               device: torch.device, *, pooled: bool, working: int, bounded: bool,
-              host_cache: int) -> int:
+              host_cache: int, one_token: int = 0) -> int:
     """The bytes of quantized experts kept dequantized (:mod:`tierstore.hf.hot_experts`):
     ``setting``'s share (:func:`~tierstore.hf.hot_experts.split_budget`) of what the
     experts' share of the device budget leaves beyond the mode's least (pooled: one
     layer's routed experts, ``working`` bytes, the host cache of ``host_cache`` bytes
     holding the packed ones; resident: every expert). 0 for a model whose experts are not
     quantized, and for the ring unless a share is given (its slots take the whole
-    budget)."""
+    budget). ``one_token``: :func:`one_token_dequantized`, below which ``auto`` keeps
+    none."""
     from tierstore.hf.hot_experts import split_budget
 
     if served.fetch_dtype is not None or (mode == "ring" and setting == "auto"):
@@ -395,7 +396,19 @@ def hot_share(mode: str, served: Any, plan: GenerationBudget, setting: str | int
     auto = setting == "auto"
     return split_budget(plan.experts - need, None if auto else setting, device.type,
                         packed_held=every if mode == "resident" else host_cache,
-                        every_packed=every)
+                        every_packed=every, one_token=one_token)
+
+
+def one_token_dequantized(store: Any, served: Any) -> int:
+    """The bytes of the experts one decoded token routes to in every MoE layer, in the
+    compute dtype (from the entries' shapes; nothing is read)."""
+    total = 0
+    for key in served.moe_layers:
+        layer = served.layers[key]
+        metas = [torch.empty(i.shape, dtype=i.dtype, device="meta")
+                 for i in (store.info(n) for n in layer.entry_names(0))]
+        total += served.top_k * layer.dequantized_bytes(metas)
+    return total
 
 
 def _parse_prompt_ids(prompt_ids: Sequence[str]) -> list[list[int]]:
@@ -468,7 +481,9 @@ def run_generate(*, store: str | None, prompts: Sequence[str], prompt_ids: Seque
         per_layer = min(served.n_experts, served.top_k * len(ids))
         hot = hot_share(chosen, served, plan, dequantized_cache, dev, pooled=pooled,
                         working=per_layer * one, bounded=device_budget is not None,
-                        host_cache=host_cache_bytes(st) if connect is None else 0)
+                        host_cache=host_cache_bytes(st) if connect is None else 0,
+                        one_token=one_token_dequantized(st, served)
+                        if served.fetch_dtype is None else 0)
         experts_budget -= hot
         if pooled:
             # One cache instead of two overlapping ones (budget.pooled_host_cache): the
