@@ -35,7 +35,6 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -153,27 +152,20 @@ class AioEngine(PosixEngine):
                 self._refused.add(path)
         return FileHandle(path, fd, direct)
 
-    # The single-request forms go through a batch of one on the calling thread (the
-    # futures through the pool), so every byte takes the same path.
-    def _read_now(self, fh: FileHandle, buf: Any, offset: int) -> int:
-        self.run([(fh, address(buf), len(buf), offset, False)])
-        return len(buf)
+    # The single-request forms (read, write, pread, pwrite) are the inherited ``preadv``/
+    # ``pwritev``: one request gains nothing from a queue, and the chunk workers issue
+    # them while a batch waits on those workers (for checks and staging). Were they
+    # batches of one, each would need a context, and with every context held by such
+    # batches the two would wait on each other for good.
+    def _read_now(self, fh: FileHandle, buf: memoryview, offset: int) -> int:
+        if self._closed:
+            raise EngineClosedError()
+        return super()._read_now(fh, buf, offset)
 
-    def _write_now(self, fh: FileHandle, buf: Any, offset: int) -> int:
-        self.run([(fh, address(buf), len(buf), offset, True)])
-        return len(buf)
-
-    def read(self, fh: FileHandle, buf: memoryview, offset: int) -> int:
-        return self._read_now(fh, buf, offset)
-
-    def write(self, fh: FileHandle, buf: memoryview, offset: int) -> int:
-        return self._write_now(fh, buf, offset)
-
-    def pread(self, fh: FileHandle, buf: memoryview, offset: int) -> Future[int]:
-        return self._pool.submit(self._read_now, fh, buf, offset)
-
-    def pwrite(self, fh: FileHandle, buf: memoryview, offset: int) -> Future[int]:
-        return self._pool.submit(self._write_now, fh, buf, offset)
+    def _write_now(self, fh: FileHandle, buf: memoryview, offset: int) -> int:
+        if self._closed:
+            raise EngineClosedError()
+        return super()._write_now(fh, buf, offset)
 
     @property
     def closed(self) -> bool:

@@ -150,8 +150,27 @@ def _store(tmp_path: Path) -> tierstore.Store:
                           slab_size="64MiB", chunk_size="256KiB", io_threads=2)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in page-aligned memory: the AIO batch's own path (most bytes of unaligned
+    memory go to the chunk workers instead)."""
+    out = tierstore.read_buffer(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` 64 bytes into a page, as torch's allocator places large tensors (where it
+    does: it may also land on a page boundary)."""
+    raw = torch.empty(t.nbytes + 2 * 4096, dtype=torch.uint8)
+    at = (64 - raw.data_ptr()) % 4096
+    out = raw[at:at + t.nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def _entries(st: tierstore.Store) -> dict[str, torch.Tensor]:
-    data = {f"e{i}": torch.randn(300_000 + i) for i in range(6)}  # several chunks each
+    # several chunks each
+    data = {f"e{i}": _aligned(torch.randn(300_000 + i)) for i in range(6)}
     st.put_many(data)
     return data
 
@@ -219,7 +238,7 @@ def test_a_read_error_names_the_entry_and_the_store_goes_on(tmp_path, phase, err
 def test_a_write_error_names_the_entry_and_commits_nothing(tmp_path, phase, err) -> None:
     with _store(tmp_path) as st:
         data = _entries(st)
-        newer = {name: t + 1 for name, t in data.items()}
+        newer = {name: _aligned(t + 1) for name, t in data.items()}
         # put_many of one entry of five chunks: request 1 is its second chunk.
         before = st.info("e2").version
         hits: list[str] = []
@@ -262,7 +281,7 @@ def test_a_zero_byte_write_completion_is_not_called_a_short_read(tmp_path) -> No
     with _store(tmp_path) as st:
         st._medium.engine.inject = lambda ph, i, req: 0 if ph == "complete" else None
         with pytest.raises(OSError, match="no progress") as got:
-            st.put("w", torch.ones(100_000))
+            st.put("w", _aligned(torch.ones(100_000)))
         assert "short read" not in str(got.value)
 
 
@@ -574,3 +593,37 @@ def test_a_refused_context_is_tried_again_once_a_batch_has_ended(tmp_path) -> No
             eng._give_ring(ring)
     finally:
         eng.close()
+
+
+def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
+    """Entries of 256 KiB and more whose memory O_DIRECT cannot use (torch's allocator:
+    64 bytes into a page) go to the chunk workers, each chunk a ``preadv``/``pwritev`` of
+    its own (no AIO batch sees them); page-aligned memory, and small entries whatever their
+    memory, go as one AIO batch of many. Every path gives the same bytes."""
+    with _store(tmp_path) as st:
+        at: list[int] = []  # each submitted request's position in its batch
+
+        def inject(ph: str, index: int, req: Any) -> None:
+            if ph == "submit":
+                at.append(index)
+
+        st._medium.engine.inject = inject
+        loose = {f"u{i}": _unaligned(torch.randn(100_000 + i)) for i in range(4)}
+        st.put_many(loose)
+        assert at == []
+        outs = {k: torch.empty_like(t) for k, t in loose.items()}
+        st.get_many(list(loose), out=outs)
+        assert at == []
+        assert all(torch.equal(outs[k], t) for k, t in loose.items())
+        at.clear()
+        st.put_many({k: _aligned(t) for k, t in loose.items()})
+        assert max(at) > 0
+        at.clear()
+        got = {k: tierstore.read_buffer(tuple(t.shape), t.dtype) for k, t in loose.items()}
+        st.get_many(list(loose), out=got)
+        assert max(at) > 0 and all(torch.equal(got[k], t) for k, t in loose.items())
+        at.clear()
+        _small(st)  # 8-12 KiB entries from torch's allocator: still one batch
+        assert max(at) > 0
+        st._medium.engine.inject = None
+        assert st.fsck().ok

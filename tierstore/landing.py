@@ -68,6 +68,26 @@ def target(out: torch.Tensor, nbytes: int, length: int) -> Target:
     return Target(direct, host_bytes(out, max(nbytes, direct)))
 
 
+# Entries smaller than this, on average, stay in one AIO batch whatever their memory: the
+# batch joins neighbours into large requests, and smaller entries than this were not
+# measured on the workers.
+WORKERS_MIN_ENTRY = 256 << 10
+
+
+def mostly_copied(copied: int, total: int, entries: int) -> bool:
+    """Whether a batch of ``entries`` with ``copied`` of its ``total`` bytes bounced (or
+    staged, for a write) should go to the chunk workers rather than one AIO batch. The AIO engine
+    submits and reaps on one thread and gets each staged request from a worker a few
+    requests ahead; the chunk workers copy and move their own chunks side by side. On the
+    development VM with the machine idle (``tierstore bench tiers --peer deepnvme``, 1 GiB,
+    5 rounds, docs/tiers.md), unaligned memory moved faster on the workers at every entry
+    size: reads at 0.91-1.11 of DeepNVMe against the batch's 0.77-0.91, writes at
+    0.61-0.98 against 0.55-0.79. Memory that needs no copy keeps the batch, which
+    coalesces small entries into large requests (256 KiB reads: 0.84-0.86 against 0.61-0.87
+    on the workers)."""
+    return 2 * copied > total and total >= entries * WORKERS_MIN_ENTRY
+
+
 def copy_checked(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
     """Copy ``src`` into ``dst`` (host memory, as long), returning ``crc`` continued over
     the bytes: each step is checksummed, then copied from the cache the checksum pulled it

@@ -40,7 +40,7 @@ from .errors import (
 )
 from .interface import Meta
 from .keys import Key
-from .landing import Target, accepts, host_bytes, land, target
+from .landing import Target, accepts, host_bytes, land, mostly_copied, target
 from .local_state import LocalState
 from .media import adjacent_runs, joined
 from .tensors import dtype_from_name, from_bytes
@@ -322,7 +322,9 @@ class ReadPath(LocalState):
         if bufs is None:
             bufs = [aligned_empty(rec.length) for rec in recs]
         targets = targets or {}
-        if getattr(self._medium, "batched", False):
+        bounced = sum(recs[i].length - t.direct for i, t in targets.items())
+        if (getattr(self._medium, "batched", False)
+                and not mostly_copied(bounced, sum(rec.length for rec in recs), len(recs))):
             return self._fetch_batched(keys, recs, bufs, provide, targets)
         for i, buf in enumerate(bufs):
             if buf is None:

@@ -29,7 +29,7 @@ from .catalog import Record, entry_key
 from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
-from .landing import copy_checked
+from .landing import copy_checked, mostly_copied
 from .local_state import LocalState
 from .media import ALIGNMENT, adjacent_runs, align_up, joined
 from .tensors import as_bytes, dtype_name
@@ -180,8 +180,12 @@ class WritePath(LocalState):
 
     def _write_through(self, batch: list[tuple[str, str, np.ndarray, Meta]]) -> None:
         """Copy-on-write: fresh extents, parallel chunk writes (a job of several small
-        entries' chunks, see ``GROUP_BYTES``), sync, then one commit."""
-        if getattr(self._medium, "batched", False):
+        entries' chunks, see ``GROUP_BYTES``), sync, then one commit. On the AIO engine,
+        one batch (:meth:`_write_batched`) unless most of its bytes need staging."""
+        staged = sum(src.nbytes for _, _, src, _ in batch if src.ctypes.data % ALIGNMENT)
+        if (getattr(self._medium, "batched", False)
+                and not mostly_copied(staged, sum(src.nbytes for _, _, src, _ in batch),
+                                      len(batch))):
             return self._write_batched(batch)
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
