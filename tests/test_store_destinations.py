@@ -116,3 +116,38 @@ def test_a_corrupt_chunk_is_named_whatever_the_memory(store, kind: str, where: s
     with pytest.raises(tierstore.CorruptEntryError, match="'bad'"):
         store.get_many(["ok", "bad"], out=outs)
     assert torch.equal(store.get_many(["ok"], out={"ok": outs["ok"]})["ok"], _value(1))
+
+
+def test_small_entries_needing_a_copy_are_joined_on_the_workers(tmp_path) -> None:
+    # A worker's job holds several small entries; those that need staging and lie next to
+    # each other on disk are copied into one buffer and written as one request, each with
+    # its own checksum (a corrupt one is still named).
+    st = tierstore.open(tmp_path / "st", create=True, host_cache=0, io_threads=1,
+                        engine="posix-direct")
+    try:
+        values = {f"s{i:02d}": _value(i, (70_000,)) for i in range(16)}  # 280,000 bytes
+        srcs = {}
+        for n, v in values.items():
+            srcs[n] = _odd_slice(tuple(v.shape), v.dtype)
+            srcs[n].copy_(v)
+        writes: list[int] = []
+        inner = st._medium.write
+
+        def counted(seg: int, offset: int, buf: memoryview) -> None:
+            writes.append(len(buf))
+            inner(seg, offset, buf)
+
+        st._medium.write = counted
+        st.put_many(srcs)
+        assert sum(writes) >= 16 * 280_000 and len(writes) <= 6
+        got = st.get_many(list(values))
+        assert all(torch.equal(got[n], v) for n, v in values.items())
+        info = st.info("s05")
+        with open(info.path, "r+b") as f:
+            f.seek(info.offset + 1000)
+            f.write(b"\xff\xfe")
+        with pytest.raises(tierstore.CorruptEntryError, match="'s05'"):
+            st.get_many(list(values))
+        assert st.get("s06").equal(values["s06"])
+    finally:
+        st.close()
