@@ -490,10 +490,11 @@ def _given(source: Any, name: str, value: Any) -> Any:
               help="Quantized experts: how much of the experts' share of --device-budget, "
                    "beyond what the mode needs at the least, keeps the hottest experts "
                    "dequantized, so a hit is neither read nor dequantized again: a fraction "
-                   "(0.5), a size (256MiB) or 0; auto: all of it on a CPU, where the "
-                   "dequantization costs far more than the read, none on a GPU (auto gives "
-                   "the ring none). It comes out of the budget, never on top of it "
-                   "(docs/inference.md).")
+                   "(0.5), a size (256MiB) or 0; auto: on a CPU, where the dequantization "
+                   "costs far more than the read, what is left once the packed experts held "
+                   "make up half of them all, and none where that would not hold one "
+                   "token's routed experts; none on a GPU (auto gives the ring none). It "
+                   "comes out of the budget, never on top of it (docs/inference.md).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="CPU compute threads (default: torch's; on a CPU device, ring and expert "
                    "modes use one fewer while they stream experts from the backing tier, "
