@@ -8,7 +8,10 @@ config dict, or null: the model ``import-hf`` put in the node stores), ``steps``
 ``kill``:
 ``[phase, n, rank]``, at which that rank SIGKILLs itself: a checkpoint's ``snapshot`` or
 ``manifest`` of step n, a re-shard's n-th expert ``moved`` (written on its new node) or
-``sent`` (deleted on its old one), or (fine-tuning an import) step n's ``backward``; and ``pause``: ``[phase, step, rank, folder]``, at which
+``sent`` (deleted on its old one), (fine-tuning an import) step n's ``backward``, or (the
+ranks unpacking a compact import, :func:`arm_unpack`) its n-th write of ``masters`` or the
+moment the model has ``named`` them (n 1); and
+``pause``: ``[phase, step, rank, folder]``, at which
 that rank makes ``folder/paused`` and waits until ``folder/go`` exists (a run held live while
 a test tries something).
 Rank 0 writes its metrics and final dense state to ``out``. A refusal is one line on stderr
@@ -22,6 +25,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tierstore.trainer.dist import train_distributed
@@ -48,6 +52,8 @@ def main() -> None:
             while not Path(pause[3], "go").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
 
+    if kill and kill[0] in ("masters", "named"):
+        arm_unpack(*kill, rank, spec["metrics"])
     model = spec["model"]
     if isinstance(model, dict):
         model = config_from_dict(model)
@@ -63,6 +69,62 @@ def main() -> None:
         device=spec.get("device", "cpu"))
     if rank == 0 and spec.get("out"):
         torch.save({"history": history}, spec["out"])
+
+
+def arm_unpack(phase: str, n: int, victim: int, rank: int, mark: str) -> None:
+    """Rank ``victim`` SIGKILLs itself inside the ranks' unpack (tierstore.hf.quant_train,
+    whose functions it calls by their module's names), having touched ``mark + ".killed"``:
+    ``masters``, at its n-th ``put_many`` of masters, once the node leader (rank 0) waits
+    at the first barrier (or, were the commit not to wait for every rank, has made it:
+    ``mark + ".leader"``), so the kill lands while the leader could commit; ``named`` (the
+    leader), at the packed entries' drop, right after the commit that names the masters."""
+    from tierstore.hf import quant_train
+    from tierstore.trainer.dist import world
+
+    leader = Path(mark + ".leader")
+    if phase == "masters" and rank == 0 and victim != 0:
+        barrier, name_masters = world.barrier, quant_train.name_masters
+
+        def waits(*a: Any, **kw: Any) -> None:
+            leader.touch()
+            barrier(*a, **kw)
+
+        def named(*a: Any, **kw: Any) -> Any:
+            out = name_masters(*a, **kw)
+            leader.touch()
+            return out
+
+        world.barrier, quant_train.name_masters = waits, named  # (imported at the unpack)
+    if rank != victim:
+        return
+
+    def die() -> None:
+        Path(mark + ".killed").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if phase == "named":
+        quant_train.drop_packed = lambda *a, **kw: die()
+        return
+    writes = [0]
+    write_masters = quant_train.write_masters
+
+    class Counted:
+        def __init__(self, store: Any) -> None:
+            self.store = store
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.store, name)
+
+        def put_many(self, *a: Any, **kw: Any) -> Any:
+            writes[0] += 1
+            if writes[0] == n:
+                deadline = time.monotonic() + 120
+                while not leader.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                die()
+            return self.store.put_many(*a, **kw)
+
+    quant_train.write_masters = lambda store, *a, **kw: write_masters(Counted(store), *a, **kw)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ to their experts' owners inside the registered ``tierstore`` experts function.
 - DeepSeek-V3 shipped in block FP8, imported compact: the two ranks of one node unpack
   its packed weights into fp32 masters together, and the run equals the single process's
   fine-tune of the same compact store to 1e-5.
+  Killed while they do (rank 1 writing its masters; the leader right after its commit),
+  the store stays fsck-clean, the import or the model naming the masters, and the run
+  that follows equals the one never killed.
 - MPMoE's pipelining of the token-centric blocks: 2 and 4 chunks and ``auto`` give the
   loss, logits and every gradient of one chunk bit for bit, and the counters show chunks
   computed while another chunk's exchange was in flight.
@@ -33,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +47,7 @@ import torch
 import transformers
 from test_dist_train import _port, launch, metrics, rank_stderr, stop_daemons
 from test_finetune_hf import VOCAB, make_model, weights
-from tierstore.hf.layout import stored_model
+from tierstore.hf.layout import MODEL_ENTRY, stored_model
 from tierstore.trainer.train.data import Corpus
 from tierstore.trainer.train.resident import TrainConfig
 from tierstore.trainer.train.store_trainer import train_store
@@ -382,40 +386,122 @@ def test_two_nodes_equal_one_process(per_node: int, paradigm: str, rule: str,
     check_weights(tmp_path, nodes, per_node)
 
 
-def test_ranks_unpack_a_quantized_store_and_train_as_one_process(
-        corpus: Corpus, tokenizer_file: Path, tmp_path: Path) -> None:
-    """DeepSeek-V3 shipped in block FP8 (experts and dense weights packed), imported
-    compact into one node's store that two ranks share, fine-tuned by ``train_distributed``:
-    the ranks turn the packed weights into fp32 masters at the first trainable load (each
-    its own experts, the node leader the dense ones, one commit), and every step and weight
-    equals the single process's fine-tune of the same compact store."""
+# fp32 compute (a bf16 checkpoint's default is bf16 autocast, far coarser than 1e-5)
+COMPACT_TRAIN = {**TRAIN, "dtype": "float32"}
+COMPACT_SPEC = {"model": None, "train": {**COMPACT_TRAIN, "batch_size": 1},
+                "corpus_bytes": CORPUS_BYTES, "host_cache": 4 << 20}
+
+
+@pytest.fixture(scope="module")
+def compact(tokenizer_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """DeepSeek-V3 shipped in block FP8 (experts and dense weights packed), imported compact
+    (``packed``, kept as imported; ``single``; ``start``, made trainable by one process:
+    the starting masters) and fine-tuned by ``train_distributed`` on one node of two ranks
+    sharing ``node0`` (run ``a``, data-centric): the W = 2 run the tests below compare with."""
     from hf_quant import deepseek_fp8
 
-    nodes, per_node = 1, 2
-    ckpt = deepseek_fp8(tmp_path / "hf", spread=True, vocab_size=VOCAB)
+    tmp = tmp_path_factory.mktemp("compact")
+    ckpt = deepseek_fp8(tmp / "hf", spread=True, vocab_size=VOCAB)
     shutil.copy(tokenizer_file, ckpt / "tokenizer.json")
+    tierstore.hf.import_hf(ckpt, tmp / "packed", progress=False)
     for path in ("node0", "single", "start"):
-        tierstore.hf.import_hf(ckpt, tmp_path / path, progress=False)
-    # The starting masters, as one process makes them.
-    tierstore.hf.load(tmp_path / "start", trainable=True, device="cpu").tierstore.close()
-    # fp32 compute (a bf16 checkpoint's default is bf16 autocast, far coarser than 1e-5)
-    train = {**TRAIN, "dtype": "float32"}
-    spec = {"model": None, "train": {**train, "batch_size": 1}, "corpus_bytes": CORPUS_BYTES,
-            "host_cache": 4 << 20}
-    codes = launch(tmp_path, "a", nodes, per_node, steps=STEPS, spec=spec, paradigm="data")
-    assert codes == [0], (tmp_path / "a.node0.log").read_text()[-3000:]
-    ref = train_store(None, STEPS, seed=SEED, corpus=corpus, store_path=tmp_path / "single",
-                      host_cache="4MiB", train=TrainConfig(batch_size=nodes * per_node, **train))
+        shutil.copytree(tmp / "packed", tmp / path)
+    tierstore.hf.load(tmp / "start", trainable=True, device="cpu").tierstore.close()
+    try:
+        codes = launch(tmp, "a", 1, 2, steps=STEPS, spec=COMPACT_SPEC, paradigm="data")
+        assert codes == [0], (tmp / "a.node0.log").read_text()[-3000:]
+        yield tmp
+    finally:
+        stop_daemons(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ranks_unpack_a_quantized_store_and_train_as_one_process(compact: Path,
+                                                                 corpus: Corpus) -> None:
+    """The two ranks of ``compact``'s run turn the packed weights into fp32 masters at the
+    first trainable load (each its own experts, the node leader the dense ones, one
+    commit), and every step and weight equals the single process's fine-tune of the same
+    compact store."""
+    nodes, per_node = 1, 2
+    ref = train_store(None, STEPS, seed=SEED, corpus=corpus, store_path=compact / "single",
+                      host_cache="4MiB",
+                      train=TrainConfig(batch_size=nodes * per_node, **COMPACT_TRAIN))
     for r in range(nodes * per_node):
-        got = metrics(tmp_path, "a", r)
+        got = metrics(compact, "a", r)
         assert [m["step"] for m in got] == list(range(1, STEPS + 1))
         for m in got:
             a = ref[m["step"] - 1]
             for key in ("loss", "grad_norm"):
                 assert abs(a[key] - m[key]) < 1e-5, (r, m["step"], key, a[key], m[key])
             assert m["grad_norm"] > 2 * TRAIN["clip"]  # the clip scaled every gradient
-    with tierstore.open(tmp_path / "node0", host_cache=0) as st:
+    with tierstore.open(compact / "node0", host_cache=0) as st:
         sm = stored_model(st)
         assert sm.quant == "fp8" and not sm.dense_scales and sm.requantize
         assert not [n for n in st.names() if n.endswith("_scale_inv")]
-    check_weights(tmp_path, nodes, per_node)
+    check_weights(compact, nodes, per_node)
+
+
+def test_a_kill_of_either_rank_while_unpacking_leaves_the_store_sound(compact: Path,
+                                                                     tmp_path: Path) -> None:
+    """The ranks' unpack of ``compact``'s packed import, SIGKILLed on either side of its
+    commit. Rank 1 killed at its second write of masters (before the first barrier): rank
+    0 ends within the bound with one line naming rank 1; the store is fsck-clean and still
+    the packed import (``model.json`` as imported, the masters written so far named by
+    nothing). Rerun with ``--resume``, as that line says, the node leader killed right
+    after its commit (the packed entries not yet dropped): rank 1 ends naming rank 0; the
+    store is fsck-clean and its model names the masters. Rerun again, the run completes:
+    every step and weight equals ``compact``'s run, which was never killed, and no packed
+    entry is left."""
+    store = tmp_path / "node0"
+    shutil.copytree(compact / "packed", store)
+    imported = model_json(store)
+    killed = [("a", ["masters", 2, 1], 0), ("b", ["named", 1, 0], 1)]
+    for name, kill, survivor in killed:
+        codes = launch(tmp_path, name, 1, 2, steps=STEPS, resume=name != "a",
+                       spec=COMPACT_SPEC, kill=kill, paradigm="data")
+        ended = time.time()
+        assert codes != [0], (tmp_path / f"{name}.node0.log").read_text()[-3000:]
+        assert ended - (tmp_path / f"{name}.jsonl.killed").stat().st_mtime < BOUND_S
+        assert rank_stderr(tmp_path, name, survivor, 2) == [
+            f"tierstore: rank {survivor}: stopped because rank {kill[2]} (node 0) ended "
+            "without a word (killed, or out of memory: its node's torchrun output says "
+            "which); rerun with --resume to continue from the last complete checkpoint"]
+        stop_daemons(tmp_path)
+        with tierstore.open(store, host_cache=0) as st:
+            assert st.fsck().ok, name
+            masters = [n for n in st.names() if n.endswith("_fp32")]
+            packed = [n for n in st.names() if n.endswith("_scale_inv")]
+        assert masters and packed, name  # killed with masters written, packed ones kept
+        if name == "a":
+            assert model_json(store) == imported
+        else:
+            sm = stored_model_of(store)
+            assert not sm.dense_scales and not any(m.formats for m in sm.experts)
+            assert set(sm.dense.values()) & set(masters)
+    assert launch(tmp_path, "c", 1, 2, steps=STEPS, resume=True, spec=COMPACT_SPEC,
+                  paradigm="data") == [0], (tmp_path / "c.node0.log").read_text()[-3000:]
+    for r in range(2):
+        got, want = metrics(tmp_path, "c", r), metrics(compact, "a", r)
+        assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+        for a, m in zip(want, got):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - m[key]) < 1e-5, (r, m["step"], key, a[key], m[key])
+    want, got = weights(compact / "node0"), weights(store)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, atol=1e-5, rtol=0, msg=name)
+    with tierstore.open(store, host_cache=0) as st:
+        assert st.fsck().ok
+        names = set(st.names())
+    # no packed entry left: neither scales nor a packed weight beside its master
+    assert not [n for n in names if n.endswith("_scale_inv") or n + "_fp32" in names]
+
+
+def model_json(store: Path) -> bytes:
+    with tierstore.open(store, host_cache=0) as st:
+        return bytes(st.get(*MODEL_ENTRY).numpy().tobytes())
+
+
+def stored_model_of(store: Path) -> Any:
+    with tierstore.open(store, host_cache=0) as st:
+        return stored_model(st)
