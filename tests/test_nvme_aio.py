@@ -158,16 +158,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _unaligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` 64 bytes into a page, as torch's allocator places large tensors (where it
-    does: it may also land on a page boundary)."""
-    raw = torch.empty(t.nbytes + 2 * 4096, dtype=torch.uint8)
-    at = (64 - raw.data_ptr()) % 4096
-    out = raw[at:at + t.nbytes].view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
-
-
 def _entries(st: tierstore.Store) -> dict[str, torch.Tensor]:
     # several chunks each
     data = {f"e{i}": _aligned(torch.randn(300_000 + i)) for i in range(6)}
@@ -594,36 +584,3 @@ def test_a_refused_context_is_tried_again_once_a_batch_has_ended(tmp_path) -> No
     finally:
         eng.close()
 
-
-def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
-    """Entries of 256 KiB and more whose memory O_DIRECT cannot use (torch's allocator:
-    64 bytes into a page) go to the chunk workers, each chunk a ``preadv``/``pwritev`` of
-    its own (no AIO batch sees them); page-aligned memory, and small entries whatever their
-    memory, go as one AIO batch of many. Every path gives the same bytes."""
-    with _store(tmp_path) as st:
-        at: list[int] = []  # each submitted request's position in its batch
-
-        def inject(ph: str, index: int, req: Any) -> None:
-            if ph == "submit":
-                at.append(index)
-
-        st._medium.engine.inject = inject
-        loose = {f"u{i}": _unaligned(torch.randn(100_000 + i)) for i in range(4)}
-        st.put_many(loose)
-        assert at == []
-        outs = {k: torch.empty_like(t) for k, t in loose.items()}
-        st.get_many(list(loose), out=outs)
-        assert at == []
-        assert all(torch.equal(outs[k], t) for k, t in loose.items())
-        at.clear()
-        st.put_many({k: _aligned(t) for k, t in loose.items()})
-        assert max(at) > 0
-        at.clear()
-        got = {k: tierstore.read_buffer(tuple(t.shape), t.dtype) for k, t in loose.items()}
-        st.get_many(list(loose), out=got)
-        assert max(at) > 0 and all(torch.equal(got[k], t) for k, t in loose.items())
-        at.clear()
-        _small(st)  # 8-12 KiB entries from torch's allocator: still one batch
-        assert max(at) > 0
-        st._medium.engine.inject = None
-        assert st.fsck().ok

@@ -9,6 +9,7 @@ these entries are eight requests each."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -151,3 +152,42 @@ def test_small_entries_needing_a_copy_are_joined_on_the_workers(tmp_path) -> Non
         assert st.get("s06").equal(values["s06"])
     finally:
         st.close()
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"no AIO here: {unavailable()}")
+def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
+    """Entries of 256 KiB and more whose memory O_DIRECT cannot use (torch's allocator:
+    64 bytes into a page) go to the chunk workers, each chunk a ``preadv``/``pwritev`` of
+    its own (no AIO batch sees them); page-aligned memory, and small entries whatever their
+    memory, go as one AIO batch of many. Every path gives the same bytes."""
+    with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
+                        slab_size="64MiB", chunk_size="256KiB", io_threads=2) as st:
+        at: list[int] = []  # each submitted request's position in its batch
+
+        def inject(ph: str, index: int, req: Any) -> None:
+            if ph == "submit":
+                at.append(index)
+
+        st._medium.engine.inject = inject
+        loose = {f"u{i}": _odd_slice((100_000 + i,), torch.float32).copy_(_value(i, (100_000 + i,)))
+                 for i in range(4)}
+        st.put_many(loose)
+        assert at == []
+        outs = {k: _odd_slice(tuple(t.shape), t.dtype) for k, t in loose.items()}
+        st.get_many(list(loose), out=outs)
+        assert at == []
+        assert all(torch.equal(outs[k], t) for k, t in loose.items())
+        at.clear()
+        st.put_many({k: tierstore.read_buffer(tuple(t.shape), t.dtype).copy_(t)
+                     for k, t in loose.items()})
+        assert max(at) > 0
+        at.clear()
+        got = {k: tierstore.read_buffer(tuple(t.shape), t.dtype) for k, t in loose.items()}
+        st.get_many(list(loose), out=got)
+        assert max(at) > 0 and all(torch.equal(got[k], t) for k, t in loose.items())
+        at.clear()
+        # 8-12 KiB entries from torch's allocator: still one batch
+        st.put_many({f"s{i:02d}": torch.randn(2048 + 512 * (i % 3)) for i in range(40)})
+        assert max(at) > 0
+        st._medium.engine.inject = None
+        assert st.fsck().ok
