@@ -41,10 +41,14 @@ def test_what_something_else_set_aside_stays_so() -> None:
     gc.freeze()
     try:
         before = gc.get_freeze_count()
+        # Objects a wrong freeze would set aside too. Threads left by earlier tests may free
+        # frozen objects meanwhile, so the count may fall by a few, never rise or empty.
+        fresh = [[] for _ in range(1000)]
         with SteadyHeap() as heap:
             heap.step_done()
-            assert gc.get_freeze_count() == before
-        assert gc.get_freeze_count() == before
+            assert before // 2 < gc.get_freeze_count() <= before
+        assert before // 2 < gc.get_freeze_count() <= before
+        del fresh
     finally:
         gc.unfreeze()
 
