@@ -159,8 +159,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _entries(st: tierstore.Store) -> dict[str, torch.Tensor]:
-    # several chunks each
-    data = {f"e{i}": _aligned(torch.randn(300_000 + i)) for i in range(6)}
+    # several chunks each, under 1 MiB (larger entries go to the chunk workers)
+    data = {f"e{i}": _aligned(torch.randn(200_000 + i)) for i in range(6)}
     st.put_many(data)
     return data
 

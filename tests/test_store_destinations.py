@@ -158,8 +158,9 @@ def test_small_entries_needing_a_copy_are_joined_on_the_workers(tmp_path) -> Non
 def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
     """Entries of 256 KiB and more whose memory O_DIRECT cannot use (torch's allocator:
     64 bytes into a page) go to the chunk workers, each chunk a ``preadv``/``pwritev`` of
-    its own (no AIO batch sees them); page-aligned memory, and small entries whatever their
-    memory, go as one AIO batch of many. Every path gives the same bytes."""
+    its own (no AIO batch sees them), and so do entries of 1 MiB and more whatever their
+    memory; smaller page-aligned entries, and small entries whatever their memory, go as
+    one AIO batch of many. Every path gives the same bytes."""
     with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
                         slab_size="64MiB", chunk_size="256KiB", io_threads=2) as st:
         at: list[int] = []  # each submitted request's position in its batch
@@ -186,8 +187,59 @@ def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
         st.get_many(list(loose), out=got)
         assert max(at) > 0 and all(torch.equal(got[k], t) for k, t in loose.items())
         at.clear()
+        # Aligned entries of 1 MiB and more, on average: the chunk workers too
+        big = {f"b{i}": tierstore.read_buffer(300_000, torch.float32).copy_(_value(i, (300_000,)))
+               for i in range(2)}
+        st.put_many(big)
+        outs = {k: tierstore.read_buffer(300_000, torch.float32) for k in big}
+        st.get_many(list(big), out=outs)
+        assert at == [] and all(torch.equal(outs[k], t) for k, t in big.items())
         # 8-12 KiB entries from torch's allocator: still one batch
         st.put_many({f"s{i:02d}": torch.randn(2048 + 512 * (i % 3)) for i in range(40)})
         assert max(at) > 0
         st._medium.engine.inject = None
         assert st.fsck().ok
+
+
+def test_an_aligned_source_stages_only_its_last_partial_page(store, monkeypatch) -> None:
+    # Page-aligned memory whose entry ends part way into a page: its whole pages are written
+    # from the tensor itself, and only the partial page is copied to an aligned buffer.
+    import tierstore.writes as writes
+
+    copied: list[int] = []
+    inner = writes.copy_checked
+
+    def counted(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
+        copied.append(src.nbytes)
+        return inner(dst, src, crc)
+
+    monkeypatch.setattr(writes, "copy_checked", counted)
+    values = {f"a{i}": _value(i) for i in range(3)}
+    srcs = {}
+    for n, v in values.items():
+        srcs[n] = _short_storage(SHAPE, v.dtype)
+        srcs[n].copy_(v)
+    store.put_many(srcs)
+    assert 0 < sum(copied) <= 3 * 4096  # 480,012 bytes each: 12 bytes past the last page
+    got = store.get_many(list(values))
+    assert all(torch.equal(got[n], v) for n, v in values.items())
+    info = store.info("a1")
+    for at in (1000, _nbytes(SHAPE, torch.float32) - 5):  # a whole page's, the staged tail's
+        with open(info.path, "r+b") as f:
+            f.seek(info.offset + at)
+            f.write(b"\xff\xfe")
+        with pytest.raises(tierstore.CorruptEntryError, match="'a1'"):
+            store.get_many(list(values))
+        store.put("a1", values["a1"])
+        info = store.info("a1")
+
+
+def test_which_batches_go_to_the_chunk_workers() -> None:
+    from tierstore.landing import on_workers
+
+    kib, mib = 1 << 10, 1 << 20
+    assert not on_workers(0, 8 * 256 * kib, 8)  # small aligned entries: one AIO batch
+    assert not on_workers(8 * 100 * kib, 8 * 100 * kib, 8)  # small, needing a copy: too
+    assert on_workers(8 * 256 * kib, 8 * 256 * kib, 8)  # 256 KiB needing a copy: workers
+    assert on_workers(0, 4 * mib, 4) and on_workers(0, 16 * mib, 1)  # aligned 1-32 MiB
+    assert not on_workers(0, 64 * mib, 1) and on_workers(64 * mib, 64 * mib, 1)

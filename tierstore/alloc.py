@@ -139,12 +139,25 @@ class ExtentAllocator:
 
     def allocate(self, nbytes: int) -> tuple[int, int] | None:
         """First fit over segments in order; None when no free extent is large enough."""
+        return self.allocate_many([nbytes])[0]
+
+    def allocate_many(self, lengths: list[int]) -> list[tuple[int, int] | None]:
+        """:meth:`allocate` of each of ``lengths`` in order, under one hold of the lock: a
+        put of small entries places a group of them at a time, and taking the lock and
+        ordering the segments once per entry was a fifth of its submitting thread's time
+        (256 KiB entries, on the development machine)."""
         with self.lock:
-            for seg in sorted(self._holes):
-                off = self._holes[seg].take(nbytes)
-                if off is not None:
-                    return seg, off
-        return None
+            holes = [(seg, self._holes[seg]) for seg in sorted(self._holes)]
+            out: list[tuple[int, int] | None] = []
+            for nbytes in lengths:
+                got = None
+                for seg, h in holes:
+                    off = h.take(nbytes)
+                    if off is not None:
+                        got = seg, off
+                        break
+                out.append(got)
+            return out
 
     def release(self, extents: Iterable[Extent]) -> None:
         """Return extents: taken but never committed, or freed by a committed transaction."""
@@ -166,14 +179,21 @@ class ExtentAllocator:
         self._leases[(seg, off)] += 1
 
     def unlease(self, seg: int, off: int) -> None:
+        self.unlease_many([(seg, off)])
+
+    def unlease_many(self, extents: Iterable[tuple[int, int]]) -> None:
+        """End one lease of each ``(segment, offset)``, under one hold of the lock."""
+        leases = self._leases
         with self.lock:
-            key = (seg, off)
-            self._leases[key] -= 1
-            if self._leases[key] <= 0:
-                del self._leases[key]
+            for key in extents:
+                left = leases[key] - 1
+                if left > 0:
+                    leases[key] = left
+                    continue
+                del leases[key]
                 length = self._parked.pop(key, None)
                 if length is not None:
-                    self._insert(seg, off, length)
+                    self._insert(key[0], key[1], length)
 
     def _insert(self, seg: int, off: int, length: int) -> None:
         holes = self._holes.get(seg)

@@ -72,19 +72,30 @@ def target(out: torch.Tensor, nbytes: int, length: int) -> Target:
 # batch joins neighbours into large requests, and smaller entries than this were not
 # measured on the workers.
 WORKERS_MIN_ENTRY = 256 << 10
+# Entries of these sizes, on average, go to the chunk workers whatever their memory.
+WORKERS_ANY_ENTRY = range(1 << 20, 32 << 20)
 
 
-def mostly_copied(copied: int, total: int, entries: int) -> bool:
+def on_workers(copied: int, total: int, entries: int) -> bool:
     """Whether a batch of ``entries`` with ``copied`` of its ``total`` bytes bounced (or
-    staged, for a write) should go to the chunk workers rather than one AIO batch. The AIO engine
-    submits and reaps on one thread and gets each staged request from a worker a few
-    requests ahead; the chunk workers copy and move their own chunks side by side. On the
-    development VM with the machine idle (``tierstore bench tiers --peer deepnvme``, 1 GiB,
-    5 rounds, docs/tiers.md), unaligned memory moved faster on the workers at every entry
-    size: reads at 0.91-1.11 of DeepNVMe against the batch's 0.77-0.91, writes at
-    0.61-0.98 against 0.55-0.79. Memory that needs no copy keeps the batch, which
-    coalesces small entries into large requests (256 KiB reads: 0.84-0.86 against 0.61-0.87
-    on the workers)."""
+    staged, for a write) should go to the chunk workers rather than one AIO batch. The AIO
+    engine submits and reaps on one thread, and gets each staged request from a worker a
+    few requests ahead; the chunk workers move their own chunks side by side, each pinning
+    its own pages. On the development VM with the machine idle (``tierstore bench tiers
+    --peer deepnvme``, 1 GiB, 5 rounds, docs/tiers.md):
+
+    - memory that needs a copy moved faster on the workers at every entry size from
+      256 KiB: reads at 0.91-1.11 of DeepNVMe against the batch's 0.77-0.91, writes at
+      0.61-0.98 against 0.55-0.79;
+    - page-aligned memory did too at 1 MiB (reads at 1.17-1.28 against 0.86-1.02, writes
+      at 1.11-1.12 against 0.86-0.97), and at 4 and 16 MiB the worst kind, memory on 4 KiB
+      pages, read at 0.97-0.98 against 0.89-0.92 (the other kinds were even);
+    - at 64 MiB the batch was ahead (0.97-1.03 against 0.92-0.99, and 0.96 against 0.91
+      for writes from 4 KiB pages), and below 1 MiB, where it joins small entries into
+      large requests (250 KiB: 0.81-0.88 against 0.71-0.87). Between 16 and 64 MiB
+      nothing was measured; the bound sits half way."""
+    if total // max(entries, 1) in WORKERS_ANY_ENTRY:
+        return True
     return 2 * copied > total and total >= entries * WORKERS_MIN_ENTRY
 
 

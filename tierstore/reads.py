@@ -40,7 +40,7 @@ from .errors import (
 )
 from .interface import Meta
 from .keys import Key
-from .landing import Target, accepts, host_bytes, land, mostly_copied, target
+from .landing import Target, accepts, host_bytes, land, on_workers, target
 from .local_state import LocalState
 from .media import adjacent_runs, joined
 from .tensors import dtype_from_name, from_bytes
@@ -244,7 +244,7 @@ class ReadPath(LocalState):
         try:
             with self._alloc.lock, self._catalog.read() as txn:
                 for name, kind in keys:
-                    rec = self._catalog.get_record(txn, name, kind)
+                    rec = self._catalog.read_record(txn, name, kind)
                     if rec is None:
                         raise EntryNotFoundError(name, kind)
                     if rec.seg >= 0:
@@ -256,9 +256,7 @@ class ReadPath(LocalState):
         return recs
 
     def _unlease(self, recs: Iterable[Record]) -> None:
-        for rec in recs:
-            if rec.seg >= 0:
-                self._alloc.unlease(rec.seg, rec.off)
+        self._alloc.unlease_many([(rec.seg, rec.off) for rec in recs if rec.seg >= 0])
 
     def _deliver(
         self, key: Key, meta: Meta, raw: np.ndarray | torch.Tensor,
@@ -324,7 +322,7 @@ class ReadPath(LocalState):
         targets = targets or {}
         bounced = sum(recs[i].length - t.direct for i, t in targets.items())
         if (getattr(self._medium, "batched", False)
-                and not mostly_copied(bounced, sum(rec.length for rec in recs), len(recs))):
+                and not on_workers(bounced, sum(rec.length for rec in recs), len(recs))):
             return self._fetch_batched(keys, recs, bufs, provide, targets)
         for i, buf in enumerate(bufs):
             if buf is None:

@@ -29,7 +29,7 @@ from .catalog import Record, entry_key
 from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
-from .landing import copy_checked, mostly_copied
+from .landing import copy_checked, on_workers
 from .local_state import LocalState
 from .media import ALIGNMENT, adjacent_runs, align_up, joined
 from .tensors import as_bytes, dtype_name
@@ -184,7 +184,7 @@ class WritePath(LocalState):
         one batch (:meth:`_write_batched`) unless most of its bytes need staging."""
         staged = sum(src.nbytes for _, _, src, _ in batch if src.ctypes.data % ALIGNMENT)
         if (getattr(self._medium, "batched", False)
-                and not mostly_copied(staged, sum(src.nbytes for _, _, src, _ in batch),
+                and not on_workers(staged, sum(src.nbytes for _, _, src, _ in batch),
                                       len(batch))):
             return self._write_batched(batch)
         taken: list[tuple[int, int, int]] = []
@@ -204,8 +204,8 @@ class WritePath(LocalState):
             group, size = [], 0
 
         try:
-            for name, k, src, meta in batch:
-                rec = self._placed(src, meta, taken)
+            placed = self._placed([(src, meta) for _, _, src, meta in batch], taken)
+            for (name, k, src, _), rec in zip(batch, placed):
                 records.append((name, k, rec))
                 for start in range(0, rec.length, self._chunk):
                     group.append((src, rec, start))
@@ -296,20 +296,22 @@ class WritePath(LocalState):
             if i == len(batch):
                 return False
             while i < len(batch) and (budget > 0 or i == first_entry):  # one entry at least
-                name, k, src, meta = batch[i]
-                try:
-                    rec = self._placed(src, meta, taken)
-                except BaseException as e:
-                    placing.append(e)  # raised as it is, not as a failed write (see below)
-                    raise
-                work.extend((i, start, min(start + chunk, rec.length))
+                budget -= align_up(batch[i][2].nbytes)
+                i += 1
+            try:
+                placed = self._placed([(src, meta) for _, _, src, meta in batch[first_entry:i]],
+                                      taken)
+            except BaseException as e:
+                placing.append(e)  # raised as it is, not as a failed write (see below)
+                raise
+            for j, rec in enumerate(placed, first_entry):
+                name, k, src, _ = batch[j]
+                work.extend((j, start, min(start + chunk, rec.length))
                             for start in range(0, rec.length, chunk))
-                budget -= rec.length
                 records.append((name, k, rec))
                 srcs.append(src)
                 addrs.append(src.ctypes.data)
                 extents.append((rec.seg, rec.off))
-                i += 1
             for a, b in adjacent_runs(work[first:], extents, chunk, MAX_PIECES):
                 runs.append((first + a, first + b))
                 sizes.append(sum(work[n][2] - work[n][1] for n in range(first + a, first + b)))
@@ -329,50 +331,63 @@ class WritePath(LocalState):
                 self._staging.give(staged[0])  # a chunk-sized buffer back to its pool
 
         def checksum(chunks: list[int], into: Any = None) -> None:
-            """Each chunk's crc32c; with ``into`` (the chunks' staging places, in order),
-            taken as the chunk is copied there (:func:`copy_checked`)."""
+            """Each chunk's crc32c; with ``into`` (each chunk's first staged byte and its
+            staging place, in order), the staged bytes' taken as they are copied there
+            (:func:`copy_checked`), after the bytes before them, written from the source."""
             for m, n in enumerate(chunks):
                 i, start, end = work[n]
                 rec = records[i][2]
                 src = srcs[i][start:min(end, rec.nbytes)]
-                rec.crc[start // chunk] = (crc32c.crc32c(src) if into is None
-                                           else copy_checked(into[m], src))
+                if into is None:
+                    crc = crc32c.crc32c(src)
+                else:
+                    cut, place = into[m]
+                    crc = crc32c.crc32c(src[: cut - start]) if cut > start else 0
+                    crc = copy_checked(place, src[cut - start :], crc)
+                rec.crc[start // chunk] = crc
                 if rec.length <= chunk:
                     # Its one checksum is in: the commit's encoding of a small entry's
                     # record is done here, while other chunks are in flight.
                     encoded[i] = rec.encode()
 
         def stage(m: int) -> tuple[list[int], Any, Any]:
+            """Request ``m``'s pieces: from an aligned source its whole pages are written
+            from the source itself, and only what is left (all of an unaligned source's
+            chunk; an aligned one's last partial page) is staged."""
             first, last = runs[m]
-            pieces: list[Any] = []
-            copy: list[int] = []
+            pieces: list[list[Any]] = []
+            copy: list[tuple[int, int]] = []  # (chunk, its first staged byte)
             direct: list[int] = []
             for n in range(first, last):
                 i, start, end = work[n]
-                if addrs[i] % ALIGNMENT == 0 and end <= records[i][2].nbytes:
-                    pieces.append((addrs[i] + start, end - start))
+                nbytes = records[i][2].nbytes
+                cut = start
+                if addrs[i] % ALIGNMENT == 0:
+                    cut = max(start, min(end, nbytes - nbytes % ALIGNMENT))
+                if cut == end:
+                    pieces.append([(addrs[i] + start, end - start)])
                     direct.append(n)
                 else:
-                    pieces.append(None)
-                    copy.append(n)
+                    pieces.append([(addrs[i] + start, cut - start)] if cut > start else [])
+                    copy.append((n, cut))
             staged = None
             if copy:
                 # Reused memory, so no page faults on the hot path.
-                need = sum(work[n][2] - work[n][1] for n in copy)
+                need = sum(work[n][2] - cut for n, cut in copy)
                 full = need > self._chunk // 2
                 buf = self._staging.take() if full else self._results.take(need)
                 staged = (buf if full else None, buf)
                 used = 0
                 places = []
-                for n in copy:
+                for n, cut in copy:
                     i, start, end = work[n]
                     stop = min(end, records[i][2].nbytes)
-                    places.append(buf[used : used + stop - start])
-                    buf[used + stop - start : used + end - start] = 0
-                    pieces[n - first] = (buf.ctypes.data + used, end - start)
-                    used += end - start
-                checksum(copy, places)
-            return direct, staged, joined(pieces)
+                    places.append((cut, buf[used : used + stop - cut]))
+                    buf[used + stop - cut : used + end - cut] = 0
+                    pieces[n - first].append((buf.ctypes.data + used, end - cut))
+                    used += end - cut
+                checksum([n for n, _ in copy], places)
+            return direct, staged, joined([p for chunk_pieces in pieces for p in chunk_pieces])
 
         def requests() -> Any:
             queued = ahead_bytes = m = 0
@@ -445,71 +460,77 @@ class WritePath(LocalState):
         k = 0
         while k < len(chunks):
             src, rec, start = chunks[k]
+            if src.ctypes.data % ALIGNMENT == 0:
+                crcs.append(self._write_aligned(src, rec, start))
+                k += 1
+                continue
             last, at, size = k, rec.off + start, 0
             while last < len(chunks):
                 s, r, st = chunks[last]
                 e = min(st + self._chunk, r.length)
-                if (self._direct(s, e) or r.seg != rec.seg or r.off + st != at
+                if (s.ctypes.data % ALIGNMENT == 0 or r.seg != rec.seg or r.off + st != at
                         or size + e - st > self._chunk):
                     break
                 at, size, last = r.off + e, size + e - st, last + 1
-            if last - k < 2:
-                crcs.append(self._write_chunk(src, rec, start))
-                k += 1
-                continue
-            stage = self._staging.take()
-            try:
-                used = 0
-                for s, r, st in chunks[k:last]:
-                    e = min(st + self._chunk, r.length)
-                    stop = min(e, s.nbytes)
-                    crcs.append(copy_checked(stage[used : used + stop - st], s[st:stop]))
-                    stage[used + stop - st : used + e - st] = 0
-                    used += e - st
-                self._medium.write(rec.seg, rec.off + start, memoryview(stage[:used]))
-            finally:
-                self._staging.give(stage)
+            crcs += self._write_staged([(s, r, st, 0) for s, r, st in chunks[k:last]])
             k = last
         return crcs
 
-    @staticmethod
-    def _direct(src: np.ndarray, end: int) -> bool:
-        """Whether a chunk ending at ``end`` is written from ``src`` itself (O_DIRECT and
-        GDS need page-aligned memory), not staged."""
-        return src.ctypes.data % ALIGNMENT == 0 and end <= src.nbytes
-
-    def _write_chunk(self, src: np.ndarray, rec: Record, start: int) -> int:
-        """Write the chunk of ``src`` at ``start`` to ``rec``'s extent; returns its crc32c.
-        O_DIRECT and GDS need page-aligned memory (cache slots are); from elsewhere the
-        chunk is copied into an aligned staging buffer first."""
-        end = min(start + self._chunk, rec.length)
-        stop = min(end, src.nbytes)
-        if self._direct(src, end):
-            # Checksummed after the write, as _run_writes does (see there).
-            self._medium.write(rec.seg, rec.off + start, memoryview(src[start:end]))
-            return crc32c.crc32c(src[start:stop])
-        stage = self._staging.take()  # reused, so no page faults on the hot path
+    def _write_staged(self, parts: list[tuple[np.ndarray, Record, int, int]]) -> list[int]:
+        """Copy ``parts`` (source, record, first byte, crc32c of the bytes before it), one
+        after another on disk and each to its chunk's end, into one staging buffer (reused,
+        so no page faults on the hot path) and write them as one request; returns each
+        one's crc32c continued over its bytes."""
+        crcs = []
+        stage = self._staging.take()
         try:
-            crc = copy_checked(stage[: stop - start], src[start:stop])
-            stage[stop - start : end - start] = 0
-            self._medium.write(rec.seg, rec.off + start, memoryview(stage[: end - start]))
+            used = 0
+            for s, r, lo, crc in parts:
+                e = min(lo - lo % self._chunk + self._chunk, r.length)
+                stop = min(e, s.nbytes)
+                crcs.append(copy_checked(stage[used : used + stop - lo], s[lo:stop], crc))
+                stage[used + stop - lo : used + e - lo] = 0
+                used += e - lo
+            rec, lo = parts[0][1], parts[0][2]
+            self._medium.write(rec.seg, rec.off + lo, memoryview(stage[:used]))
         finally:
             self._staging.give(stage)
-        return crc
+        return crcs
 
-    def _placed(self, src: np.ndarray, meta: Meta, taken: list[tuple[int, int, int]]) -> Record:
-        """The record of ``src``'s new version at a fresh extent, appended to ``taken``, its
-        chunks' crc32c still to fill in; an empty tensor has no extent (and crc [0])."""
-        rec = Record(
-            dtype=meta.dtype, shape=list(meta.shape), nbytes=src.nbytes, crc=[0],
-            chunk=self._chunk, version=meta.version, seg=-1, off=0, length=0,
-        )
-        if src.nbytes:
-            rec.length = align_up(src.nbytes)
-            rec.seg, rec.off = self._allocate(rec.length)
-            taken.append(rec.extent)
+    def _write_aligned(self, src: np.ndarray, rec: Record, start: int) -> int:
+        """Write the chunk of page-aligned ``src`` at ``start`` to ``rec``'s extent from
+        the source itself (O_DIRECT and GDS need page-aligned memory), up to its last whole
+        page; a partial last page is staged. Returns the chunk's crc32c."""
+        end = min(start + self._chunk, rec.length)
+        cut = max(start, min(end, src.nbytes - src.nbytes % ALIGNMENT))
+        crc = 0
+        if cut > start:
+            # Checksummed after the write, as _run_writes does (see there).
+            self._medium.write(rec.seg, rec.off + start, memoryview(src[start:cut]))
+            crc = crc32c.crc32c(src[start:cut])
+        return crc if cut == end else self._write_staged([(src, rec, cut, crc)])[0]
+
+    def _placed(self, items: list[tuple[np.ndarray, Meta]],
+                taken: list[tuple[int, int, int]]) -> list[Record]:
+        """The records of the sources' new versions at fresh extents, each appended to
+        ``taken`` as it is taken (so a full disk met part way releases what was taken),
+        their chunks' crc32c still to fill in; an empty tensor has no extent (and crc
+        [0])."""
+        recs = [Record(dtype=meta.dtype, shape=list(meta.shape), nbytes=src.nbytes, crc=[0],
+                       chunk=self._chunk, version=meta.version, seg=-1, off=0, length=0)
+                for src, meta in items]
+        sized = [rec for rec in recs if rec.nbytes]
+        for rec in sized:
+            rec.length = align_up(rec.nbytes)
             rec.crc = [0] * -(-rec.length // self._chunk)
-        return rec
+        got = self._alloc.allocate_many([rec.length for rec in sized])
+        taken.extend((g[0], g[1], rec.length) for rec, g in zip(sized, got) if g is not None)
+        for rec, g in zip(sized, got):
+            if g is None:  # past the free space: a new slab (see _allocate)
+                g = self._allocate(rec.length)
+                taken.append((*g, rec.length))
+            rec.seg, rec.off = g
+        return recs
 
     def _allocate(self, length: int) -> tuple[int, int]:
         got = self._alloc.allocate(length)
