@@ -159,10 +159,15 @@ def bench() -> None:
               help="Only the NVMe reads into and writes from each kind of caller's memory, "
                    "beside DeepNVMe's aio_handle and fio (needs deepspeed: pip install "
                    "'.[peers]', and libaio-dev).")
+@click.option("--paths", type=CommaList(click.Choice(["batch", "workers"]), name="path"),
+              help="With --peer: each kind of memory once through each of these "
+              "paths of the AIO engine, alternated with the rest (batch: one AIO batch; "
+              "workers: the chunk workers' preadv/pwritev), every call sent that way instead "
+              "of by the store's rule: how that rule was measured.")
 def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list[int],
                 total: int, tiers: list[str], engines: list[str], pmem_dir: str | None,
                 repeats: int, json_out: str | None, plot_out: str | None,
-                peer: str | None) -> None:
+                peer: str | None, paths: list[str]) -> None:
     """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
     run: NVMe through the store's engines against fio (psync, and io_uring at queue depth 32)
     and DeepNVMe on the same file with the same request size and O_DIRECT flag (NVMe writes
@@ -179,7 +184,7 @@ def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list
     _run(lambda: run_tiers(store, sizes, counts, total, json_out, engines=engine_list,
                            tiers=tuple(tiers), pmem_dir=pmem_dir,
                            plot_out=plot_out, repeats=repeats, echo=click.echo,
-                           peer=peer))
+                           peer=peer, paths=tuple(paths or ())))
 
 
 @bench.command(name="cache")

@@ -387,6 +387,7 @@ def run_tiers(
     repeats: int = 3,
     echo: Callable[[str], object] = print,
     peer: str | None = None,
+    paths: tuple[str, ...] = (),
 ) -> int:
     """Measure the chosen tiers at every entry size (and thread count, for the NVMe and
     PMem tiers); print a table, and write JSON and a plot if asked. The NVMe tier also
@@ -437,7 +438,7 @@ def run_tiers(
                 notes.append(f"DeepNVMe ceiling: not measured ({why})")
         if "nvme" in tiers or peer is not None:
             kind_rows = run_kinds(root, sizes, max(threads), total, repeats,
-                                  engines=engines)
+                                  engines=engines, paths=paths)
         if peer is not None:
             plan = []
         for tier, engine, block, t in tqdm(plan, desc="bench tiers", disable=None):

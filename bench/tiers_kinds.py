@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 import tierstore
+from tierstore import landing
 
 from .ceilings import nvme_ceilings
 from .tiers import CHUNK, _young_heap, drop_page_cache
@@ -89,15 +90,19 @@ def unavailable() -> str | None:
 
 
 def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
-                  kinds: list[str] | None = None, engine: str = "auto") -> list[dict[str, Any]]:
+                  kinds: list[str] | None = None, engine: str = "auto",
+                  paths: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Rows of GB/s per (op, kind) for entries of ``block`` bytes through the store's
     ``engine``, each with DeepNVMe's and fio's medians from the same rounds (see the module
-    docstring)."""
+    docstring). With ``paths`` ("batch", "workers"), each kind is a side once per path,
+    named ``kind [path]``, every batch sent that way (:data:`tierstore.landing.ROUTE`)
+    instead of by the store's rule."""
     n = max(1, total // block)
     span = n * block
     count = max(1, min(n, GROUP // block))
     made = memory_kinds(block, count)
     kinds = [k for k in (kinds or list(made)) if k in made]
+    route = {f"{k} [{p}]": (k, p) for k in kinds for p in paths} or {k: (k, None) for k in kinds}
     data = torch.randint(0, 255, (block,), dtype=torch.uint8)
     mem: dict[str, list[torch.Tensor]] = {}
     for k in kinds:  # touched before any clock starts, as a user's tensors are
@@ -124,30 +129,38 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
             for name in peers:  # their regions written once, as the store's are
                 peers[name](slab, "write", at[name], span)
 
-            def write(kind: str) -> float:
+            def write(side: str) -> float:
+                kind, landing.ROUTE = route[side]
                 srcs = mem[kind]
-                t0 = time.perf_counter()
-                st.put_many([(name, srcs[j % count]) for j, name in enumerate(names)])
-                return span / (time.perf_counter() - t0) / 1e9
+                try:
+                    t0 = time.perf_counter()
+                    st.put_many([(name, srcs[j % count]) for j, name in enumerate(names)])
+                    return span / (time.perf_counter() - t0) / 1e9
+                finally:
+                    landing.ROUTE = None
 
-            def read(kind: str) -> float:
+            def read(side: str) -> float:
+                kind, landing.ROUTE = route[side]
                 outs = mem[kind]
                 groups = [names[i : i + count] for i in range(0, n, count)]
                 maps = [dict(zip(g, outs)) for g in groups]
                 drop_page_cache({slab})
-                t0 = time.perf_counter()
-                for g, m in zip(groups, maps):
-                    st.get_many(g, out=m)
-                if outs[0].device.type == "cuda":
-                    torch.cuda.synchronize()
-                return span / (time.perf_counter() - t0) / 1e9
+                try:
+                    t0 = time.perf_counter()
+                    for g, m in zip(groups, maps):
+                        st.get_many(g, out=m)
+                    if outs[0].device.type == "cuda":
+                        torch.cuda.synchronize()
+                    return span / (time.perf_counter() - t0) / 1e9
+                finally:
+                    landing.ROUTE = None
 
-            read(kinds[0])  # untimed: the store's bounce buffers set up
+            read(next(iter(route)))  # untimed: the store's bounce buffers set up
             for r in range(repeats):
                 for op in ("write", "read"):
                     infos = [st.info(name) for name in names] if op == "read" else []
                     used = min((i.offset for i in infos), default=0) // bs * bs
-                    sides = [*kinds, *peers]
+                    sides = [*route, *peers]
                     sides = sides[r % len(sides):] + sides[: r % len(sides)]
                     for side in sides if r % 2 == 0 else sides[::-1]:
                         used_cpu = _cpu_seconds()
@@ -173,9 +186,9 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
     for op in ("read", "write"):
         med = {side: statistics.median(v) for side, v in runs[op].items()}
         ref = PEER if PEER in med else next(s for s in med if s.startswith("fio"))
-        for k in kinds:
+        for k in route:
             rows.append({
-                "op": op, "kind": k, "engine": engine, "block_bytes": block, "threads": threads,
+                "op": op, "kind": k, "path": route[k][1] or "auto", "engine": engine, "block_bytes": block, "threads": threads,
                 "total_bytes": span, "repeats": repeats, "engine_described": described,
                 "gbps": round(med[k], 3), "reference": ref,
                 "reference_gbps": round(med[ref], 3), "ratio": round(med[k] / med[ref], 3),
@@ -201,16 +214,17 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
         return
     echo("caller's memory against DeepNVMe (store GB/s / peer GB/s; worst kind first):")
     keys = sorted({(r["op"], r["block_bytes"], r["engine"]) for r in rows})
+    w = max(16, *(len(r["kind"]) for r in rows))  # "slices at +100 [workers]" with --paths
     for op, block, engine in keys:
         mine = [r for r in rows
                 if r["op"] == op and r["block_bytes"] == block and r["engine"] == engine]
         worst = min(mine, key=lambda r: r["ratio"])
         echo(f"{op:5} {tierstore.format_size(block):>9} {_engine(worst):16} worst: "
-             f"{worst['kind']:16} "
+             f"{worst['kind']:{w}} "
              f"{worst['ratio']:5.2f}x {worst['reference']} ({worst['gbps']:.3f} / "
              f"{worst['reference_gbps']:.3f} GB/s, {worst['repeats']} rounds, "
              f"{tierstore.format_size(worst['total_bytes'])})")
-    echo(f"{'op':5} {'block':>9} {'engine':16} {'memory':16} {'GB/s':>7} {'ratio':>6} "
+    echo(f"{'op':5} {'block':>9} {'engine':16} {'memory':{w}} {'GB/s':>7} {'ratio':>6} "
          f"{'CPU s/GB':>8}  peers (GB/s; CPU s/GB)")
     for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["engine"], r["ratio"])):
         peers = ", ".join(
@@ -218,7 +232,7 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
                               if k in r["peer_cpu_s_per_gb"] else "")
             for k, v in r["peers"].items())
         echo(f"{r['op']:5} {tierstore.format_size(r['block_bytes']):>9} {_engine(r):16} "
-             f"{r['kind']:16} "
+             f"{r['kind']:{w}} "
              f"{r['gbps']:7.3f} {r['ratio']:6.2f} {r['cpu_s_per_gb']:8.2f}  {peers}")
 
 
@@ -229,14 +243,15 @@ def _engine(row: dict[str, Any]) -> str:
 
 
 def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: int,
-              progress: bool = True, engines: tuple[str, ...] = ("auto",)
-              ) -> list[dict[str, Any]]:
-    """:func:`measure_kinds` at every size, through each of ``engines``."""
+              progress: bool = True, engines: tuple[str, ...] = ("auto",),
+              paths: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """:func:`measure_kinds` at every size, through each of ``engines`` (and ``paths``)."""
     from tqdm import tqdm
 
     rows: list[dict[str, Any]] = []
     plan = [(block, e) for block in sizes for e in engines]
     for block, engine in tqdm(plan, desc="bench tiers: caller's memory",
                               disable=None if progress else True):
-        rows += measure_kinds(root, block, threads, total, repeats, engine=engine)
+        rows += measure_kinds(root, block, threads, total, repeats, engine=engine,
+                              paths=paths)
     return rows

@@ -171,14 +171,19 @@ def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
     from tierstore.bench import deepnvme
     from tierstore.bench.tiers_kinds import memory_kinds, report_kinds, run_kinds
 
+    from tierstore import landing
+
     monkeypatch.setattr(deepnvme, "unavailable", lambda: "not measured in this test")
     # The engine asked for (bench tiers --engines) is the one the rows measure.
+    # Each kind once per path asked for (bench tiers --paths), the rule restored after.
     rows = run_kinds(str(tmp_path), [1 << 20], 2, 4 << 20, repeats=1, progress=False,
-                     engines=("posix-direct",))
-    kinds = set(memory_kinds(1 << 20, 1))
+                     engines=("posix-direct",), paths=("batch", "workers"))
+    kinds = {f"{k} [{p}]" for k in memory_kinds(1 << 20, 1) for p in ("batch", "workers")}
+    assert landing.ROUTE is None
     for op in ("read", "write"):
         mine = [r for r in rows if r["op"] == op]
         assert {r["kind"] for r in mine} == kinds
+        assert all(r["kind"].endswith(f"[{r['path']}]") for r in mine)
         assert all(r["reference"].startswith("fio") and r["gbps"] > 0 for r in mine)
         assert all(r["engine"] == "posix-direct" and r["engine_described"].startswith("posix")
                    and r["cpu_s_per_gb"] > 0 for r in mine)

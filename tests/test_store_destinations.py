@@ -234,7 +234,8 @@ def test_an_aligned_source_stages_only_its_last_partial_page(store, monkeypatch)
         info = store.info("a1")
 
 
-def test_which_batches_go_to_the_chunk_workers() -> None:
+def test_which_batches_go_to_the_chunk_workers(monkeypatch) -> None:
+    from tierstore import landing
     from tierstore.landing import on_workers
 
     kib, mib = 1 << 10, 1 << 20
@@ -243,3 +244,8 @@ def test_which_batches_go_to_the_chunk_workers() -> None:
     assert on_workers(8 * 256 * kib, 8 * 256 * kib, 8)  # 256 KiB needing a copy: workers
     assert on_workers(0, 4 * mib, 4) and on_workers(0, 16 * mib, 1)  # aligned 1-32 MiB
     assert not on_workers(0, 64 * mib, 1) and on_workers(64 * mib, 64 * mib, 1)
+    # The benchmark's override of the rule (bench tiers --paths)
+    monkeypatch.setattr(landing, "ROUTE", "batch")
+    assert not on_workers(64 * mib, 64 * mib, 1)
+    monkeypatch.setattr(landing, "ROUTE", "workers")
+    assert on_workers(0, 8 * 256 * kib, 8)

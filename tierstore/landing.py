@@ -74,6 +74,9 @@ def target(out: torch.Tensor, nbytes: int, length: int) -> Target:
 WORKERS_MIN_ENTRY = 256 << 10
 # Entries of these sizes, on average, go to the chunk workers whatever their memory.
 WORKERS_ANY_ENTRY = range(1 << 20, 32 << 20)
+# "batch" or "workers" sends every batch of this process that way instead: for measuring
+# the two paths side by side (``tierstore bench tiers --peer deepnvme --paths``).
+ROUTE: str | None = None
 
 
 def on_workers(copied: int, total: int, entries: int) -> bool:
@@ -94,6 +97,8 @@ def on_workers(copied: int, total: int, entries: int) -> bool:
       for writes from 4 KiB pages), and below 1 MiB, where it joins small entries into
       large requests (250 KiB: 0.81-0.88 against 0.71-0.87). Between 16 and 64 MiB
       nothing was measured; the bound sits half way."""
+    if ROUTE is not None:
+        return ROUTE == "workers"
     if total // max(entries, 1) in WORKERS_ANY_ENTRY:
         return True
     return 2 * copied > total and total >= entries * WORKERS_MIN_ENTRY
