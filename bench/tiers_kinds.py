@@ -188,7 +188,8 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
         ref = PEER if PEER in med else next(s for s in med if s.startswith("fio"))
         for k in route:
             rows.append({
-                "op": op, "kind": k, "path": route[k][1] or "auto", "engine": engine, "block_bytes": block, "threads": threads,
+                "op": op, "kind": k, "path": route[k][1] or "auto", "engine": engine,
+                "block_bytes": block, "threads": threads,
                 "total_bytes": span, "repeats": repeats, "engine_described": described,
                 "gbps": round(med[k], 3), "reference": ref,
                 "reference_gbps": round(med[ref], 3), "ratio": round(med[k] / med[ref], 3),

@@ -104,6 +104,16 @@ def on_workers(copied: int, total: int, entries: int) -> bool:
     return 2 * copied > total and total >= entries * WORKERS_MIN_ENTRY
 
 
+def direct_end(addr: int, nbytes: int, start: int, end: int) -> int:
+    """Where a write of the chunk ``[start, end)`` of a source of ``nbytes`` at ``addr``
+    stops coming from the source itself (O_DIRECT takes whole pages of page-aligned
+    memory) and its staged rest begins: ``start`` for unaligned memory, ``end`` where the
+    chunk is whole pages."""
+    if addr % ALIGNMENT:
+        return start
+    return max(start, min(end, nbytes - nbytes % ALIGNMENT))
+
+
 def copy_checked(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
     """Copy ``src`` into ``dst`` (host memory, as long), returning ``crc`` continued over
     the bytes: each step is checksummed, then copied from the cache the checksum pulled it

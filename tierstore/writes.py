@@ -29,7 +29,7 @@ from .catalog import Record, entry_key
 from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
-from .landing import copy_checked, on_workers
+from .landing import copy_checked, direct_end, on_workers
 from .local_state import LocalState
 from .media import ALIGNMENT, adjacent_runs, align_up, joined
 from .tensors import as_bytes, dtype_name
@@ -360,10 +360,7 @@ class WritePath(LocalState):
             direct: list[int] = []
             for n in range(first, last):
                 i, start, end = work[n]
-                nbytes = records[i][2].nbytes
-                cut = start
-                if addrs[i] % ALIGNMENT == 0:
-                    cut = max(start, min(end, nbytes - nbytes % ALIGNMENT))
+                cut = direct_end(addrs[i], records[i][2].nbytes, start, end)
                 if cut == end:
                     pieces.append([(addrs[i] + start, end - start)])
                     direct.append(n)
@@ -502,7 +499,7 @@ class WritePath(LocalState):
         the source itself (O_DIRECT and GDS need page-aligned memory), up to its last whole
         page; a partial last page is staged. Returns the chunk's crc32c."""
         end = min(start + self._chunk, rec.length)
-        cut = max(start, min(end, src.nbytes - src.nbytes % ALIGNMENT))
+        cut = direct_end(src.ctypes.data, src.nbytes, start, end)
         crc = 0
         if cut > start:
             # Checksummed after the write, as _run_writes does (see there).
