@@ -108,8 +108,7 @@ def put_items(items: PutItems, kind: str) -> Iterator[tuple[str, str, torch.Tens
         else:
             raise StoreError(f"put_many takes (name, tensor) or (name, kind, tensor) items, "
                              f"got {item!r:.60}")
-        check_name(name)
-        check_kind(k)
+        check_key(name, k)
         yield name, k, tensor
 
 
