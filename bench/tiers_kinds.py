@@ -46,8 +46,7 @@ PEER = "DeepNVMe aio_handle"
 
 def _pinned(nbytes: int) -> torch.Tensor:
     """Page-locked memory where CUDA is present; elsewhere what the store's code sees of
-    it: page-aligned memory of exactly ``nbytes`` (an anonymous mapping, as the store's
-    own host arenas are before CUDA registers them)."""
+    it: page-aligned memory of exactly ``nbytes`` on 4 KiB pages (an anonymous mapping)."""
     if torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     import mmap

@@ -5,7 +5,8 @@ rounds every request up to a power of two (a 1 GiB cache plus its alignment page
 2 GiB) and keeps the block cached after the cache is gone; it also creates a CUDA context
 whenever CUDA is present, even for a command that never touches a GPU. An arena here is an
 anonymous ``mmap`` of exactly the bytes asked for (page-aligned by the kernel, so no extra
-page either), and page-locking is ``cudaHostRegister`` on that range: nothing is rounded.
+page either), advised for huge pages, and page-locking is ``cudaHostRegister`` on that
+range: nothing is rounded.
 
 Pinning waits for a CUDA consumer (:func:`cuda_consumer`): a device prefetch queue, a
 trainer or a reader on a CUDA device announces itself, and every live arena that asked for
@@ -41,6 +42,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 _lock = threading.Lock()
 _lazy: weakref.WeakSet[HostArena] = weakref.WeakSet()
@@ -81,6 +84,10 @@ class HostArena:
             if ptr is None or ptr == _MAP_FAILED:
                 raise MemoryError(f"mmap of {nbytes} bytes failed "
                                   f"(errno {ctypes.get_errno()})")
+            # On 2 MiB pages where the kernel allows, as the store's other buffers are:
+            # O_DIRECT into 4 KiB pages reached the development VM's disk as many small
+            # requests (tierstore.nvme.pages). Advice only: refused, the pages stay 4 KiB.
+            _libc.madvise(ptr, nbytes, mmap.MADV_HUGEPAGE)
         self.ptr = ptr
         self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
                                     "data": (ptr or _EMPTY_PTR, False)}

@@ -249,3 +249,87 @@ def test_which_batches_go_to_the_chunk_workers(monkeypatch) -> None:
     assert not on_workers(64 * mib, 64 * mib, 1)
     monkeypatch.setattr(landing, "ROUTE", "workers")
     assert on_workers(0, 8 * 256 * kib, 8)
+
+
+def _on_small_pages(nbytes: int) -> torch.Tensor:
+    """Memory a caller might hand the store: an anonymous mapping kept off huge pages,
+    faulted in."""
+    import mmap
+    import warnings
+
+    m = mmap.mmap(-1, nbytes)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    with warnings.catch_warnings():  # torch warns that the mapping's buffer is writable
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(m, dtype=torch.uint8)
+    return t.fill_(0)
+
+
+def test_large_memory_on_small_pages_is_copied_and_the_rest_is_not(monkeypatch) -> None:
+    # The rule, whatever this kernel can tell: entries from 8 MiB on 4 KiB pages are
+    # bounced and staged; smaller ones, and memory on huge pages, are not.
+    from tierstore import landing
+
+    mib = 1 << 20
+    small_pages = {True}
+    monkeypatch.setattr(landing, "on_small_pages", lambda addr, n: True in small_pages)
+    buf = tierstore.read_buffer(8 * mib)
+    assert landing.target(buf, 8 * mib, 8 * mib).direct == 0
+    assert landing.target(buf[: 4 * mib], 4 * mib, 4 * mib).direct == 4 * mib
+    assert landing.staged(buf.data_ptr(), 8 * mib)
+    assert not landing.staged(buf.data_ptr(), 4 * mib)
+    assert landing.direct_end(buf.data_ptr(), 8 * mib, 0, mib) == 0
+    small_pages.clear()
+    assert landing.target(buf, 8 * mib, 8 * mib).direct == 8 * mib
+    assert not landing.staged(buf.data_ptr(), 8 * mib)
+    assert landing.staged(buf.data_ptr() + 64, 8 * mib)  # not page-aligned: always
+
+
+def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatch) -> None:
+    from tierstore.nvme.pages import on_small_pages
+
+    import tierstore.reads as reads
+    import tierstore.writes as writes
+
+    nbytes = 8 << 20
+    probe = _on_small_pages(nbytes)
+    if not on_small_pages(probe.data_ptr(), nbytes):
+        pytest.skip("this kernel cannot say which pages are small (PAGEMAP_SCAN, Linux 6.7)")
+    copied: list[int] = []
+    landed: list[int] = []
+    copy_checked, land = writes.copy_checked, reads.land
+
+    def counted_copy(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
+        copied.append(src.nbytes)
+        return copy_checked(dst, src, crc)
+
+    def counted_land(t: Any, start: int, piece: np.ndarray, crc: int) -> int:
+        landed.append(piece.nbytes)
+        return land(t, start, piece, crc)
+
+    monkeypatch.setattr(writes, "copy_checked", counted_copy)
+    monkeypatch.setattr(reads, "land", counted_land)
+    values = {n: _value(i, (nbytes // 4,)) for i, n in enumerate(("a", "b"))}
+    srcs = {n: _on_small_pages(nbytes).view(torch.float32).copy_(v) for n, v in values.items()}
+    store.put_many(srcs)
+    assert sum(copied) == 2 * nbytes  # staged, every byte
+    outs = {n: _on_small_pages(nbytes).view(torch.float32) for n in values}
+    store.get_many(list(values), out=outs)
+    assert sum(landed) == 2 * nbytes  # bounced, every byte
+    assert all(torch.equal(outs[n], v) for n, v in values.items())
+    copied.clear()
+    landed.clear()
+    # Under 8 MiB the same memory is written from and read into straight.
+    half = {f"h{n}": _on_small_pages(nbytes // 4).view(torch.float32).copy_(v[: nbytes // 16])
+            for n, v in values.items()}
+    store.put_many(half)
+    got = {n: _on_small_pages(nbytes // 4).view(torch.float32) for n in half}
+    store.get_many(list(half), out=got)
+    assert copied == [] and landed == []
+    assert all(torch.equal(got[n], t) for n, t in half.items())
+    info = store.info("b")
+    with open(info.path, "r+b") as f:
+        f.seek(info.offset + nbytes - 9)
+        f.write(b"\xff\x00")
+    with pytest.raises(tierstore.CorruptEntryError, match="'b'"):
+        store.get_many(list(values), out=outs)

@@ -8,8 +8,9 @@ tensor goes like this (:class:`Target`):
 
 - the longest run from the tensor's first byte that O_DIRECT can fill (whole pages of
   page-aligned host memory that the tensor's storage covers) is read straight into it;
-- the rest (all of it, for an unaligned or device tensor; the last partial page, for an
-  aligned one whose storage ends early) is read into a reused aligned bounce buffer, and
+- the rest (all of it, for an unaligned or device tensor, or a large one on 4 KiB pages:
+  :data:`SMALL_PAGES_MIN`; the last partial page, for an aligned one whose storage ends
+  early) is read into a reused aligned bounce buffer, and
   :func:`land` checksums and copies each chunk out of it as its request completes, while
   the requests after it are in flight: one copy, overlapped with the I/O, and the crc32c
   taken on the same cache-hot bytes as the copy, not in a pass of its own.
@@ -25,6 +26,16 @@ import numpy as np
 import torch
 
 from tierstore.nvme import ALIGNMENT
+from tierstore.nvme.pages import on_small_pages
+
+# Entries from this size on 4 KiB pages are moved through the store's buffers on 2 MiB
+# pages (one copy), not by O_DIRECT itself (see tierstore.nvme.pages). On the development
+# VM (tierstore bench tiers --peer deepnvme, 1 GiB, 5 rounds; runs in a row without and
+# with): 16 MiB entries of an anonymous mapping read at 0.70 of DeepNVMe and wrote at 0.75
+# direct, 0.98 and 1.06 copied; 64 MiB ones 0.89 and 0.74 direct, 1.01 and 0.92 copied. At
+# 4 MiB it bought nothing (reads 0.97 and 0.98, writes 0.92 and 0.82); at 1 MiB every
+# staged kind wrote at 0.41-0.45, against 0.69 straight from huge pages.
+SMALL_PAGES_MIN = 8 << 20
 
 # Bytes checksummed and copied at a time: the checksum pulls them into the CPU's cache and
 # the copy reads them from there. 256 KiB sits in the L2 cache of current x86 cores.
@@ -65,7 +76,17 @@ def target(out: torch.Tensor, nbytes: int, length: int) -> Target:
         start = out.storage_offset() * out.element_size()
         room = out.untyped_storage().nbytes() - start  # the storage may run past the tensor
         direct = min(length, room // ALIGNMENT * ALIGNMENT)
+        if direct >= SMALL_PAGES_MIN and on_small_pages(out.data_ptr(), direct):
+            direct = 0
     return Target(direct, host_bytes(out, max(nbytes, direct)))
+
+
+def staged(addr: int, nbytes: int) -> bool:
+    """Whether a write from the ``nbytes`` at ``addr`` is staged (copied into the store's
+    aligned buffers) rather than written from the memory itself: memory O_DIRECT cannot
+    take, or large and on 4 KiB pages (see :data:`SMALL_PAGES_MIN`)."""
+    return bool(addr % ALIGNMENT) or (nbytes >= SMALL_PAGES_MIN
+                                      and on_small_pages(addr, nbytes))
 
 
 # Entries smaller than this, on average, stay in one AIO batch whatever their memory: the
@@ -107,9 +128,9 @@ def on_workers(copied: int, total: int, entries: int) -> bool:
 def direct_end(addr: int, nbytes: int, start: int, end: int) -> int:
     """Where a write of the chunk ``[start, end)`` of a source of ``nbytes`` at ``addr``
     stops coming from the source itself (O_DIRECT takes whole pages of page-aligned
-    memory) and its staged rest begins: ``start`` for unaligned memory, ``end`` where the
-    chunk is whole pages."""
-    if addr % ALIGNMENT:
+    memory) and its staged rest begins: ``start`` for memory that is :func:`staged`,
+    ``end`` where the chunk is whole pages."""
+    if staged(addr, nbytes):
         return start
     return max(start, min(end, nbytes - nbytes % ALIGNMENT))
 

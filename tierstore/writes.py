@@ -29,9 +29,9 @@ from .catalog import Record, entry_key
 from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
-from .landing import copy_checked, direct_end, on_workers
+from .landing import copy_checked, direct_end, on_workers, staged
 from .local_state import LocalState
-from .media import ALIGNMENT, adjacent_runs, align_up, joined
+from .media import adjacent_runs, align_up, joined
 from .tensors import as_bytes, dtype_name
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -182,9 +182,9 @@ class WritePath(LocalState):
         """Copy-on-write: fresh extents, parallel chunk writes (a job of several small
         entries' chunks, see ``GROUP_BYTES``), sync, then one commit. On the AIO engine,
         one batch (:meth:`_write_batched`) unless most of its bytes need staging."""
-        staged = sum(src.nbytes for _, _, src, _ in batch if src.ctypes.data % ALIGNMENT)
+        copied = sum(src.nbytes for _, _, src, _ in batch if staged(src.ctypes.data, src.nbytes))
         if (getattr(self._medium, "batched", False)
-                and not on_workers(staged, sum(src.nbytes for _, _, src, _ in batch),
+                and not on_workers(copied, sum(src.nbytes for _, _, src, _ in batch),
                                       len(batch))):
             return self._write_batched(batch)
         taken: list[tuple[int, int, int]] = []
@@ -457,7 +457,7 @@ class WritePath(LocalState):
         k = 0
         while k < len(chunks):
             src, rec, start = chunks[k]
-            if src.ctypes.data % ALIGNMENT == 0:
+            if not staged(src.ctypes.data, src.nbytes):
                 crcs.append(self._write_aligned(src, rec, start))
                 k += 1
                 continue
@@ -465,7 +465,7 @@ class WritePath(LocalState):
             while last < len(chunks):
                 s, r, st = chunks[last]
                 e = min(st + self._chunk, r.length)
-                if (s.ctypes.data % ALIGNMENT == 0 or r.seg != rec.seg or r.off + st != at
+                if (not staged(s.ctypes.data, s.nbytes) or r.seg != rec.seg or r.off + st != at
                         or size + e - st > self._chunk):
                     break
                 at, size, last = r.off + e, size + e - st, last + 1
