@@ -30,6 +30,8 @@ pytest.importorskip("transformers")
 MAKERS = {"gpt_oss": gpt_oss_mxfp4, "deepseek_v3": deepseek_fp8}
 MODES = ("expert", "on-demand", "ring", "resident")
 NEW = 6
+# One intra-op thread (see conftest.one_thread): a trained weight's 1e-5 holds on every CPU.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))
