@@ -1,6 +1,9 @@
 """Shared test setup.
 
 - ``gpu`` marker: tests marked ``@pytest.mark.gpu`` are skipped where CUDA is absent.
+- ``slow`` marker: long campaigns (crash loops, 256 MiB entries, four-rank runs, DeepSpeed's
+  JIT-built ops) run only with ``--slow`` (``scripts/test.sh --slow``), so the default run
+  fits CI's budget on 2 cores.
 - ``backing``: every store test runs once per backing tier (``nvme``, ``pmem``), and the
   NVMe tier once more on the fallback I/O engine: ``nvme`` opens stores with the engine
   ``auto`` picks (Linux AIO where it runs), ``nvme-posix`` with the thread-pool engine.
@@ -47,13 +50,19 @@ _NVME_ONLY = {"slab_size"}
 _PMEM_ONLY = {"pmem_path", "pmem_size"}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (long campaigns)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
+    no_gpu = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
+    no_slow = pytest.mark.skip(reason="a long campaign: run with --slow")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "slow" in item.keywords and not config.getoption("--slow"):
+            item.add_marker(no_slow)
 
 
 @pytest.fixture
