@@ -6,7 +6,7 @@ trainable=True, process_group=True)``: what tests/test_dist_finetune_hf.py runs.
 ``corpus_bytes`` and ``out``. Every rank draws the global batch and trains its slice; rank 0
 writes the per-step losses and the exchanges' figures to ``out``. Before training, every rank
 probes the pipelining of the token-centric blocks (:func:`probe_pipeline`); training then
-runs in ``pipeline`` chunks (SPEC's, default 1)."""
+runs with SPEC's ``paradigm`` and ``pipeline``, as ``load`` takes them."""
 
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ def probe_pipeline(model: Any, experts: Any, x: torch.Tensor, y: torch.Tensor, r
     chunks and with ``auto`` (its first pass measures each block unchunked, its second
     runs the choice), forward and backward, nothing stepped: for each setting whether the
     loss, logits, dense and owned experts' gradients equal one chunk's bit for bit, and
-    its pipeline counters; and what auto chose."""
+    its pipeline counters (every rank's gradients compared, the verdict all of theirs);
+    and what auto chose. The loop's own setting is restored after."""
     x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
     parallel = model.tierstore.parallel
+    kept = parallel.pipeline
 
     def run(pipeline: int | str) -> tuple[list[torch.Tensor], dict[str, Any]]:
         parallel.pipeline = pipeline
@@ -52,8 +54,12 @@ def probe_pipeline(model: Any, experts: Any, x: torch.Tensor, y: torch.Tensor, r
     for i, setting in enumerate((2, 4, "auto", "auto")):
         got, figures = run(setting)
         same = len(got) == len(base) and all(torch.equal(a, c) for a, c in zip(base, got))
+        every = torch.tensor([int(same)])
+        dist.all_reduce(every, op=dist.ReduceOp.MIN)
+        same = bool(every.item())
         report[f"{setting}" if i < 2 else f"auto{i - 1}"] = {"same": same, **figures}
     report["chosen"] = {str(k): v for k, v in parallel.chunks.items()}
+    parallel.pipeline = kept
     return report
 
 
@@ -67,7 +73,8 @@ def main() -> None:
     global_tc = replace(tc, batch_size=tc.batch_size * w)
     torch.manual_seed(spec["seed"])
     model = tierstore.hf.load(store, trainable=True, process_group=dist.group.WORLD,
-                              device="cpu", host_cache="4MiB")
+                              device="cpu", host_cache="4MiB", paradigm=spec["paradigm"],
+                              pipeline=spec["pipeline"])
     corpus = model_corpus(load_corpus(max_bytes=spec["corpus_bytes"]),
                           load_tokenizer(model.tierstore.store), model.config)
     sampler, _ = training_batches(global_tc, spec["seed"], corpus)
@@ -78,7 +85,6 @@ def main() -> None:
     b = tc.batch_size
     probe = probe_pipeline(model, experts, *training_batches(global_tc, spec["seed"],
                                                              corpus)[0].next_batch(), rank, b)
-    model.tierstore.parallel.pipeline = spec.get("pipeline", 1)
     model.tierstore.parallel.begin()  # the counters from here on are the training's alone
     losses = []
     for step in range(spec["steps"]):

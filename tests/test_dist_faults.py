@@ -6,6 +6,7 @@ Each run is `torchrun -m tierstore train --distributed` as a user runs it, one t
 per "node" on this machine, with torchrun's `--log-dir ... --redirects 3` keeping every
 rank's stderr in a file of its own:
 
+- a rank stopped (SIGSTOP), silent past ``--failure-timeout``;
 - a rank SIGKILLed mid-run by the test (the re-shard campaign in test_dist_train.py kills
   others, rank 0 among them);
 - node 1's store running out of space mid-run (a PMem store whose pool file cannot grow);
@@ -18,6 +19,7 @@ The manifest checks themselves are table-driven over many malformed manifests
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -142,6 +144,30 @@ def test_a_killed_rank_ends_every_rank_with_one_line(tmp_path: Path) -> None:
             f"tierstore: rank {r}: stopped because rank 3 (node 1) ended without a word "
             "(killed, or out of memory: its node's torchrun output says which); rerun with "
             "--resume to continue from the last complete checkpoint"], r
+
+
+def test_a_silent_rank_ends_the_others_after_the_failure_timeout(tmp_path: Path) -> None:
+    """Two nodes of one rank; rank 1 stopped (SIGSTOP: alive, its connections open, saying
+    nothing) mid-run. Rank 0, blocked in a collective with it, ends after
+    ``--failure-timeout 5`` with one line naming it, long before gloo's own timeout."""
+    run = Run(tmp_path, "a", 2, 1, "--steps", "400", "--failure-timeout", "5")
+    try:
+        run.wait_for_step(1, 2)
+        stopped_at = time.monotonic()
+        os.kill(run.pid_of(1), signal.SIGSTOP)
+        assert run.agents[0].wait(timeout=BOUND_S + 60) != 0
+        took = time.monotonic() - stopped_at
+    finally:
+        with contextlib.suppress(AssertionError, ProcessLookupError):
+            os.kill(run.pid_of(1), signal.SIGKILL)
+        for a in run.agents:
+            a.kill()
+            a.wait()
+    assert took < BOUND_S, f"rank 0 took {took:.0f} s to end"
+    assert run.stderr(0) == [
+        "tierstore: rank 0: stopped because rank 1 (node 1) has not been heard from for 5 s "
+        "(its host is down or cut off); rerun with --resume to continue from the last "
+        "complete checkpoint"]
 
 
 def test_a_full_store_on_one_node_ends_every_rank_with_one_line(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@
   checkpoint had it, and training continues under the dense rule equal to the single
   process's run (per-step losses and final weights within 1e-5), with 16 experts so that
   some miss a step after the move and are caught up from the moved history.
+- A departing store with a damaged state: the move stops with one line naming the entry.
 - Old ranks' histories that differ (stores of different checkpoints) are refused in one line.
 - ``tierstore.hf.load(node_store, trainable=True)`` without a process group: refused in one
   line naming the missing experts while node 0's store holds half of them; after the
@@ -45,6 +46,7 @@ from test_dist_finetune_hf import (
     single_process,
 )
 from test_dist_train import launch, metrics, rank_stderr, stop_daemons
+from test_store_corruption import flip_byte
 from tierstore.hf.layout import stored_model
 from tierstore.hf.node_stores import owned_ranges
 from tierstore.trainer.dist.hf_reshard import agreed_history
@@ -151,6 +153,23 @@ def scale_in(tmp: Path, corpus: Corpus, tokenizer_file: Path, before: tuple[int,
                                    "node 1's store"), line
             assert line.endswith("name where that store is reachable with --node-store PATH "
                                  "(a shared path, or a copy of its directory)"), line
+        if reach == "copy":
+            # A departing state damaged on disk: the move stops at it with the store's one
+            # line naming it, and the remaining store is still sound (the resume below
+            # restores its checkpoint first, so nothing moved before the damage counts).
+            bad = tmp / "bad"
+            shutil.copytree(departing[0], bad)
+            name, kind = max(k for k in trained[1] if len(k) == 2)
+            with tierstore.open(bad, host_cache=0) as st:
+                flip_byte(st.info(name, kind), 5)
+            spec_bad = {**spec, "node_stores": [str(bad)]}
+            assert launch(tmp, "y", new_nodes, new_per_node, steps=STEPS, resume=True,
+                          spec=spec_bad) != [0]
+            (line,) = rank_stderr(tmp, "y", 0, new_per_node)
+            assert f"entry {name!r} (kind {kind!r}) is corrupt" in line, line
+            stop_daemons(tmp)
+            with tierstore.open(tmp / "node0", host_cache=0) as st:
+                assert st.fsck().ok
     else:
         # Killed mid-move: the other rank ends with one line, and every store is fsck-clean.
         spec_k = {**spec, "node_stores": [str(p) for p in departing]}

@@ -81,8 +81,10 @@ class HFExpertParallel:
 
     ``states`` serves the experts this rank owns (an
     :class:`~trainer.train.expert_states.ExpertStates` over the node's store).
-    ``paradigms``: ``token`` or ``data`` per MoE layer key (:func:`choose`); token-centric
-    where it names none. ``pipeline``: the chunks a token-centric block is split into
+    ``paradigms``: ``token`` or ``data`` per MoE layer key (:func:`choose`), or one of
+    :data:`.exchange.PARADIGMS` for every layer, ``auto`` choosing each by Janus's ratio at
+    its first call (a user's loop, whose batch is known only then: :func:`paradigm_for`).
+    ``pipeline``: the chunks a token-centric block is split into
     (:mod:`.pipeline`), or ``auto``: per block, by MPMoE's model of the times its first
     call measures (unchunked).
 
@@ -91,10 +93,11 @@ class HFExpertParallel:
     exchanges sent, forward and backward) and their sums (``pipeline_*``)."""
 
     def __init__(self, world: World, states: Any, n_experts: int,
-                 paradigms: Mapping[int, str] | None = None, pipeline: int | str = 1) -> None:
+                 paradigms: Mapping[int, str] | str = "token", pipeline: int | str = 1) -> None:
         self.world, self.states, self.n_experts = world, states, n_experts
         self.ids = owned(world.rank, n_experts, world.size)
-        self.paradigms = dict(paradigms or {})
+        self.paradigm = check_paradigm(paradigms) if isinstance(paradigms, str) else "token"
+        self.paradigms = {} if isinstance(paradigms, str) else dict(paradigms)
         self.pipeline = check_pipeline(pipeline, n_experts // world.size)
         self.chunks: dict[int, int] = {}  # per layer, as auto chose
         self.traffic = Traffic(world)  # the data-centric blocks'
@@ -128,7 +131,7 @@ class HFExpertParallel:
 
     def forward_layer(self, module: nn.Module, layer: ExpertLayer, x: Tensor,
                       top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        mode = self.paradigms.get(layer.key, "token")
+        mode = self.paradigms.get(layer.key) or self._paradigm(layer, x, top_k_index)
         self.used[layer.key] = mode
         if mode == "data":
             return self.pulls.forward(module, layer, x, top_k_index, top_k_weights)
@@ -177,6 +180,22 @@ class HFExpertParallel:
             self.chunks[layer.key] = self._choose(layer, overlap)
             block.merge(overlap)
         return y
+
+    def _paradigm(self, layer: ExpertLayer, x: Tensor, top_k_index: Tensor) -> str:
+        """The paradigm of a layer no mapping named, from its first call on: ``auto``'s by
+        the most tokens any rank routed (so that the ranks agree), said once."""
+        mode = self.paradigm
+        if mode == "auto":
+            tokens = torch.tensor([top_k_index.shape[0]], dtype=torch.int64)
+            dist.all_reduce(tokens, op=dist.ReduceOp.MAX)
+            numel = self.states.layout.layer(layer.key).numel
+            mode, r = paradigm_for(x.shape[-1], top_k_index.shape[1], numel, self.n_experts,
+                                   int(tokens), self.world)
+            if self.world.rank == 0:
+                print(f"paradigm: {layer.module_name}: {mode} (Janus's ratio {r:.3g} for "
+                      f"{int(tokens)} tokens a rank)", flush=True)
+        self.paradigms[layer.key] = mode
+        return mode
 
     def _choose(self, layer: ExpertLayer, measured: Overlap) -> int:
         """MPMoE's choice for ``layer`` from its first, unchunked call's times, agreed by
@@ -274,14 +293,25 @@ def choose(layout: ExpertLayout, hidden: int, paradigm: str, tokens_per_rank: in
            world: World) -> dict[int, str]:
     """The paradigm of every MoE layer: ``paradigm``, or with ``auto`` data-centric where
     Janus's ratio (:func:`.exchange.ratio_of`, for the layer's own expert size) exceeds 1."""
+    check_paradigm(paradigm)
+    if paradigm != "auto":
+        return dict.fromkeys(layout.keys, paradigm)
+    return {key: paradigm_for(hidden, layout.top_k, layout.layer(key).numel, layout.n_experts,
+                              tokens_per_rank, world)[0] for key in layout.keys}
+
+
+def paradigm_for(hidden: int, top_k: int, numel: int, n_experts: int, tokens_per_rank: int,
+                 world: World) -> tuple[str, float]:
+    """Janus's choice for one MoE layer of experts of ``numel`` parameters: data-centric
+    where its ratio (:func:`.exchange.ratio_of`) exceeds 1; and the ratio."""
+    r = ratio_of(hidden, top_k, numel, n_experts, tokens_per_rank, world)
+    return ("data" if r > 1 else "token"), r
+
+
+def check_paradigm(paradigm: str) -> str:
     if paradigm not in PARADIGMS:
         raise ValueError(f"paradigm must be one of {', '.join(PARADIGMS)}, not {paradigm!r}")
-    out = {}
-    for key in layout.keys:
-        lay = layout.layer(key)
-        r = ratio_of(hidden, layout.top_k, lay.numel, layout.n_experts, tokens_per_rank, world)
-        out[key] = paradigm if paradigm != "auto" else ("data" if r > 1 else "token")
-    return out
+    return paradigm
 
 
 class _GatherRows(torch.autograd.Function):

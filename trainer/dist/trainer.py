@@ -173,6 +173,9 @@ def train_distributed(
         if stored is not None:
             # The node stores hold an import: the family's own transformers model, fine-tuned
             # expert-parallel over the tierstore experts backend (.hf_trainer).
+            if credits is not None or hierarchical:
+                raise AgreedError("--credits and --hierarchical-a2a shape a preset's "
+                                  "exchanges; an imported model's blocks take neither")
             tc = replace(train or TrainConfig(), **(overrides or {}))
             history = train_imported(
                 world, store, run, steps, seed, replace(tc, update_rule=None), resume=resume,

@@ -65,7 +65,8 @@ def load(store: str | os.PathLike[str] | tierstore.Store, *, trainable: bool = F
          mode: str = "auto", device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, device_budget: int | str | None = None,
          host_cache: int | str | None = None, ring_slots: int | str = "auto",
-         fetch: str = "auto", process_group: Any = None) -> Any:
+         fetch: str = "auto", process_group: Any = None, paradigm: str = "auto",
+         pipeline: int | str = "auto") -> Any:
     """The store's model as its ``transformers`` class, in eval mode, its experts served
     from the store by ``mode`` (``auto``, ``expert``, ``on-demand``, ``ring``,
     ``resident``; ``model.tierstore.mode`` says which ``auto`` chose and
@@ -76,7 +77,9 @@ def load(store: str | os.PathLike[str] | tierstore.Store, *, trainable: bool = F
     ``mode`` and ``ring_slots`` are the inference sources' and do not apply, ``fetch`` says
     how experts reach the device (``auto``, ``queue``, ``direct``), and ``dtype`` can only
     be fp32 (compute in bf16 with ``torch.autocast``); ``process_group`` trains it
-    expert-parallel under torchrun (:func:`tierstore.hf.train.load_trainable`).
+    expert-parallel under torchrun, its MoE blocks exchanged by ``paradigm`` and
+    ``pipeline`` as ``tierstore train --distributed`` does
+    (:func:`tierstore.hf.train.load_trainable`).
 
     ``store``: a store directory, a daemon's socket, or an open :class:`tierstore.Store`
     (left open). ``device``: default CUDA where there is one, else the CPU. ``dtype``: the
@@ -94,7 +97,8 @@ def load(store: str | os.PathLike[str] | tierstore.Store, *, trainable: bool = F
                              "torch.autocast")
         return load_trainable(store, device=dev, host_cache=host_cache,
                               device_budget=device_budget, fetch=fetch,
-                              process_group=process_group)
+                              process_group=process_group, paradigm=paradigm,
+                              pipeline=pipeline)
     if process_group is not None:
         raise ValueError("process_group is for training (trainable=True)")
     st, owns = open_store(store, host_cache=host_cache, device_budget=device_budget)

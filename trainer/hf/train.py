@@ -68,7 +68,8 @@ from .quant_train import build_trainable
 def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
                    device: torch.device, host_cache: int | str | None = None,
                    device_budget: int | str | None = None, fetch: str = "auto",
-                   process_group: Any = None) -> Any:
+                   process_group: Any = None, paradigm: str = "auto",
+                   pipeline: int | str = "auto") -> Any:
     """What ``tierstore.hf.load(store, trainable=True)`` returns: the model in training
     mode, dense weights fp32, experts trained through the store (see the module docstring).
 
@@ -87,6 +88,12 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
     layer), and every experts module sends its routed rows to their owners and back
     (:mod:`tierstore.trainer.dist.hf_parallel`). Each rank feeds its own rows; call
     :func:`reduce_gradients` after the backward pass, before clipping and stepping.
+    ``paradigm`` and ``pipeline`` are ``tierstore train --distributed``'s: each MoE block
+    sends its rows to the experts' owners (``token``), pulls the experts to its rows
+    (``data``) or, with ``auto``, chooses by Janus's ratio for the tokens of its first
+    call; a token-centric block runs in ``pipeline`` chunks (MPMoE; bit-identical to 1) or
+    as MPMoE's model of its first call's times chooses (``auto``). Each choice is printed
+    once by rank 0, and ``model.tierstore.parallel`` holds them.
     """
     mode = resolve_fetch_mode(fetch, device)
     world = None
@@ -130,7 +137,7 @@ def load_trainable(store: str | os.PathLike[str] | tierstore.Store, *,
         if world is not None:
             from tierstore.trainer.dist.hf_parallel import HFExpertParallel, install_router_loss
 
-            parallel = HFExpertParallel(world, states, layout.n_experts)
+            parallel = HFExpertParallel(world, states, layout.n_experts, paradigm, pipeline)
             install_router_loss(model, world)
         loaded.attach_trainable(states, parallel)
     except BaseException:
