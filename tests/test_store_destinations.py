@@ -278,7 +278,7 @@ def test_large_memory_on_small_pages_is_copied_and_the_rest_is_not(monkeypatch) 
     assert landing.target(buf[: 4 * mib], 4 * mib, 4 * mib).direct == 4 * mib
     assert landing.staged(buf.data_ptr(), 8 * mib)
     assert not landing.staged(buf.data_ptr(), 4 * mib)
-    assert landing.direct_end(buf.data_ptr(), 8 * mib, 0, mib) == 0
+    assert landing.direct_end(landing.staged(buf.data_ptr(), 8 * mib), 8 * mib, 0, mib) == 0
     small_pages.clear()
     assert landing.target(buf, 8 * mib, 8 * mib).direct == 8 * mib
     assert not landing.staged(buf.data_ptr(), 8 * mib)

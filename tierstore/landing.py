@@ -125,12 +125,12 @@ def on_workers(copied: int, total: int, entries: int) -> bool:
     return 2 * copied > total and total >= entries * WORKERS_MIN_ENTRY
 
 
-def direct_end(addr: int, nbytes: int, start: int, end: int) -> int:
-    """Where a write of the chunk ``[start, end)`` of a source of ``nbytes`` at ``addr``
-    stops coming from the source itself (O_DIRECT takes whole pages of page-aligned
-    memory) and its staged rest begins: ``start`` for memory that is :func:`staged`,
-    ``end`` where the chunk is whole pages."""
-    if staged(addr, nbytes):
+def direct_end(copied: bool, nbytes: int, start: int, end: int) -> int:
+    """Where a write of the chunk ``[start, end)`` of a source of ``nbytes`` stops coming
+    from the source itself (O_DIRECT takes whole pages of page-aligned memory) and its
+    staged rest begins: ``start`` for a source that is :func:`staged` (``copied``, asked
+    once per entry), ``end`` where the chunk is whole pages."""
+    if copied:
         return start
     return max(start, min(end, nbytes - nbytes % ALIGNMENT))
 

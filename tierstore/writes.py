@@ -182,18 +182,20 @@ class WritePath(LocalState):
         """Copy-on-write: fresh extents, parallel chunk writes (a job of several small
         entries' chunks, see ``GROUP_BYTES``), sync, then one commit. On the AIO engine,
         one batch (:meth:`_write_batched`) unless most of its bytes need staging."""
-        copied = sum(src.nbytes for _, _, src, _ in batch if staged(src.ctypes.data, src.nbytes))
+        # Whether each entry is staged, asked once (a page walk of large sources).
+        copies = [staged(src.ctypes.data, src.nbytes) for _, _, src, _ in batch]
+        copied = sum(src.nbytes for (_, _, src, _), c in zip(batch, copies) if c)
         if (getattr(self._medium, "batched", False)
                 and not on_workers(copied, sum(src.nbytes for _, _, src, _ in batch),
                                       len(batch))):
-            return self._write_batched(batch)
+            return self._write_batched(batch, copies)
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
-        jobs: list[tuple[list[tuple[np.ndarray, Record, int]], Future[list[int]]]] = []
+        jobs: list[tuple[list[tuple[np.ndarray, Record, int, bool]], Future[list[int]]]] = []
         # A job per worker at least, where the batch has that many chunks.
         workers = 2 * self._io_threads
         limit = min(GROUP_BYTES, -(-sum(src.nbytes for _, _, src, _ in batch) // workers))
-        group: list[tuple[np.ndarray, Record, int]] = []  # the next job's chunks
+        group: list[tuple[np.ndarray, Record, int, bool]] = []  # the next job's chunks
         size = 0
 
         def send() -> None:
@@ -205,16 +207,16 @@ class WritePath(LocalState):
 
         try:
             placed = self._placed([(src, meta) for _, _, src, meta in batch], taken)
-            for (name, k, src, _), rec in zip(batch, placed):
+            for (name, k, src, _), rec, copy in zip(batch, placed, copies):
                 records.append((name, k, rec))
                 for start in range(0, rec.length, self._chunk):
-                    group.append((src, rec, start))
+                    group.append((src, rec, start, copy))
                     size += min(self._chunk, rec.length - start)
                     if size >= limit:
                         send()
             send()
             for chunks, job in jobs:
-                for (_, rec, start), crc in zip(chunks, job.result()):
+                for (_, rec, start, _), crc in zip(chunks, job.result()):
                     rec.crc[start // self._chunk] = crc
             self._medium.sync({seg for seg, _, length in taken if length})
             freed = self._catalog.write(lambda txn: self._commit(txn, records))
@@ -225,7 +227,8 @@ class WritePath(LocalState):
             raise
         self._written(freed, records)
 
-    def _write_batched(self, batch: list[tuple[str, str, np.ndarray, Meta]]) -> None:
+    def _write_batched(self, batch: list[tuple[str, str, np.ndarray, Meta]],
+                       copies: list[bool]) -> None:
         """:meth:`_write_through` as one batch on an engine with a deep queue (AIO): chunks
         are requests (see :meth:`_run_writes`), each chunk's crc32c taken while other
         chunks are in flight, and the batch's extents placed a group at a time as the
@@ -234,7 +237,7 @@ class WritePath(LocalState):
         records: list[tuple[str, str, Record]] = []
         encoded: dict[int, bytes] = {}
         try:
-            self._run_writes(batch, records, taken, encoded)
+            self._run_writes(batch, copies, records, taken, encoded)
             self._medium.sync({seg for seg, _, length in taken if length})
             freed = self._catalog.write(lambda txn: self._commit(txn, records, encoded))
         except BaseException as e:
@@ -257,10 +260,10 @@ class WritePath(LocalState):
             self._tier.writes += len(records)
             self._tier.bytes_written += sum(r.nbytes for _, _, r in records)
 
-    def _run_writes(self, batch: list[tuple[str, str, np.ndarray, Meta]],
+    def _run_writes(self, batch: list[tuple[str, str, np.ndarray, Meta]], copies: list[bool],
                     records: list[tuple[str, str, Record]],
                     taken: list[tuple[int, int, int]], encoded: dict[int, bytes]) -> None:
-        """Write ``batch`` to fresh extents, appending each entry's record (its crc32c
+        """Write ``batch`` (``copies``: whether each entry is staged) to fresh extents, appending each entry's record (its crc32c
         filled in as its chunks land) to ``records``, each extent to ``taken``, and, for
         entries of one chunk, the record's encoding to ``encoded`` (by position).
 
@@ -360,7 +363,7 @@ class WritePath(LocalState):
             direct: list[int] = []
             for n in range(first, last):
                 i, start, end = work[n]
-                cut = direct_end(addrs[i], records[i][2].nbytes, start, end)
+                cut = direct_end(copies[i], records[i][2].nbytes, start, end)
                 if cut == end:
                     pieces.append([(addrs[i] + start, end - start)])
                     direct.append(n)
@@ -447,8 +450,8 @@ class WritePath(LocalState):
             for b in held.values():
                 give(b)
 
-    def _write_group(self, chunks: list[tuple[np.ndarray, Record, int]]) -> list[int]:
-        """A worker's job: write ``chunks`` (source, record, start), returning each one's
+    def _write_group(self, chunks: list[tuple[np.ndarray, Record, int, bool]]) -> list[int]:
+        """A worker's job: write ``chunks`` (source, record, start, staged), returning each one's
         crc32c. Chunks that need staging and follow each other on disk (small entries of
         one put, from torch's allocator) are copied into one staging buffer and written as
         one request of up to a chunk's bytes, as the AIO batch joins them: a request and a
@@ -456,20 +459,20 @@ class WritePath(LocalState):
         crcs: list[int] = []
         k = 0
         while k < len(chunks):
-            src, rec, start = chunks[k]
-            if not staged(src.ctypes.data, src.nbytes):
+            src, rec, start, copy = chunks[k]
+            if not copy:
                 crcs.append(self._write_aligned(src, rec, start))
                 k += 1
                 continue
             last, at, size = k, rec.off + start, 0
             while last < len(chunks):
-                s, r, st = chunks[last]
+                s, r, st, c = chunks[last]
                 e = min(st + self._chunk, r.length)
-                if (not staged(s.ctypes.data, s.nbytes) or r.seg != rec.seg or r.off + st != at
+                if (not c or r.seg != rec.seg or r.off + st != at
                         or size + e - st > self._chunk):
                     break
                 at, size, last = r.off + e, size + e - st, last + 1
-            crcs += self._write_staged([(s, r, st, 0) for s, r, st in chunks[k:last]])
+            crcs += self._write_staged([(s, r, st, 0) for s, r, st, _ in chunks[k:last]])
             k = last
         return crcs
 
@@ -499,7 +502,7 @@ class WritePath(LocalState):
         the source itself (O_DIRECT and GDS need page-aligned memory), up to its last whole
         page; a partial last page is staged. Returns the chunk's crc32c."""
         end = min(start + self._chunk, rec.length)
-        cut = direct_end(src.ctypes.data, src.nbytes, start, end)
+        cut = direct_end(False, src.nbytes, start, end)
         crc = 0
         if cut > start:
             # Checksummed after the write, as _run_writes does (see there).

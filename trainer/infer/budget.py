@@ -82,13 +82,18 @@ class PassShape:
 
     @classmethod
     def of(cls, config: Any, top_k: int) -> PassShape:
+        """A heterogeneous config (gemma4, dots3_note: sizes that vary by layer, which it
+        refuses to give globally) is bounded by its widest layer's."""
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layers = list(c.per_layer_config) if getattr(c, "is_heterogeneous", False) else []
+        varying = (c.per_layer_attributes or set()) if layers else set()
 
         def first(*names: str, default: int = 0) -> int:
             for n in names:
-                v = getattr(c, n, None)
-                if isinstance(v, int) and v > 0:
-                    return v
+                got = [getattr(x, n, None) for x in (layers if n in varying else [c])]
+                got = [v for v in got if isinstance(v, int) and v > 0]
+                if got:
+                    return max(got)
             return default
 
         hidden = first("hidden_size", default=1)
