@@ -5,11 +5,15 @@ to their experts' owners inside the registered ``tierstore`` experts function.
 - W = 2 equals the single-process fine-tune (``train_store`` over one store) on the same
   global batch under the dense update rule (the default): per-step losses within 1e-5,
   every weight (each node's owned experts, the dense weights) within 1e-5, experts missing
-  steps and caught up by their owners, each rank from its own history. Mixtral (the global batch's router loss) in a loop of the
-  user's own over ``tierstore.hf.load(..., process_group=...)``, as two nodes of one rank
-  with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by the
-  distributed trainer, as one node of two ranks sharing its store and daemon. Two nodes
-  (``slow``): W = 4 in both paradigms under both rules, W = 2 under the lazy rule.
+  steps and caught up by their owners, each rank from its own history. Mixtral (the
+  global batch's router loss) in a loop of the user's own over ``tierstore.hf.load(...,
+  process_group=...)`` (``paradigm="auto"``: token-centric, said per block), as two nodes
+  of one rank with a store each; DeepSeek-V3 (a shared expert, group-limited routing) by
+  the distributed trainer data-centric, as one node of two ranks sharing its store and
+  daemon, and by ``tierstore train --distributed`` token-centric (``--paradigm auto``) on
+  two nodes, resumed after its daemon's SIGKILL with ``--pipeline 2``. Two nodes
+  (``slow``), both families: W = 4 in both paradigms under both rules, W = 2 under the
+  lazy rule. Every other family: tests/test_dist_families_hf.py.
 - DeepSeek-V3 shipped in block FP8, imported compact: the two ranks of one node unpack
   its packed weights into fp32 masters together, and the run equals the single process's
   fine-tune of the same compact store to 1e-5.
@@ -25,6 +29,7 @@ to their experts' owners inside the registered ``tierstore`` experts function.
 - A rank SIGKILLed mid-step: the other ends within the bound with one line naming
   it, the store stays fsck-clean, and ``--resume`` continues to the single process's
   result (each torchrun launch costs ~20 s here: the kill and the equality share one run).
+- ``--credits`` and ``--hierarchical-a2a`` (a preset's exchanges) are refused in one line.
 """
 
 from __future__ import annotations
@@ -515,3 +520,15 @@ def model_json(store: Path) -> bytes:
 def stored_model_of(store: Path) -> Any:
     with tierstore.open(store, host_cache=0) as st:
         return stored_model(st)
+
+
+def test_a_presets_exchange_options_are_refused_for_an_imported_model(
+        tokenizer_file: Path, tmp_path: Path) -> None:
+    """``--credits`` and ``--hierarchical-a2a`` shape a preset's exchanges; given for an
+    imported model they end the run with one line instead of being ignored."""
+    prepare("mixtral", tmp_path, 1, tokenizer_file)
+    (agent,) = cli_run(tmp_path, "r", 1, "--credits", "1", "--hierarchical-a2a")
+    assert agent.wait(timeout=300) != 0
+    assert rank_stderr(tmp_path, "r", 0, 1) == [
+        "tierstore: --credits and --hierarchical-a2a shape a preset's exchanges; an imported "
+        "model's blocks take neither"]

@@ -30,5 +30,6 @@ def test_auto_chooses_each_block_by_its_own_experts() -> None:
 
 
 def test_an_unknown_paradigm_is_one_line() -> None:
-    with pytest.raises(ValueError, match=r"^paradigm must be one of token, data, auto, not 'pull'$"):
+    with pytest.raises(ValueError,
+                       match=r"^paradigm must be one of token, data, auto, not 'pull'$"):
         choose(LAYOUT, 64, "pull", 256, WORLD)

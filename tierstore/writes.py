@@ -263,9 +263,10 @@ class WritePath(LocalState):
     def _run_writes(self, batch: list[tuple[str, str, np.ndarray, Meta]], copies: list[bool],
                     records: list[tuple[str, str, Record]],
                     taken: list[tuple[int, int, int]], encoded: dict[int, bytes]) -> None:
-        """Write ``batch`` (``copies``: whether each entry is staged) to fresh extents, appending each entry's record (its crc32c
-        filled in as its chunks land) to ``records``, each extent to ``taken``, and, for
-        entries of one chunk, the record's encoding to ``encoded`` (by position).
+        """Write ``batch`` (``copies``: whether each entry is staged) to fresh extents,
+        appending each entry's record (its crc32c filled in as its chunks land) to
+        ``records``, each extent to ``taken``, and, for entries of one chunk, the record's
+        encoding to ``encoded`` (by position).
 
         The engine takes the requests in order as its queue has room. Entries are placed a
         group of about ``PLACE_AHEAD_CHUNKS`` chunks at a time, as the engine asks for more
@@ -451,11 +452,11 @@ class WritePath(LocalState):
                 give(b)
 
     def _write_group(self, chunks: list[tuple[np.ndarray, Record, int, bool]]) -> list[int]:
-        """A worker's job: write ``chunks`` (source, record, start, staged), returning each one's
-        crc32c. Chunks that need staging and follow each other on disk (small entries of
-        one put, from torch's allocator) are copied into one staging buffer and written as
-        one request of up to a chunk's bytes, as the AIO batch joins them: a request and a
-        staging buffer per 256 KiB entry cost the workers more than the copy."""
+        """A worker's job: write ``chunks`` (source, record, start, whether staged),
+        returning their crc32c. Staged chunks that follow each other on disk (small entries
+        of one put, from torch's allocator) share one staging buffer and request of up to a
+        chunk's bytes, as the AIO batch joins them: a request and a staging buffer per
+        256 KiB entry cost the workers more than the copy."""
         crcs: list[int] = []
         k = 0
         while k < len(chunks):
