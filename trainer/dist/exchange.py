@@ -94,12 +94,18 @@ def ratio_of(hidden: int, top_k: int, expert_params: int, n_experts: int,
     return 2 * hidden * t / (max(1, world.n_nodes) * expert_params * per_rank)
 
 
+def check_paradigm(paradigm: str) -> str:
+    """``paradigm``, if it is one of :data:`PARADIGMS`; else a one-line ValueError."""
+    if paradigm not in PARADIGMS:
+        raise ValueError(f"paradigm must be one of {', '.join(PARADIGMS)}, not {paradigm!r}")
+    return paradigm
+
+
 def choose_paradigms(cfg: TrainModel, paradigm: str, tokens_per_rank: int,
                      world: World) -> dict[int, str]:
     """The paradigm of every MoE layer: ``paradigm``, or with ``auto`` data-centric where
     :func:`janus_ratio` exceeds 1."""
-    if paradigm not in PARADIGMS:
-        raise ValueError(f"paradigm must be one of {', '.join(PARADIGMS)}, not {paradigm!r}")
+    check_paradigm(paradigm)
     out = {}
     for layer in cfg.moe_layers:
         if paradigm != "auto":

@@ -58,7 +58,7 @@ from .collectives import (
     inverse_permutation,
 )
 from ..train.layout import ExpertLayout, owned_suffix
-from .exchange import PARADIGMS, ratio_of
+from .exchange import check_paradigm, ratio_of
 from .hf_pull import Pulls
 from .pipeline import (
     CHUNK_CHOICES,
@@ -306,12 +306,6 @@ def paradigm_for(hidden: int, top_k: int, numel: int, n_experts: int, tokens_per
     where its ratio (:func:`.exchange.ratio_of`) exceeds 1; and the ratio."""
     r = ratio_of(hidden, top_k, numel, n_experts, tokens_per_rank, world)
     return ("data" if r > 1 else "token"), r
-
-
-def check_paradigm(paradigm: str) -> str:
-    if paradigm not in PARADIGMS:
-        raise ValueError(f"paradigm must be one of {', '.join(PARADIGMS)}, not {paradigm!r}")
-    return paradigm
 
 
 class _GatherRows(torch.autograd.Function):
