@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 ALIGNMENT = 4096
@@ -40,6 +42,31 @@ def huge_empty(nbytes: int) -> np.ndarray:
     return aligned_empty(nbytes, HUGE_PAGE)
 
 
+_bump_lock = threading.Lock()
+_bump: list = [None, 0]  # the sheaf small buffers are cut from now, and its next free byte
+
+
+def small_huge_empty(nbytes: int) -> np.ndarray:
+    """:func:`huge_empty`, and under 1 MiB on huge pages too: cut, a page-rounded step at a
+    time, from a 2 MiB sheaf shared with the buffers made before and after it.
+
+    Separate small buffers on 4 KiB pages read and wrote slower than slices of one buffer
+    on huge pages (1 GiB of 256 KiB entries, AIO: 2.0 against 3.1 GB/s read, 4.8 against
+    7.0 written from a raw batch): a vectored request across them pins 4 KiB pages and
+    reaches the disk as many short segments. A buffer keeps its sheaf alive (it is a numpy
+    view of it), so a sheaf's memory is freed with the last buffer cut from it, and one
+    kept buffer holds at most its 2 MiB page."""
+    step = -(-nbytes // ALIGNMENT) * ALIGNMENT
+    if step > HUGE_PAGE // 2:
+        return huge_empty(nbytes)
+    with _bump_lock:
+        sheaf, at = _bump
+        if sheaf is None or at + step > HUGE_PAGE:
+            sheaf, at = aligned_empty(HUGE_PAGE, HUGE_PAGE), 0
+        _bump[0], _bump[1] = sheaf, at + step
+    return sheaf[at : at + nbytes]
+
+
 def is_aligned(buf: np.ndarray, alignment: int = ALIGNMENT) -> bool:
     return buf.ctypes.data % alignment == 0 and buf.nbytes % alignment == 0
 
@@ -50,8 +77,6 @@ class StagingPool:
     4 KiB written. Holds at most ``keep`` idle buffers."""
 
     def __init__(self, nbytes: int, keep: int) -> None:
-        import threading
-
         self.nbytes, self.keep = nbytes, keep
         self._idle: list[np.ndarray] = []
         self._lock = threading.Lock()
@@ -104,8 +129,6 @@ class RecycledBuffers:
     """
 
     def __init__(self, keep_bytes: int, min_bytes: int = 64 << 10) -> None:
-        import threading
-
         self.keep_bytes, self.min_bytes = keep_bytes, min_bytes
         self._idle: dict[int, list[np.ndarray]] = {}
         self._spare: dict[int, list[np.ndarray]] = {}  # untouched sheaf buffers (_fresh)

@@ -316,6 +316,23 @@ def test_read_buffer_is_page_aligned_and_page_rounded() -> None:
         tierstore.read_buffer((-1, 2))
 
 
+def test_small_read_buffers_share_huge_pages_and_keep_their_own_bytes(tmp_path) -> None:
+    """Buffers of up to 1 MiB are cut from 2 MiB pages, one after another, each its own
+    whole pages: a read into one (O_DIRECT fills whole pages) never touches the next."""
+    bufs = [tierstore.read_buffer(100_000) for _ in range(40)]  # 24 pages each, 20 a page
+    ptrs = [b.data_ptr() for b in bufs]
+    assert all(p % 4096 == 0 for p in ptrs)
+    pages = {p // (2 << 20) for p in ptrs}
+    assert len(pages) <= 3  # 40 buffers on two or three 2 MiB pages, not forty
+    assert sum(b - a == 102_400 for a, b in zip(ptrs, ptrs[1:])) >= 37
+    vals = {f"e{i}": torch.full((100_000,), i, dtype=torch.uint8) for i in range(40)}
+    with tierstore.open(tmp_path / "s", create=True, host_cache=0) as st:
+        st.put_many(vals)
+        got = st.get_many(list(vals), out=dict(zip(vals, bufs)))
+    assert all(torch.equal(got[k], vals[k]) for k in vals)
+    assert tierstore.read_buffer(3 << 20).data_ptr() % (2 << 20) == 0
+
+
 def test_out_takes_the_read_itself_without_a_host_cache(tmp_path) -> None:
     """With no host cache, ``out=`` tensors that O_DIRECT can read into receive the read
     itself, as with ``cache=False``: the store takes no buffer of its own (none is left
