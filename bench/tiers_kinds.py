@@ -17,7 +17,9 @@ slab file: DeepNVMe's ``aio_handle`` (1 MiB blocks, queue depth 32, intra-op par
 into its ``new_cpu_locked_tensor`` buffer, its writes ending with an fsync, and fio at queue
 depth 32 (io_uring where it runs). Every side runs once a round, in an order rotated every
 round and reversed every other, page cache dropped before each read; medians of the rounds.
-The headline per size is the worst kind's ratio to DeepNVMe. Each row also has the CPU
+Unlike the main table, nothing is set aside from Python's cycle collector
+(``gc.freeze``): the process's own objects (torch's, DeepSpeed's) are in its reach, as in a
+user's. The headline per size is the worst kind's ratio to DeepNVMe. Each row also has the CPU
 time the process spent per GB moved (the store's, DeepNVMe's, medians of the same rounds):
 on a machine whose cores are shared, what decides how far the bandwidth falls.
 """
@@ -38,7 +40,7 @@ import tierstore
 from tierstore import landing
 
 from .ceilings import nvme_ceilings
-from .tiers import CHUNK, _young_heap, drop_page_cache
+from .tiers import CHUNK, drop_page_cache
 
 GROUP = 256 << 20  # bytes per get_many call, and of each kind's destinations
 PEER = "DeepNVMe aio_handle"
@@ -121,7 +123,7 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
     try:
         with tierstore.open(path, create=True, engine=engine, host_cache=0, io_threads=threads,
                             chunk_size=CHUNK, slab_size=(3 + len(peers)) * region + (64 << 20)
-                            ) as st, _young_heap():
+                            ) as st:
             st.put_many([(name, data) for name in names])  # untimed: set up, space written
             slab = st.info(names[0]).path
             at = {name: (3 + j) * region for j, name in enumerate(peers)}

@@ -156,11 +156,11 @@ def test_small_entries_needing_a_copy_are_joined_on_the_workers(tmp_path) -> Non
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"no AIO here: {unavailable()}")
 def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
-    """Entries of 256 KiB and more whose memory O_DIRECT cannot use (torch's allocator:
-    64 bytes into a page) go to the chunk workers, each chunk a ``preadv``/``pwritev`` of
-    its own (no AIO batch sees them), and so do entries of 1 MiB and more whatever their
-    memory; smaller page-aligned entries, and small entries whatever their memory, go as
-    one AIO batch of many. Every path gives the same bytes."""
+    """Entries of 1 MiB and more, on average, go to the chunk workers, each chunk a
+    ``preadv``/``pwritev`` of its own (no AIO batch sees them), whether their memory is
+    O_DIRECT's (page-aligned) or needs a copy (torch's allocator: 64 bytes into a page);
+    smaller entries, whatever their memory, go as one AIO batch of many. Every path gives
+    the same bytes."""
     with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
                         slab_size="64MiB", chunk_size="256KiB", io_threads=2) as st:
         at: list[int] = []  # each submitted request's position in its batch
@@ -170,30 +170,22 @@ def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
                 at.append(index)
 
         st._medium.engine.inject = inject
-        loose = {f"u{i}": _odd_slice((100_000 + i,), torch.float32).copy_(_value(i, (100_000 + i,)))
-                 for i in range(4)}
-        st.put_many(loose)
-        assert at == []
-        outs = {k: _odd_slice(tuple(t.shape), t.dtype) for k, t in loose.items()}
-        st.get_many(list(loose), out=outs)
-        assert at == []
-        assert all(torch.equal(outs[k], t) for k, t in loose.items())
-        at.clear()
-        st.put_many({k: tierstore.read_buffer(tuple(t.shape), t.dtype).copy_(t)
-                     for k, t in loose.items()})
-        assert max(at) > 0
-        at.clear()
-        got = {k: tierstore.read_buffer(tuple(t.shape), t.dtype) for k, t in loose.items()}
-        st.get_many(list(loose), out=got)
-        assert max(at) > 0 and all(torch.equal(got[k], t) for k, t in loose.items())
-        at.clear()
-        # Aligned entries of 1 MiB and more, on average: the chunk workers too
-        big = {f"b{i}": tierstore.read_buffer(300_000, torch.float32).copy_(_value(i, (300_000,)))
-               for i in range(2)}
-        st.put_many(big)
-        outs = {k: tierstore.read_buffer(300_000, torch.float32) for k in big}
-        st.get_many(list(big), out=outs)
-        assert at == [] and all(torch.equal(outs[k], t) for k, t in big.items())
+        for n, workers in ((300_000, True), (100_000, False)):  # 1.2 MB and 400 KB
+            loose = {f"u{i}": _odd_slice((n + i,), torch.float32).copy_(_value(i, (n + i,)))
+                     for i in range(4)}
+            st.put_many(loose)
+            outs = {k: _odd_slice(tuple(t.shape), t.dtype) for k, t in loose.items()}
+            st.get_many(list(loose), out=outs)
+            assert (at == []) == workers, n
+            assert all(torch.equal(outs[k], t) for k, t in loose.items())
+            at.clear()
+            st.put_many({k: tierstore.read_buffer(tuple(t.shape), t.dtype).copy_(t)
+                         for k, t in loose.items()})
+            got = {k: tierstore.read_buffer(tuple(t.shape), t.dtype) for k, t in loose.items()}
+            st.get_many(list(loose), out=got)
+            assert (at == []) == workers, n
+            assert all(torch.equal(got[k], t) for k, t in loose.items())
+            at.clear()
         # 8-12 KiB entries from torch's allocator: still one batch
         st.put_many({f"s{i:02d}": torch.randn(2048 + 512 * (i % 3)) for i in range(40)})
         assert max(at) > 0
@@ -240,8 +232,8 @@ def test_which_batches_go_to_the_chunk_workers(monkeypatch) -> None:
 
     kib, mib = 1 << 10, 1 << 20
     assert not on_workers(0, 8 * 256 * kib, 8)  # small aligned entries: one AIO batch
-    assert not on_workers(8 * 100 * kib, 8 * 100 * kib, 8)  # small, needing a copy: too
-    assert on_workers(8 * 256 * kib, 8 * 256 * kib, 8)  # 256 KiB needing a copy: workers
+    assert not on_workers(8 * 256 * kib, 8 * 256 * kib, 8)  # small, needing a copy: too
+    assert on_workers(8 * mib, 8 * mib, 8)  # 1 MiB needing a copy: workers
     assert on_workers(0, 4 * mib, 4) and on_workers(0, 16 * mib, 1)  # aligned 1-32 MiB
     assert not on_workers(0, 64 * mib, 1) and on_workers(64 * mib, 64 * mib, 1)
     # The benchmark's override of the rule (bench tiers --paths)

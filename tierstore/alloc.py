@@ -161,14 +161,24 @@ class ExtentAllocator:
 
     def release(self, extents: Iterable[Extent]) -> None:
         """Return extents: taken but never committed, or freed by a committed transaction."""
+        leases = self._leases
         with self.lock:
-            for seg, off, length in extents:
+            # Neighbours as one insert: a put of small entries frees their old versions,
+            # side by side, and inserting each was an eighth of its calling thread's time.
+            run: Extent | None = None
+            for seg, off, length in sorted(extents):
                 if length == 0:
                     continue
-                if self._leases[(seg, off)]:
+                if leases.get((seg, off)):
                     self._parked[(seg, off)] = length
+                elif run is not None and run[0] == seg and run[1] + run[2] == off:
+                    run = (seg, run[1], run[2] + length)
                 else:
-                    self._insert(seg, off, length)
+                    if run is not None:
+                        self._insert(*run)
+                    run = (seg, off, length)
+            if run is not None:
+                self._insert(*run)
 
     def add(self, seg: int, off: int, length: int) -> None:
         with self.lock:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .collector import paused
 from .errors import StoreError
 from .keys import (
     Device,
@@ -330,6 +331,7 @@ class Store(abc.ABC):
         check_key(name, kind)
         return self._read([(name, kind)], device, [out])[0]
 
+    @paused()
     def get_many(self, names: str | Iterable[str | Key], kind: str = "param", *,
                  device: Device = None,
                  out: Mapping[str | Key, torch.Tensor] | None = None,

@@ -90,9 +90,8 @@ def staged(addr: int, nbytes: int) -> bool:
 
 
 # Entries smaller than this, on average, stay in one AIO batch whatever their memory: the
-# batch joins neighbours into large requests, and smaller entries than this were not
-# measured on the workers.
-WORKERS_MIN_ENTRY = 256 << 10
+# batch joins neighbours into large requests (see on_workers).
+WORKERS_MIN_ENTRY = 1 << 20
 # Entries of these sizes, on average, go to the chunk workers whatever their memory.
 WORKERS_ANY_ENTRY = range(1 << 20, 32 << 20)
 # "batch" or "workers" sends every batch of this process that way instead: for measuring
@@ -117,7 +116,12 @@ def on_workers(copied: int, total: int, entries: int) -> bool:
     - at 64 MiB the batch was ahead (0.97-1.03 against 0.92-0.99, and 0.96 against 0.91
       for writes from 4 KiB pages), and below 1 MiB, where it joins small entries into
       large requests (250 KiB: 0.81-0.88 against 0.71-0.87). Between 16 and 64 MiB
-      nothing was measured; the bound sits half way."""
+      nothing was measured; the bound sits half way.
+    - Once a call no longer set off the cycle collector (:mod:`tierstore.collector`),
+      256 KiB entries needing a copy read faster in the batch too (0.76-0.79 against
+      0.65-0.71) and wrote as fast (0.52-0.54 against 0.51-0.56) with half the CPU time;
+      at 1 MiB the workers were still ahead for them (reads 0.88-0.90 against 0.82-0.87,
+      writes 0.62-0.70 against 0.55-0.56). Hence the batch below 1 MiB."""
     if ROUTE is not None:
         return ROUTE == "workers"
     if total // max(entries, 1) in WORKERS_ANY_ENTRY:

@@ -26,6 +26,7 @@ import torch
 from tierstore.nvme.aio import MAX_PIECES, BatchError, EngineClosedError
 
 from .catalog import Record, entry_key
+from .collector import paused
 from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
@@ -43,18 +44,18 @@ STAGE_AHEAD_BYTES = 32 << 20
 # A batch's extents are placed this many chunks' worth at a time (see _run_writes).
 PLACE_AHEAD_CHUNKS = 4
 # Without a batching engine (PMem, the POSIX engines), a worker writes the chunks of small
-# entries up to this many bytes as one job, not each chunk as its own: a 256 KiB chunk handed
-# to a worker and waited for cost about as much as copying it to PMem. 1 GiB of 256 KiB
-# entries on the development machine, alternated: PMem 2.42-2.67 -> 2.79-2.92 GB/s with 8
-# I/O threads, POSIX O_DIRECT 2.03-2.13 -> 2.22-2.27 with 1 and 3.38-3.52 -> 3.65-3.67 with
-# 8. Jobs of 4 MiB did better on POSIX (2.47, 3.81) and worse on PMem with 8 threads (1.84-
-# 1.91), whose writes into a shared file mapping from many threads are not understood yet.
+# entries up to this many bytes as one job: a 256 KiB chunk handed to a worker and waited for
+# cost about as much as copying it to PMem. 1 GiB of 256 KiB entries, alternated: PMem
+# 2.42-2.67 -> 2.79-2.92 GB/s with 8 I/O threads, POSIX O_DIRECT 2.03-2.13 -> 2.22-2.27 with
+# 1 and 3.38-3.52 -> 3.65-3.67 with 8. Jobs of 4 MiB did better on POSIX (2.47, 3.81) and
+# worse on PMem with 8 threads (1.84-1.91), not understood yet.
 GROUP_BYTES = 1 << 20
 
 
 class WritePath(LocalState):
     """The write path of :class:`tierstore.LocalStore` (see the module docstring)."""
 
+    @paused()
     def put_many(self, items: PutItems, kind: str = "param", *,
                  durable: bool = False) -> list[int]:
         """Store several tensors; returns their versions.
@@ -174,6 +175,7 @@ class WritePath(LocalState):
     def _write_back_one(self, key: Key, view: torch.Tensor, meta: Meta) -> None:
         self._write_back([(key, view, meta)])
 
+    @paused()
     def _write_back(self, items: list[tuple[Key, torch.Tensor, Meta]]) -> None:
         """The cache's write-back: dirty slots to the backing tier, one commit."""
         self._write_through([(n, k, view.numpy(), meta) for (n, k), view, meta in items])
@@ -182,13 +184,14 @@ class WritePath(LocalState):
         """Copy-on-write: fresh extents, parallel chunk writes (a job of several small
         entries' chunks, see ``GROUP_BYTES``), sync, then one commit. On the AIO engine,
         one batch (:meth:`_write_batched`) unless most of its bytes need staging."""
-        # Whether each entry is staged, asked once (a page walk of large sources).
-        copies = [staged(src.ctypes.data, src.nbytes) for _, _, src, _ in batch]
+        # Each source's address (a microsecond in numpy) and whether it is staged, once.
+        addrs = [src.ctypes.data for _, _, src, _ in batch]
+        copies = [staged(a, b[2].nbytes) for a, b in zip(addrs, batch)]
         copied = sum(src.nbytes for (_, _, src, _), c in zip(batch, copies) if c)
         if (getattr(self._medium, "batched", False)
                 and not on_workers(copied, sum(src.nbytes for _, _, src, _ in batch),
                                       len(batch))):
-            return self._write_batched(batch, copies)
+            return self._write_batched(batch, copies, addrs)
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
         jobs: list[tuple[list[tuple[np.ndarray, Record, int, bool]], Future[list[int]]]] = []
@@ -228,7 +231,7 @@ class WritePath(LocalState):
         self._written(freed, records)
 
     def _write_batched(self, batch: list[tuple[str, str, np.ndarray, Meta]],
-                       copies: list[bool]) -> None:
+                       copies: list[bool], addrs: list[int]) -> None:
         """:meth:`_write_through` as one batch on an engine with a deep queue (AIO): chunks
         are requests (see :meth:`_run_writes`), each chunk's crc32c taken while other
         chunks are in flight, and the batch's extents placed a group at a time as the
@@ -237,7 +240,7 @@ class WritePath(LocalState):
         records: list[tuple[str, str, Record]] = []
         encoded: dict[int, bytes] = {}
         try:
-            self._run_writes(batch, copies, records, taken, encoded)
+            self._run_writes(batch, copies, addrs, records, taken, encoded)
             self._medium.sync({seg for seg, _, length in taken if length})
             freed = self._catalog.write(lambda txn: self._commit(txn, records, encoded))
         except BaseException as e:
@@ -261,12 +264,12 @@ class WritePath(LocalState):
             self._tier.bytes_written += sum(r.nbytes for _, _, r in records)
 
     def _run_writes(self, batch: list[tuple[str, str, np.ndarray, Meta]], copies: list[bool],
-                    records: list[tuple[str, str, Record]],
+                    addrs: list[int], records: list[tuple[str, str, Record]],
                     taken: list[tuple[int, int, int]], encoded: dict[int, bytes]) -> None:
-        """Write ``batch`` (``copies``: whether each entry is staged) to fresh extents,
-        appending each entry's record (its crc32c filled in as its chunks land) to
-        ``records``, each extent to ``taken``, and, for entries of one chunk, the record's
-        encoding to ``encoded`` (by position).
+        """Write ``batch`` (``copies``: whether each entry is staged; ``addrs``: its
+        address) to fresh extents, appending each entry's record (its crc32c filled in as
+        its chunks land) to ``records``, each extent to ``taken``, and, for entries of one
+        chunk, the record's encoding to ``encoded`` (by position).
 
         The engine takes the requests in order as its queue has room. Entries are placed a
         group of about ``PLACE_AHEAD_CHUNKS`` chunks at a time, as the engine asks for more
@@ -279,13 +282,10 @@ class WritePath(LocalState):
         aligned chunk is written from the source itself, and its crc32c is taken by a
         worker once its write has completed (both release the GIL, so they use every
         core): submission never waits for a checksum, and the disk gets the batch's first
-        bytes at once. Measured on the development machine (256 MiB put, 5-7 alternated
-        rounds), this wrote 64 MiB entries 6-11 % faster and 16 MiB ones 1-7 % than
-        checksumming before submission; smaller entries were unchanged."""
-        chunk = self._chunk
+        bytes at once (256 MiB put, 5-7 alternated rounds: 64 MiB entries 6-11 % and 16 MiB
+        ones 1-7 % faster than checksumming before submission, smaller ones unchanged)."""
+        chunk, srcs = self._chunk, [src for _, _, src, _ in batch]
         work: list[tuple[int, int, int]] = []  # (entry, start, end) of each chunk
-        srcs: list[np.ndarray] = []
-        addrs: list[int] = []
         extents: list[tuple[int, int]] = []  # each entry's (segment, offset)
         runs: list[tuple[int, int]] = []  # requests: [first, last) of work
         sizes: list[int] = []
@@ -309,12 +309,13 @@ class WritePath(LocalState):
                 placing.append(e)  # raised as it is, not as a failed write (see below)
                 raise
             for j, rec in enumerate(placed, first_entry):
-                name, k, src, _ = batch[j]
-                work.extend((j, start, min(start + chunk, rec.length))
-                            for start in range(0, rec.length, chunk))
-                records.append((name, k, rec))
-                srcs.append(src)
-                addrs.append(src.ctypes.data)
+                length = rec.length
+                if length > chunk:
+                    work.extend((j, start, min(start + chunk, length))
+                                for start in range(0, length, chunk))
+                elif length:
+                    work.append((j, 0, length))
+                records.append((batch[j][0], batch[j][1], rec))
                 extents.append((rec.seg, rec.off))
             for a, b in adjacent_runs(work[first:], extents, chunk, MAX_PIECES):
                 runs.append((first + a, first + b))
@@ -517,13 +518,12 @@ class WritePath(LocalState):
         ``taken`` as it is taken (so a full disk met part way releases what was taken),
         their chunks' crc32c still to fill in; an empty tensor has no extent (and crc
         [0])."""
-        recs = [Record(dtype=meta.dtype, shape=list(meta.shape), nbytes=src.nbytes, crc=[0],
-                       chunk=self._chunk, version=meta.version, seg=-1, off=0, length=0)
-                for src, meta in items]
+        chunk, recs = self._chunk, []
+        for src, meta in items:
+            length = align_up(src.nbytes)
+            recs.append(Record(meta.dtype, list(meta.shape), src.nbytes, [0] * (
+                -(-length // chunk) or 1), chunk, meta.version, -1, 0, length))
         sized = [rec for rec in recs if rec.nbytes]
-        for rec in sized:
-            rec.length = align_up(rec.nbytes)
-            rec.crc = [0] * -(-rec.length // self._chunk)
         got = self._alloc.allocate_many([rec.length for rec in sized])
         taken.extend((g[0], g[1], rec.length) for rec, g in zip(sized, got) if g is not None)
         for rec, g in zip(sized, got):
