@@ -80,6 +80,7 @@ def test_a_world_the_experts_do_not_split_over_is_refused_in_one_line() -> None:
         "tierstore bench dist: tiny's 8 experts do not split over world 3 (3 ranks)"]
 
 
+@pytest.mark.slow  # three torchrun launches, 23 s on 2 cores: kept out of CI's budget
 def test_imported_family_at_each_pipeline_granularity(tmp_path: Path) -> None:
     """A tiny Mixtral, imported into both nodes' stores, fine-tuned at W = 2 in 2 chunks and
     with auto: the counters' relations, the chunks asked for, the same traffic whatever the

@@ -25,6 +25,7 @@ pytest.importorskip("accelerate")
 NEW = 5
 
 
+@pytest.mark.slow  # a benchmark run end to end, 28 s on 2 cores: kept out of CI's budget
 def test_every_mode_and_accelerate_give_transformers_tokens(tmp_path: Path) -> None:
     hf = tmp_path / "hf"
     write_hf_checkpoint(str(hf), "mixtral", layers=2, experts=4, hidden=64, ffn=128, vocab=200,

@@ -53,6 +53,7 @@ def test_the_quantized_checkpoint_and_its_bf16_twin_hold_the_same_experts(
             assert torch.equal(sq.get(name), sb.get(name)), name
 
 
+@pytest.mark.slow  # a benchmark run end to end, 25 s on 2 cores: kept out of CI's budget
 def test_the_quantized_study_runs_end_to_end(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     out = tmp_path / "q.json"
