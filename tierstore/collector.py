@@ -9,8 +9,9 @@ the disk waits. The call's containers form no cycles it leaves behind; what they
 freed by reference counting as the call returns.
 
 So a call runs with the collector paused, and it is resumed when the last call running in
-the process ends; it then collects as it would have, over what is left. A process that
-had turned it off keeps it off. ``gc.collect()`` works throughout.
+the process ends; what the calls made and still hold (their results) counts from then on,
+so at most one collection follows. A process that had turned it off keeps it off.
+``gc.collect()`` works throughout.
 """
 
 from __future__ import annotations
