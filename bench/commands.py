@@ -306,7 +306,8 @@ def bench_prefetch(store: str | None, layers: int, experts: int, expert_bytes: i
               help="Rounds over every mode (interleaved, or alternated with --peer); each mode "
                    "reports its median.")
 @click.option("--device", type=DEVICE, default=None,
-              help="Compute device (default: cuda if available).")
+              help="Compute device (default: cuda if available; with --peer tierstore's "
+                   "runs take it only when named, and the peer runs on the CPU).")
 @click.option("--vocab", type=click.IntRange(min=8),
               help="Synthetic model: vocabulary [512; 32000 with --peer].")
 @click.option("--peer", type=click.Choice(["accelerate", "llamacpp"]),
@@ -436,8 +437,10 @@ def bench_infer(store: str | None, model_dir: str | None, shape: str, layers: in
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed runs of each (the median is reported).")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's).")
+@click.option("--device", type=DEVICE, default="cpu", show_default=True,
+              help="Where the expert is dequantized and read to: cpu, cuda or cuda:N.")
 @click.option("--json", "json_out", type=OUTPUT_FILE, help="Write results here.")
-def bench_dequant(repeats: int, threads: int | None, json_out: str | None) -> None:
+def bench_dequant(repeats: int, threads: int | None, device: str, json_out: str | None) -> None:
     """Dequantizing one packed expert of gpt-oss-120b (MXFP4) and DeepSeek-V3 (block FP8)
     to bf16, by tierstore and by transformers' own function, beside reading its compact
     bytes from a store's backing tier.
@@ -447,7 +450,8 @@ def bench_dequant(repeats: int, threads: int | None, json_out: str | None) -> No
     from tierstore.bench.dequant import run_dequant
 
     def go() -> None:
-        run_dequant(repeats=repeats, threads=threads, json_out=json_out, echo=click.echo)
+        run_dequant(repeats=repeats, threads=threads, device=device, json_out=json_out,
+                    echo=click.echo)
 
     _run(go)
 

@@ -52,16 +52,20 @@ def _pairs(fmt: str, entries: dict[str, Any]) -> list[tuple[Any, Any]]:
     return [(entries[p], entries[f"{p}_scale_inv"]) for p in ("gate_up_proj", "down_proj")]
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+def _timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], Any] = lambda: None
+           ) -> list[float]:
     out = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         out.append(time.perf_counter() - t0)
     return out
 
 
-def _transfer(entries: dict[str, Any], workdir: str, repeats: int) -> list[float]:
+def _transfer(entries: dict[str, Any], workdir: str, repeats: int, device: str,
+              sync: Callable[[], Any]) -> list[float]:
     """Seconds of ``get_many`` of the expert's entries from the backing tier, no cache."""
     import tierstore
 
@@ -69,19 +73,20 @@ def _transfer(entries: dict[str, Any], workdir: str, repeats: int) -> list[float
     try:
         path = os.path.join(tmp, "store")
         with tierstore.open(path, create=True, host_cache=0) as st:
-            st.put_many(entries)
+            st.put_many({k: v.cpu() for k, v in entries.items()})
         with tierstore.open(path, host_cache=0) as st:
-            st.get_many(list(entries))  # the first read opens the slab files
-            return _timed(lambda: st.get_many(list(entries)), repeats)
+            st.get_many(list(entries), device=device)  # the first read opens the slab files
+            return _timed(lambda: st.get_many(list(entries), device=device), repeats, sync)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_dequant(*, repeats: int = 5, threads: int | None = None, workdir: str = ".",
-                json_out: str | None = None, echo: Callable[[str], Any] = print
-                ) -> dict[str, Any]:
+def run_dequant(*, repeats: int = 5, threads: int | None = None, device: str = "cpu",
+                workdir: str = ".", json_out: str | None = None,
+                echo: Callable[[str], Any] = print) -> dict[str, Any]:
     """Per expert of each shape in :data:`SHAPES`: dequantization to bf16 by tierstore and by
-    ``transformers``, and the transfer of its compact bytes (medians and every run)."""
+    ``transformers`` on ``device``, and the transfer of its compact bytes there (medians and
+    every run), with whether the two dequantizations are equal bit for bit."""
     import torch
     from tierstore.hf.quant import Dequantizer
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
@@ -90,34 +95,38 @@ def run_dequant(*, repeats: int = 5, threads: int | None = None, workdir: str = 
     if threads:
         torch.set_num_threads(threads)
     fp8_theirs = Fp8Dequantize(None)._dequantize_one
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     load = load_average()
-    results: dict[str, Any] = {"threads": torch.get_num_threads(), "repeats": repeats,
+    results: dict[str, Any] = {"device": str(dev), "threads": torch.get_num_threads(),
+                               "repeats": repeats,
                                "dtype": "bfloat16", "loadavg_before": load, "shapes": {}}
     for name, (fmt, hidden, inter) in SHAPES.items():
-        entries = packed_expert(fmt, hidden, inter)
+        entries = {k: v.to(dev) for k, v in packed_expert(fmt, hidden, inter).items()}
         pairs = _pairs(fmt, entries)
         deq = Dequantizer()
 
         def ours(fmt: str = fmt, pairs: list[tuple[Any, Any]] = pairs,
-                 deq: Dequantizer = deq) -> None:
-            for packed, scales in pairs:
-                deq(fmt, packed, scales, torch.bfloat16)
+                 deq: Dequantizer = deq) -> list[Any]:
+            return [deq(fmt, packed, scales, torch.bfloat16) for packed, scales in pairs]
 
-        def theirs(fmt: str = fmt, pairs: list[tuple[Any, Any]] = pairs) -> None:
-            for packed, scales in pairs:
-                if fmt == "mxfp4":
-                    convert_moe_packed_tensors(packed[None], scales[None], dtype=torch.bfloat16)
-                else:
-                    fp8_theirs(packed, scales, output_dtype=torch.bfloat16)
+        def theirs(fmt: str = fmt, pairs: list[tuple[Any, Any]] = pairs) -> list[Any]:
+            if fmt == "mxfp4":
+                return [convert_moe_packed_tensors(p[None], s[None], dtype=torch.bfloat16)[0]
+                        for p, s in pairs]
+            return [fp8_theirs(p, s, output_dtype=torch.bfloat16) for p, s in pairs]
 
-        ours()  # the buffers and tables, made once per model
-        mine = _timed(ours, repeats)
-        ref = _timed(theirs, repeats)
-        moved = _transfer(entries, workdir, repeats)
+        # The buffers and tables are made once per model; the outputs are compared as raw
+        # bits, so a NaN or a signed zero counts too.
+        equal = all(torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
+                    for a, b in zip(ours(), theirs(), strict=True))
+        mine = _timed(ours, repeats, sync)
+        ref = _timed(theirs, repeats, sync)
+        moved = _transfer(entries, workdir, repeats, device, sync)
         compact = sum(t.numel() * t.element_size() for t in entries.values())
         bf16 = sum(p.numel() * (2 if fmt == "fp8" else 4) for p, _ in pairs)
         row = {"format": fmt, "hidden": hidden, "intermediate": inter, "compact_bytes": compact,
-               "bf16_bytes": bf16, "dequant_s": statistics.median(mine), "dequant_runs": mine,
+               "bf16_bytes": bf16, "bit_equal": equal, "dequant_s": statistics.median(mine), "dequant_runs": mine,
                "transformers_s": statistics.median(ref), "transformers_runs": ref,
                "transfer_s": statistics.median(moved), "transfer_runs": moved,
                "transfer_bytes_per_s": compact / statistics.median(moved)}
@@ -125,9 +134,10 @@ def run_dequant(*, repeats: int = 5, threads: int | None = None, workdir: str = 
         echo(f"{name} ({fmt}, {compact / 1e6:.1f} MB packed, {bf16 / 1e6:.1f} MB in bf16): "
              f"dequantize {row['dequant_s'] * 1e3:.0f} ms (transformers' "
              f"{row['transformers_s'] * 1e3:.0f} ms), read from the store "
-             f"{row['transfer_s'] * 1e3:.1f} ms ({row['transfer_bytes_per_s'] / 1e9:.2f} GB/s)")
+             f"{row['transfer_s'] * 1e3:.1f} ms ({row['transfer_bytes_per_s'] / 1e9:.2f} GB/s)"
+             f"{'' if equal else '; NOT EQUAL to transformers bit for bit'}")
     results["loadavg_after"] = load_average()
     echo(f"load average {' '.join(load)} before, {' '.join(results['loadavg_after'])} after; "
-         f"{results['threads']} threads")
+         f"{results['threads']} threads, on {dev}")
     write_json(json_out, results, echo)
     return results

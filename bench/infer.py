@@ -224,7 +224,7 @@ def run_infer(store_path: str | None = None, model_dir: str | None = None, *,
             ffn=ffn, vocab=vocab or 32000, prompt_len=prefill_len, new_tokens=decode_tokens,
             rounds=repeats, memory_limit=memory_limit, cold=cold, host_cache=host_cache,
             device_budget=device_budget, seed=seed, threads=threads, json_out=json_out,
-            quantized=quantized, echo=echo)
+            quantized=quantized, device=device, echo=echo)
     if quantized is not None:
         raise tierstore.StoreError("--quantized applies to the fresh processes of --peer")
     if memory_limit is not None:

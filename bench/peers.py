@@ -177,8 +177,12 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
                    device_budget: int | None = None, modes: Sequence[str] = TIERSTORE_MODES,
                    timeout_s: float = 1800.0, seed: int = 0, threads: int | None = None,
                    json_out: str | None = None, quantized: str | None = None,
-                   workdir: str = ".", echo: Callable[[str], Any] = print) -> dict[str, Any]:
+                   device: str | None = None, workdir: str = ".",
+                   echo: Callable[[str], Any] = print) -> dict[str, Any]:
     """Run the study (see the module docstring); returns (and writes) the results.
+
+    ``device`` is tierstore's compute device (``cuda`` for its runs on a GPU; the CPU by
+    default); the peer's runs stay on the CPU.
 
     ``quantized`` (``mxfp4`` or ``fp8``): the study of a quantized checkpoint
     (:mod:`.quant_models`, its shape set by the format), imported compact and, beside it,
@@ -248,7 +252,7 @@ def run_peer_study(*, peer: str = "accelerate", model_dir: str | None = None,
                       prompt_len=prompt_len, new_tokens=new_tokens, rounds=rounds, memory_limit=memory_limit,
                       cold=cold, host_cache=host_cache, device_budget=device_budget,
                       modes=modes, timeout_s=timeout_s, seed=seed, threads=threads,
-                      json_out=json_out, echo=echo)
+                      device=device or "cpu", json_out=json_out, echo=echo)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -303,8 +307,8 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
            prompt_len: int,
            new_tokens: int, rounds: int, memory_limit: str | float | int | None, cold: bool,
            host_cache: int | None, device_budget: int | None, modes: Sequence[str],
-           timeout_s: float, seed: int, threads: int | None, json_out: str | None,
-           echo: Callable[[str], Any]) -> dict[str, Any]:
+           timeout_s: float, seed: int, threads: int | None, device: str,
+           json_out: str | None, echo: Callable[[str], Any]) -> dict[str, Any]:
     model_bytes = checkpoint_bytes(model_dir)
     n_moe = cfg["moe_layers"]
     layer_bytes = cfg["layer_bytes"]
@@ -337,7 +341,7 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
             continue
         cmd = [py, "-m", "tierstore.cli", "generate", "--store", path, "--mode", mode,
                "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens",
-               str(new_tokens), "--greedy", "--device", "cpu", "--json",
+               str(new_tokens), "--greedy", "--device", device, "--json",
                "--host-cache", str(caches.get(suffix) or host_cache)]
         budget = resident_budget if mode == "resident" else device_budget
         if budget is not None:
@@ -352,6 +356,7 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
         "prompt": prompt, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
         "rounds": rounds, "host_cache": host_cache, "device_budget": device_budget,
         "threads": threads or "each system's default",
+        "device": {"tierstore": device, peer: "cpu"},
         "memory_limit_bytes": limit,
         # What a token must read from the store at the least (its routed experts in every
         # MoE layer), against what accelerate's hooks load: every expert of each fused layer.
@@ -369,7 +374,8 @@ def _study(peer: str, model_dir: str, store: str, tmp: str, cfg: Any,
          f"{tierstore.format_size(host_cache)}, device budget "
          + (tierstore.format_size(device_budget) if device_budget else "the store's default")
          + (f"; memory limit {limit / 1e9:.2f} GB ({limit / model_bytes:.2f} of the model)"
-            if limit else "; no memory limit"))
+            if limit else "; no memory limit")
+         + (f"; tierstore computes on {device}, {peer} on the CPU" if device != "cpu" else ""))
     cache_notes: set[str] = set()
     skipped: set[str] = set()
 

@@ -91,3 +91,20 @@ def test_quantized_options_are_checked() -> None:
     got = runner.invoke(bench, ["infer", "--peer", "accelerate", "--quantized", "mxfp4",
                                 "--model-dir", "."])
     assert got.exit_code == 2 and "--quantized writes its own" in got.output
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dequant_bench_checks_both_functions_bit_for_bit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    from tierstore.bench import dequant
+
+    # The shipped models' shapes take seconds on 2 cores; the comparison is per code.
+    monkeypatch.setattr(dequant, "SHAPES", {"mxfp4": ("mxfp4", 256, 128),
+                                            "fp8": ("fp8", 256, 128)})
+    out = tmp_path / "d.json"
+    res = dequant.run_dequant(repeats=1, device=device, workdir=str(tmp_path),
+                              json_out=str(out), echo=lambda _: None)
+    assert res["device"].startswith(device) and json.loads(out.read_text())["shapes"]
+    for name, row in res["shapes"].items():
+        assert row["bit_equal"] is True, name
+        assert row["compact_bytes"] < row["bf16_bytes"] and row["transfer_s"] > 0
