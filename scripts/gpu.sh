@@ -2,7 +2,7 @@
 # The checks that need an NVIDIA GPU, in one run: the `gpu` tests, then the GPU rows of the
 # benchmarks (host<->device copies and GDS, device prefetch, inference and training on CUDA,
 # dequantization on the device), each benchmark's JSON in OUTDIR. Run it where torch sees
-# CUDA, with tierstore's requirements installed ('.[gpu]' adds kvikio); the CPU suite
+# CUDA, with tierstore's requirements installed ('.[gpu]' or '.[gpu-cu13]' adds kvikio); the CPU suite
 # (scripts/test.sh) does not need it. Every step has a time limit, so one stuck step costs
 # only its own figures; the log and a line per step (exit status, seconds) go to OUTDIR.
 #

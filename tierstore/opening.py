@@ -241,7 +241,8 @@ def open_store(
     ``backing`` is ``"nvme"`` (slab files under the store directory, the default) or
     ``"pmem"`` (a libpmem pool at ``pmem_path`` of ``pmem_size``); it is recorded at
     creation, so reopening needs only the path. ``engine`` picks the NVMe I/O engine
-    (``auto``: POSIX O_DIRECT; kvikio only when named, as it is unmeasured). ``host_cache`` is the host-memory
+    (``auto``: Linux AIO where the kernel allows it, else POSIX O_DIRECT on a thread pool;
+    kvikio only when named, as it is unmeasured). ``host_cache`` is the host-memory
     cache's capacity (0 or None: no cache, every ``put`` is committed before it returns);
     ``policy`` names its eviction policy (``lfu-decay``, ``lru``, ``lfu``, ``arc``,
     ``semoe``) and ``policy_args`` its parameters. ``device_budget`` is the byte budget of
