@@ -149,6 +149,17 @@ def test_unknown_engine_refused(make_store) -> None:
         make_store(engine="carrier-pigeon")
 
 
+def test_the_kvikio_engine_without_kvikio_is_one_line_and_makes_nothing(tmp_path: Path) -> None:
+    try:
+        import kvikio  # noqa: F401
+        pytest.skip("kvikio is installed")
+    except ImportError:
+        pass
+    with pytest.raises(tierstore.StoreError, match=r"needs kvikio .*tierstore\[gpu\]"):
+        tierstore.open(tmp_path / "st", create=True, engine="kvikio")
+    assert not (tmp_path / "st").exists()
+
+
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
     if not os.path.isdir("/dev/shm"):

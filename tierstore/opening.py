@@ -260,6 +260,13 @@ def open_store(
         raise StoreError(f"chunk_size must be a positive multiple of {ALIGNMENT}, got {chunk}")
     if engine not in ENGINES:  # checked for every backing: a typo is never ignored
         raise StoreError(f"unknown I/O engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine == "kvikio":  # before anything is made: a missing extra is one line
+        try:
+            import kvikio  # noqa: F401
+        except ImportError as e:
+            raise StoreError(f"the kvikio engine needs kvikio built for torch's CUDA (pip install "
+                             f"'tierstore[gpu]' for CUDA 12, 'tierstore[gpu-cu13]' for CUDA 13): "
+                             f"{e}") from None
     if io_threads < 1:
         raise StoreError("io_threads must be >= 1")
     cache_bytes = parse_size(host_cache or 0)
