@@ -25,8 +25,11 @@ SLEEP_CYCLES = 500_000_000
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    # Viewed as bytes where it lies, then copied: a copy of bytes needs no kernel for the
+    # dtype (the sub-byte ones have none on some devices).
+    if not t.numel():
+        return torch.empty(0, dtype=torch.uint8)
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
 
 
 def _open(tmp_path: Path, **kw: Any) -> tierstore.Store:
