@@ -10,10 +10,22 @@
 #
 #   scripts/gpu.sh [OUTDIR [STEP...]]      (default: gpu-results, every step)
 set -uo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0
+fi
 OUT="${1:-gpu-results}"
 shift $(($# > 0 ? 1 : 0))
-STEPS=" ${*:-machine tests tiers dequant prefetch infer train quantized} "
+ALL="machine tests tiers dequant prefetch infer train quantized"
+STEPS=" ${*:-$ALL} "
+for s in $STEPS; do
+    [[ " $ALL " == *" $s "* ]] || { echo "gpu.sh: no step '$s'; the steps: $ALL" >&2; exit 2; }
+done
 PY="${PYTHON:-python3}"
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu.sh: torch ($PY) sees no CUDA device here; scripts/test.sh runs the CPU suite" >&2
+    exit 2
+fi
 mkdir -p "$OUT"
 LOG="$OUT/gpu.log"
 touch "$LOG"
