@@ -126,7 +126,8 @@ def run_dequant(*, repeats: int = 5, threads: int | None = None, device: str = "
         compact = sum(t.numel() * t.element_size() for t in entries.values())
         bf16 = sum(p.numel() * (2 if fmt == "fp8" else 4) for p, _ in pairs)
         row = {"format": fmt, "hidden": hidden, "intermediate": inter, "compact_bytes": compact,
-               "bf16_bytes": bf16, "bit_equal": equal, "dequant_s": statistics.median(mine), "dequant_runs": mine,
+               "bf16_bytes": bf16, "bit_equal": equal,
+               "dequant_s": statistics.median(mine), "dequant_runs": mine,
                "transformers_s": statistics.median(ref), "transformers_runs": ref,
                "transfer_s": statistics.median(moved), "transfer_runs": moved,
                "transfer_bytes_per_s": compact / statistics.median(moved)}
