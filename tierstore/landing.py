@@ -11,9 +11,9 @@ tensor goes like this (:class:`Target`):
 - the rest (all of it, for an unaligned or device tensor, or a large one on 4 KiB pages:
   :data:`SMALL_PAGES_MIN`; the last partial page, for an aligned one whose storage ends
   early) is read into a reused aligned bounce buffer, and
-  :func:`land` checksums and copies each chunk out of it as its request completes, while
-  the requests after it are in flight: one copy, overlapped with the I/O, and the crc32c
-  taken on the same cache-hot bytes as the copy, not in a pass of its own.
+  :func:`land` copies each chunk out of it and checksums the copy as its request completes,
+  while the requests after it are in flight: one copy, overlapped with the I/O, and the
+  crc32c taken on the same cache-hot bytes as the copy, not in a pass of its own.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from tierstore.nvme.pages import on_small_pages
 # staged kind wrote at 0.41-0.45, against 0.69 straight from huge pages.
 SMALL_PAGES_MIN = 8 << 20
 
-# Bytes checksummed and copied at a time: the checksum pulls them into the CPU's cache and
-# the copy reads them from there. 256 KiB sits in the L2 cache of current x86 cores.
+# Bytes copied and checksummed at a time: the copy leaves them in the CPU's cache and the
+# checksum reads them from there. 256 KiB sits in the L2 cache of current x86 cores.
 STEP = 256 << 10
 
 
@@ -141,12 +141,17 @@ def direct_end(copied: bool, nbytes: int, start: int, end: int) -> int:
 
 def copy_checked(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
     """Copy ``src`` into ``dst`` (host memory, as long), returning ``crc`` continued over
-    the bytes: each step is checksummed, then copied from the cache the checksum pulled it
-    into, so the bytes cross the memory bus once for both."""
+    the bytes: each step is copied, then checksummed where it landed, from the cache the
+    copy left it in, so the bytes cross the memory bus once for both, and the checksum is of
+    the copy (the bytes a write puts on disk, or a read hands the caller).
+
+    The copy first, not the checksum: the copy streams from memory faster than crc32c's
+    dependent chain does. 1,024 torch.empty tensors of 256 KiB into 8 MiB buffers, on the
+    development VM (AMD EPYC, 2 cores): 21 us an entry against 35 the other way round."""
     for k in range(0, src.nbytes, STEP):
-        part = src[k : k + STEP]
+        part = dst[k : min(k + STEP, src.nbytes)]
+        np.copyto(part, src[k : k + STEP])
         crc = crc32c.crc32c(part, crc)
-        np.copyto(dst[k : k + part.nbytes], part)
     return crc
 
 
