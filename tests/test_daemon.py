@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import gc
 import grp
 import json
 import os
@@ -436,6 +437,31 @@ def test_remote_store_api(served: Daemon) -> None:
         st.flush()
     with pytest.raises(tierstore.StoreClosedError):
         st.get("api.w")
+
+
+def test_a_clients_put_of_many_entries_holds_the_collector_off(served: Daemon) -> None:
+    """As a local store's put (tests/test_collector.py): a field dict per entry would set
+    off collections in the calling thread; held off, at most one follows the call."""
+    values = {f"gc.e{i}": torch.full((64,), i % 251, dtype=torch.uint8) for i in range(3000)}
+    seen: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    with tierstore.connect(served.sock) as st:
+        st.put_many(values)
+        gc.callbacks.append(count)
+        try:
+            st.put_many(values)
+            paused = len(seen)
+            type(st).put_many.__wrapped__(st, values)  # the same put, collector on
+        finally:
+            gc.callbacks.remove(count)
+        assert paused <= 1 < len(seen) - paused
+        assert gc.isenabled()
+        got = st.get_many(list(values))
+    assert all(torch.equal(got[k], v) for k, v in values.items())
 
 
 def test_borrowed_and_prefetched_views_are_the_daemons_slots(served: Daemon) -> None:

@@ -35,6 +35,7 @@ import torch
 from tierstore.nvme import IDLE_READ_BUFFER_BYTES, RecycledBuffers
 
 from .. import errors
+from ..collector import paused
 from ..devices import bytes_to_device
 from ..errors import StoreClosedError, StoreError
 from ..interface import (
@@ -319,6 +320,7 @@ class RemoteStore(Store):
         return f"{self._describe} (via the daemon at {self.socket_path})"
 
     # -- writes -------------------------------------------------------------------------
+    @paused()  # a field dict per entry, as the local store's records (tierstore.collector)
     def put_many(self, items: PutItems, kind: str = "param") -> list[int]:
         """Store several tensors in one request; returns their versions once committed."""
         self._check_open()
@@ -440,8 +442,7 @@ class RemoteStore(Store):
 
     def _borrow(self, asked: list[str | Key], keys: list[Key]) -> Borrowed:
         """Read-only views of the daemon's cache slots, leased (pinned) in one request until
-        the borrow is released. An entry the daemon does not cache comes back as a copy of
-        its own."""
+        the borrow is released; an entry the daemon does not cache comes back as a copy."""
         got, lease = self._fetch(keys)
         tensors: dict[Any, torch.Tensor] = {}
         try:
@@ -557,8 +558,7 @@ def _nothing() -> None:
 
 def _deliver(key: Key, meta: Meta, raw: Any, out: torch.Tensor | None, device: Any,
              take: Callable[[int], np.ndarray]) -> torch.Tensor:
-    """The caller's own tensor: one copy of the raw bytes (never typed values, which some
-    dtypes cannot copy bit for bit)."""
+    """The caller's own tensor: one copy of the raw bytes, not of typed values (not bit-exact)."""
     dtype = dtype_from_name(meta.dtype)
     src = raw.numpy() if isinstance(raw, torch.Tensor) else raw
     if out is not None:
