@@ -156,7 +156,7 @@ def test_small_entries_needing_a_copy_are_joined_on_the_workers(tmp_path) -> Non
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"no AIO here: {unavailable()}")
 def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
-    """Entries of 1 MiB and more, on average, go to the chunk workers, each chunk a
+    """Entries of 2 MiB and more, on average, go to the chunk workers, each chunk a
     ``preadv``/``pwritev`` of its own (no AIO batch sees them), whether their memory is
     O_DIRECT's (page-aligned) or needs a copy (torch's allocator: 64 bytes into a page);
     smaller entries, whatever their memory, go as one AIO batch of many. Every path gives
@@ -170,7 +170,7 @@ def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
                 at.append(index)
 
         st._medium.engine.inject = inject
-        for n, workers in ((300_000, True), (100_000, False)):  # 1.2 MB and 400 KB
+        for n, workers in ((600_000, True), (300_000, False)):  # 2.4 MB and 1.2 MB
             loose = {f"u{i}": _odd_slice((n + i,), torch.float32).copy_(_value(i, (n + i,)))
                      for i in range(4)}
             st.put_many(loose)
@@ -233,8 +233,9 @@ def test_which_batches_go_to_the_chunk_workers(monkeypatch) -> None:
     kib, mib = 1 << 10, 1 << 20
     assert not on_workers(0, 8 * 256 * kib, 8)  # small aligned entries: one AIO batch
     assert not on_workers(8 * 256 * kib, 8 * 256 * kib, 8)  # small, needing a copy: too
-    assert on_workers(8 * mib, 8 * mib, 8)  # 1 MiB needing a copy: workers
-    assert on_workers(0, 4 * mib, 4) and on_workers(0, 16 * mib, 1)  # aligned 1-32 MiB
+    assert not on_workers(8 * mib, 8 * mib, 8)  # 1 MiB needing a copy: the batch too
+    assert on_workers(16 * mib, 16 * mib, 8)  # 2 MiB needing a copy: workers
+    assert on_workers(0, 4 * mib, 2) and on_workers(0, 16 * mib, 1)  # aligned 2-32 MiB
     assert not on_workers(0, 64 * mib, 1) and on_workers(64 * mib, 64 * mib, 1)
     # The benchmark's override of the rule (bench tiers --paths)
     monkeypatch.setattr(landing, "ROUTE", "batch")

@@ -91,9 +91,9 @@ def staged(addr: int, nbytes: int) -> bool:
 
 # Entries smaller than this, on average, stay in one AIO batch whatever their memory: the
 # batch joins neighbours into large requests (see on_workers).
-WORKERS_MIN_ENTRY = 1 << 20
+WORKERS_MIN_ENTRY = 2 << 20
 # Entries of these sizes, on average, go to the chunk workers whatever their memory.
-WORKERS_ANY_ENTRY = range(1 << 20, 32 << 20)
+WORKERS_ANY_ENTRY = range(2 << 20, 32 << 20)
 # "batch" or "workers" sends every batch of this process that way instead: for measuring
 # the two paths side by side (``tierstore bench tiers --peer deepnvme --paths``).
 ROUTE: str | None = None
@@ -104,24 +104,25 @@ def on_workers(copied: int, total: int, entries: int) -> bool:
     staged, for a write) should go to the chunk workers rather than one AIO batch. The AIO
     engine submits and reaps on one thread, and gets each staged request from a worker a
     few requests ahead; the chunk workers move their own chunks side by side, each pinning
-    its own pages. On the development VM with the machine idle (``tierstore bench tiers
-    --peer deepnvme``, 1 GiB, 5 rounds, docs/tiers.md):
+    its own pages. Measured on the development VM (``tierstore bench tiers --peer deepnvme
+    --paths batch,workers``, 1 GiB, 5 rounds, docs/tiers.md), since the batch keeps 32 MiB
+    in flight with two windows staged ahead (:data:`tierstore.nvme.aio.DEFAULT_WINDOW`):
 
-    - memory that needs a copy moved faster on the workers at every entry size from
-      256 KiB: reads at 0.91-1.11 of DeepNVMe against the batch's 0.77-0.91, writes at
-      0.61-0.98 against 0.55-0.79;
-    - page-aligned memory did too at 1 MiB (reads at 1.17-1.28 against 0.86-1.02, writes
-      at 1.11-1.12 against 0.86-0.97), and at 4 and 16 MiB the worst kind, memory on 4 KiB
-      pages, read at 0.97-0.98 against 0.89-0.92 (the other kinds were even);
-    - at 64 MiB the batch was ahead (0.97-1.03 against 0.92-0.99, and 0.96 against 0.91
-      for writes from 4 KiB pages), and below 1 MiB, where it joins small entries into
-      large requests (250 KiB: 0.81-0.88 against 0.71-0.87). Between 16 and 64 MiB
-      nothing was measured; the bound sits half way.
-    - Once a call no longer set off the cycle collector (:mod:`tierstore.collector`),
-      256 KiB entries needing a copy read faster in the batch too (0.76-0.79 against
-      0.65-0.71) and wrote as fast (0.52-0.54 against 0.51-0.56) with half the CPU time;
-      at 1 MiB the workers were still ahead for them (reads 0.88-0.90 against 0.82-0.87,
-      writes 0.62-0.70 against 0.55-0.56). Hence the batch below 1 MiB."""
+    - under 2 MiB the batch wins: at 1 MiB writes at 0.73-0.90 of DeepNVMe against
+      0.67-0.84 on the workers (two runs; `torch.empty` 0.76-0.82 against 0.67-0.70),
+      reads even (0.93-0.99 against 0.89-1.00) on half the CPU time for memory needing a
+      copy (0.15 against 0.30-0.33 s/GB);
+    - from 2 to 16 MiB the two were within a few hundredths of each other, the workers
+      ahead for `torch.empty` (reads 1.00-1.03 against 0.95-0.98 at 2 and 4 MiB, writes
+      1.04 against 0.94 at 16 MiB);
+    - at 64 MiB the workers wrote faster from every kind (0.90-0.96 against 0.81-0.94)
+      and read as fast, except memory on 4 KiB pages (0.90 against 0.97); aligned memory
+      stays in the batch there, as before. Between 16 and 64 MiB nothing was measured.
+
+    Before (a 64 MiB window, 32 MiB staged ahead) the batch lost at 1 MiB for memory
+    needing a copy (reads 0.82-0.87 against 0.88-0.90, writes 0.55-0.56 against 0.62-0.70),
+    and the collector paused (:mod:`tierstore.collector`) had made 256 KiB entries faster
+    in the batch (reads 0.76-0.79 against 0.65-0.71)."""
     if ROUTE is not None:
         return ROUTE == "workers"
     if total // max(entries, 1) in WORKERS_ANY_ENTRY:

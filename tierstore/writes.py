@@ -23,7 +23,7 @@ import crc32c
 import numpy as np
 import torch
 
-from tierstore.nvme.aio import MAX_PIECES, BatchError, EngineClosedError
+from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, BatchError, EngineClosedError
 
 from .catalog import Record, entry_key
 from .collector import paused
@@ -40,7 +40,7 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # copy-on-write needs room for a batch's new bytes before its commit frees the old ones, so
 # on a nearly full disk a flush still makes progress (and freeing space lets it finish).
 FLUSH_BATCH_BYTES = 256 << 20
-STAGE_AHEAD_BYTES = 32 << 20
+STAGE_AHEAD_BYTES = 2 * DEFAULT_WINDOW  # why two windows: nvme/aio.py, DEFAULT_WINDOW
 # A batch's extents are placed this many chunks' worth at a time (see _run_writes).
 PLACE_AHEAD_CHUNKS = 4
 # Without a batching engine (PMem, the POSIX engines), a worker writes the chunks of small
