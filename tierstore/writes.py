@@ -23,7 +23,7 @@ import crc32c
 import numpy as np
 import torch
 
-from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, BatchError, EngineClosedError
+from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, BatchError, EngineClosedError, address
 
 from .catalog import Record, entry_key
 from .collector import paused
@@ -184,8 +184,8 @@ class WritePath(LocalState):
         """Copy-on-write: fresh extents, parallel chunk writes (a job of several small
         entries' chunks, see ``GROUP_BYTES``), sync, then one commit. On the AIO engine,
         one batch (:meth:`_write_batched`) unless most of its bytes need staging."""
-        # Each source's address (a microsecond in numpy) and whether it is staged, once.
-        addrs = [src.ctypes.data for _, _, src, _ in batch]
+        # Each source's address and whether it is staged, once.
+        addrs = [address(src) for _, _, src, _ in batch]
         copies = [staged(a, b[2].nbytes) for a, b in zip(addrs, batch)]
         copied = sum(src.nbytes for (_, _, src, _), c in zip(batch, copies) if c)
         if (getattr(self._medium, "batched", False)
