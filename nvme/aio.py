@@ -60,8 +60,8 @@ DEFAULT_DEPTH = 32
 # ahead (tierstore.writes.STAGE_AHEAD_BYTES) so they are ready. 64 MiB in flight with 32
 # staged ahead left the batch waiting on staging: 1 GiB of 256 KiB torch.empty tensors
 # wrote at 3.15-3.19 GB/s against 4.23-4.26 with 32 and 64 (10 rounds, alternated), as fast
-# as from aligned memory (4.30-4.36); reads and 64 MiB entries were even at 16 to 64 MiB.
-# DeepNVMe keeps as much in flight (32 requests of 1 MiB).
+# as from aligned memory (4.30-4.36); reads, and 64 MiB entries, were even from 8 to 64 MiB
+# in flight. DeepNVMe keeps as much in flight as now (32 requests of 1 MiB).
 DEFAULT_WINDOW = 32 << 20
 
 

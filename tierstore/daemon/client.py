@@ -558,7 +558,7 @@ def _nothing() -> None:
 
 def _deliver(key: Key, meta: Meta, raw: Any, out: torch.Tensor | None, device: Any,
              take: Callable[[int], np.ndarray]) -> torch.Tensor:
-    """The caller's own tensor: one copy of the raw bytes, not of typed values (not bit-exact)."""
+    """The caller's own tensor: one copy of its raw bytes (typed copies alter some dtypes' bits)."""
     dtype = dtype_from_name(meta.dtype)
     src = raw.numpy() if isinstance(raw, torch.Tensor) else raw
     if out is not None:
