@@ -258,10 +258,10 @@ def test_a_trainer_run_is_served_as_the_transformers_model_it_computes(
             torch.testing.assert_close(model(ids).logits, want, atol=1e-5, rtol=0)
             out = model(ids[:, :15], use_cache=True)
             steps = [out.logits]
-            cache = out.past_key_values
+            # transformers 5.25 renamed past_key_values to cache (the old name warns)
+            name = "cache" if hasattr(out, "cache") else "past_key_values"
             for j in range(15, 20):
-                out = model(ids[:, j:j + 1], past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                out = model(ids[:, j:j + 1], **{name: getattr(out, name)}, use_cache=True)
                 steps.append(out.logits)
         torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=0)
     finally:
