@@ -95,6 +95,19 @@ def test_every_dtype_and_shape_round_trips(make_store, cache_kw, dtype_name: str
     assert report.ok, report.problems
 
 
+def test_a_byte_view_keeps_the_contiguous_copy_it_is_over() -> None:
+    """``as_bytes`` of a non-contiguous tensor views a contiguous copy of it; the view keeps
+    that copy alive after the caller's tensor is gone and its memory handed out again."""
+    from tierstore.tensors import as_bytes
+
+    x = torch.arange(64 * 1024, dtype=torch.bfloat16).reshape(256, 256)
+    want = x.t().contiguous().view(torch.uint8).reshape(-1).clone()
+    view = as_bytes(x.t())
+    del x
+    reuse = [torch.full((256, 256), 7, dtype=torch.bfloat16) for _ in range(64)]
+    assert torch.equal(torch.from_numpy(view.copy()), want) and len(reuse) == 64
+
+
 def _torch_can_copy(dtype: torch.dtype) -> bool:
     """False for torch's placeholder dtypes (int1..int7, uint1..uint7): no copy kernels."""
     try:

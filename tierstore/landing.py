@@ -18,7 +18,6 @@ tensor goes like this (:class:`Target`):
 
 from __future__ import annotations
 
-import ctypes
 from typing import NamedTuple
 
 import crc32c
@@ -27,6 +26,8 @@ import torch
 
 from tierstore.nvme import ALIGNMENT
 from tierstore.nvme.pages import on_small_pages
+
+from .tensors import raw_bytes
 
 # Entries from this size on 4 KiB pages are moved through the store's buffers on 2 MiB
 # pages (one copy), not by O_DIRECT itself (see tierstore.nvme.pages). On the development
@@ -54,9 +55,8 @@ class Target(NamedTuple):
 
 def host_bytes(tensor: torch.Tensor, length: int) -> np.ndarray:
     """``length`` bytes from ``tensor``'s first, as a numpy array that does not keep the
-    tensor alive (the caller holds it for the read's duration): a sixth of the cost of a
-    torch view of the storage, per entry."""
-    return np.frombuffer((ctypes.c_uint8 * length).from_address(tensor.data_ptr()), np.uint8)
+    tensor alive (the caller holds it for the read's duration)."""
+    return raw_bytes(tensor, length, keep=False)
 
 
 def accepts(out: torch.Tensor | None) -> bool:
