@@ -53,12 +53,6 @@ class Target(NamedTuple):
     dst: np.ndarray | torch.Tensor
 
 
-def host_bytes(tensor: torch.Tensor, length: int) -> np.ndarray:
-    """``length`` bytes from ``tensor``'s first, as a numpy array that does not keep the
-    tensor alive (the caller holds it for the read's duration)."""
-    return raw_bytes(tensor, length, keep=False)
-
-
 def accepts(out: torch.Tensor | None) -> bool:
     """Whether a read may land in ``out`` itself (directly or through :func:`land`): memory
     the caller owns, contiguous, on the CPU or a CUDA device, not part of an autograd graph.
@@ -78,7 +72,7 @@ def target(out: torch.Tensor, nbytes: int, length: int) -> Target:
         direct = min(length, room // ALIGNMENT * ALIGNMENT)
         if direct >= SMALL_PAGES_MIN and on_small_pages(out.data_ptr(), direct):
             direct = 0
-    return Target(direct, host_bytes(out, max(nbytes, direct)))
+    return Target(direct, raw_bytes(out, max(nbytes, direct)))
 
 
 def staged(addr: int, nbytes: int) -> bool:

@@ -40,10 +40,10 @@ from .errors import (
 )
 from .interface import Meta
 from .keys import Key
-from .landing import Target, accepts, host_bytes, land, on_workers, target
+from .landing import Target, accepts, land, on_workers, target
 from .local_state import LocalState
 from .media import adjacent_runs, joined
-from .tensors import dtype_from_name, from_bytes
+from .tensors import dtype_from_name, from_bytes, raw_bytes
 
 _DIRECT = object()  # found's bytes for a key read straight into the caller's out=
 
@@ -215,7 +215,7 @@ class ReadPath(LocalState):
                         continue  # loaded by another thread meanwhile
                     new.append(h)
                     # Slots are 4 KiB-aligned powers of two: the extent's length fits.
-                    buf = host_bytes(h.view, rec.length)
+                    buf = raw_bytes(h.view, rec.length)
                 else:
                     own[len(bufs)] = meta
                     buf = None  # taken by ``provide``

@@ -83,16 +83,16 @@ def as_bytes(tensor: torch.Tensor) -> np.ndarray:
     return raw_bytes(t, t.numel() * t.element_size())
 
 
-def raw_bytes(tensor: torch.Tensor, nbytes: int, keep: bool = True) -> np.ndarray:
-    """``nbytes`` of host memory from ``tensor``'s first byte, as a uint8 numpy array over
-    them (no copy), whatever the dtype; ``keep`` ties the tensor's life to the array's.
+def raw_bytes(tensor: torch.Tensor, nbytes: int) -> np.ndarray:
+    """``nbytes`` of host memory from ``tensor``'s first byte (they may run past the tensor,
+    into its storage or a cache slot), as a uint8 numpy array over them that keeps the
+    tensor alive: no copy, whatever the dtype.
 
     A view through ctypes: 0.7 us, where ``Tensor.numpy()`` and a byte view took 1.9 us a
-    tensor (3.1 for dtypes numpy lacks, through torch's own view): a put of 4,096 entries
-    asks once an entry."""
+    tensor (3.1 for dtypes numpy lacks, through torch's own view), and a torch view of the
+    storage six times as much: a put or a read of 4,096 entries asks once an entry."""
     raw = (ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr())
-    if keep:
-        raw.tensor = tensor  # type: ignore[attr-defined]
+    raw.tensor = tensor  # type: ignore[attr-defined]
     return np.frombuffer(raw, np.uint8)
 
 
