@@ -45,6 +45,10 @@ ENTRIES = [
     ("scalar.step", "param", 8),
 ]
 STRIDE = 1_000_003
+# A wide batch now and then: more entries than tierstore.commits.AHEAD_MIN_ENTRIES, so its
+# commit is built while its last requests are in flight (and a kill may land there).
+WIDE = 96
+WIDE_BYTES = 64 << 10
 
 
 _ARANGE: dict[int, torch.Tensor] = {}
@@ -72,6 +76,18 @@ def decode(idx: int, t: torch.Tensor) -> int:
     return version
 
 
+def wide_encode(i: int, version: int) -> torch.Tensor:
+    return _arange(WIDE_BYTES // 8) + (version * STRIDE + (100 + i) * 7)
+
+
+def wide_decode(i: int, t: torch.Tensor) -> int:
+    """The version wide entry ``i`` holds; AssertionError if not one whole version."""
+    base = int(t[0]) - (100 + i) * 7
+    assert base % STRIDE == 0 and torch.equal(t, wide_encode(i, base // STRIDE)), (
+        f"wide entry {i}: mixed or damaged contents")
+    return base // STRIDE
+
+
 def crash(path: str, seed: int) -> None:
     import tierstore
 
@@ -85,6 +101,8 @@ def crash(path: str, seed: int) -> None:
     versions = []
     for idx, (name, kind, _) in enumerate(ENTRIES):
         versions.append(decode(idx, st.get(name, kind)) if (name, kind) in st else 0)
+    wide = max((wide_decode(i, st.get(f"wide.{i}")) for i in range(WIDE) if f"wide.{i}" in st),
+               default=0)
     rounds = 0
     while True:
         rounds += 1
@@ -100,10 +118,15 @@ def crash(path: str, seed: int) -> None:
             st.put(name, encode(idx, versions[idx]), kind=kind)
         else:
             st.put_many([(ENTRIES[i][0], ENTRIES[i][1], encode(i, versions[i])) for i in chosen])
+        widened = rng.random() < 0.3
+        if widened:
+            wide += 1
+            st.put_many([(f"wide.{i}", wide_encode(i, wide)) for i in range(WIDE)])
         st.flush()
         cached = st.stats()["cache"]
         sys.stdout.write("".join(
             f"ack {ENTRIES[i][0]} {ENTRIES[i][1]} {versions[i]}\n" for i in chosen)
+            + (f"wide {wide}\n" if widened else "")
             + (f"evictions {cached['evictions']}\n" if cached else ""))
         sys.stdout.flush()
         if rounds % 5 == 0:  # snapshot churn: commits that touch every reference count

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from tierstore.catalog import Catalog, Record, Replaced, entry_key
+from tierstore.catalog import Catalog, Record, entry_key, record_numbers
 from tierstore.tensors import DTYPES
 
 
@@ -48,15 +48,15 @@ def test_a_record_that_is_not_one_json_object_is_refused(raw: bytes) -> None:
         Record.decode(raw)
 
 
-def _replaced_of(raw: bytes) -> Replaced | None:
-    """What a commit reads of a record it replaces, from a real LMDB transaction."""
+def _replaced_of(raw: bytes) -> tuple[int, ...]:
+    """What a commit reads of a record it replaces, as a real LMDB transaction hands it."""
     with tempfile.TemporaryDirectory() as d:
         cat = Catalog(os.path.join(d, "catalog.mdb"), create=True)
         try:
             with cat.env.begin(write=True) as txn:
                 txn.put(entry_key("e", "param"), raw, db=cat.db["entries"])
-                assert cat.replaced(txn, entry_key("absent", "param")) is None
-                return cat.replaced(txn, entry_key("e", "param"))
+                prev = txn.cursor(db=cat.db["entries"]).replace(entry_key("e", "param"), b"{}")
+                return record_numbers(prev)
         finally:
             cat.close()
 
@@ -69,5 +69,4 @@ def test_a_commit_reads_the_record_it_replaces_whatever_its_spelling(
     # ``encoded`` is the fast path's spelling; JSON with spaces (and a dtype name that
     # needs escaping) goes through the full decoder: the same numbers either way.
     raw = rec.encode() if spelling == "encoded" else json.dumps(vars(rec)).encode()
-    assert _replaced_of(raw) == Replaced(rec.nbytes, rec.version, rec.seg, rec.off,
-                                         rec.length)
+    assert _replaced_of(raw) == (rec.nbytes, rec.version, rec.seg, rec.off, rec.length)

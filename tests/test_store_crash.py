@@ -3,7 +3,8 @@
 - Crash: a child writes versions and acknowledges them only after ``flush()`` returns; it is
   SIGKILLed at random moments. After every kill the store opens, every entry reads without a
   CorruptEntryError and holds a version at least as new as the last acknowledged, and fsck
-  is clean.
+  is clean. Now and then a round also puts a wide batch (its commit built while its last
+  requests are in flight): without a host cache, it is found whole or not at all.
 - Crash while deletes and puts race flushes: one thread of the child puts and deletes while
   another flushes (and snapshots); an operation is acknowledged once a flush that started
   after it returned has returned. After every kill, every acknowledged delete stays deleted
@@ -75,6 +76,11 @@ class Child:
         self._reader = threading.Thread(target=self._read, daemon=True)
 
     @property
+    def wide(self) -> int:
+        """The newest wide batch a crash child acknowledged (0: none)."""
+        return max((int(w[1]) for w in self.lines if w[0] == "wide"), default=0)
+
+    @property
     def acks(self) -> list[tuple[str, str, int]]:
         """A crash child's acknowledged (name, kind, version)s."""
         return [(w[1], w[2], int(w[3])) for w in self.lines if w[0] == "ack"]
@@ -88,7 +94,7 @@ class Child:
             if words[0] == "evictions":
                 self.evictions = max(self.evictions, int(words[1]))
                 continue
-            assert words[0] in ("ack", "put", "del"), line
+            assert words[0] in ("ack", "put", "del", "wide"), line
             self.lines.append(words)
             if words[0] == "ack":
                 self.first_ack.set()
@@ -120,7 +126,16 @@ class Child:
         return rc
 
 
-def verify_after_crash(st: tierstore.Store, acked: dict[tuple[str, str], int]) -> None:
+def verify_after_crash(st: tierstore.Store, acked: dict[tuple[str, str], int],
+                       wide: int = 0, before: list[int] | None = None) -> list[int]:
+    """Every entry at its acknowledged version or newer, the wide batch's too; returns the
+    wide entries' versions. ``before``: what they were before a child without a host cache,
+    whose batches are written through: each one commits whole or not at all."""
+    seen = [crash_writer.wide_decode(i, st.get(f"wide.{i}")) if f"wide.{i}" in st else 0
+            for i in range(crash_writer.WIDE)]
+    assert min(seen) >= wide, f"wide batch {wide} was acknowledged, the store holds {seen}"
+    assert before is None or seen == before or len(set(seen)) == 1, (
+        f"a wide batch was committed in part: {before} -> {seen}")
     for idx, (name, kind, _) in enumerate(crash_writer.ENTRIES):
         key = (name, kind)
         if key not in st:
@@ -133,6 +148,7 @@ def verify_after_crash(st: tierstore.Store, acked: dict[tuple[str, str], int]) -
         assert st.info(name, kind).nbytes == crash_writer.ENTRIES[idx][2]
     report = st.fsck()
     assert report.ok, report.problems
+    return seen
 
 
 def kill_loop(
@@ -174,15 +190,18 @@ def test_sigkill_never_loses_acknowledged_writes(make_store, backing, tmp_path) 
     path = st.path
     st.close()
     acked: dict[tuple[str, str], int] = {}
-    total_acks = evictions = 0
+    total_acks = evictions = wide = 0
+    state = [0] * crash_writer.WIDE  # the wide entries' versions after the last kill
 
     def after_kill(child: Child, st: tierstore.Store) -> None:
-        nonlocal total_acks, evictions
+        nonlocal total_acks, evictions, wide, state
         for name, kind, version in child.acks:
             acked[(name, kind)] = max(acked.get((name, kind), 0), version)
         total_acks += len(child.acks)
         evictions = max(evictions, child.evictions)
-        verify_after_crash(st, acked)
+        wide = max(wide, child.wide)
+        state = verify_after_crash(st, acked, wide,
+                                   before=state if child.seed % 3 == 1 else None)  # no cache
 
     kill_loop(make_store, path, "crash", KILLS, random.Random(20240611 + (backing == "pmem")),
               tmp_path, after_kill)
@@ -190,6 +209,7 @@ def test_sigkill_never_loses_acknowledged_writes(make_store, backing, tmp_path) 
     if KILLS >= 3:  # every third child has the small cache; a shorter run proves less
         assert evictions > 0, "no writer ever evicted a dirty entry from its small host cache"
         assert len(acked) == len(crash_writer.ENTRIES), "some entry was never written"
+        assert wide > 0, "no writer ever acknowledged a wide batch"
 
 
 class RaceLedger:

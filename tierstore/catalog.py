@@ -34,7 +34,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -45,15 +45,15 @@ from .errors import CatalogError, StoreError, StoreFullError
 
 FORMAT_VERSION = 1
 _EXT = struct.Struct(">IQ")  # big-endian so LMDB's byte order is (segment, offset) order
-_REF = struct.Struct(">QQ")
+REF_COUNT = struct.Struct(">QQ")
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 _DECODE = json.JSONDecoder().decode
 _RAW_DECODE = json.JSONDecoder().raw_decode
 _LEN = struct.Struct(">Q")
 # A record as Record.encode spells it, up to its last number: a commit reads the record it
-# replaces through this, at two fifths of a JSON decode's cost; any other spelling (records
+# replaces through this (tierstore.commits), at two fifths of a JSON decode's cost; any other spelling (records
 # of older releases, a dtype name that is not an identifier) is decoded in full.
-_HEAD = re.compile(rb'\{"dtype":"\w+","shape":\[[\d,]*\],"nbytes":(\d+),"crc":\[[\d,]*\],'
+RECORD_HEAD = re.compile(rb'\{"dtype":"\w+","shape":\[[\d,]*\],"nbytes":(\d+),"crc":\[[\d,]*\],'
                    rb'"chunk":\d+,"version":(\d+),"seg":(-?\d+),"off":(\d+),"length":(\d+),')
 T = TypeVar("T")
 # Decoded records kept for readers (Catalog.read_record): a model's experts' entries and
@@ -161,14 +161,15 @@ class Record:
         return "crc32c:" + "-".join(f"{c:08x}" for c in self.crc)
 
 
-class Replaced(NamedTuple):
-    """What a commit needs of the record it replaces (:meth:`Catalog.replaced`)."""
-
-    nbytes: int
-    version: int
-    seg: int
-    off: int
-    length: int
+def record_numbers(raw: bytes) -> tuple[int, int, int, int, int]:
+    """``nbytes, version, seg, off, length`` of an encoded record: what a commit needs of
+    the record it replaces, read through :data:`RECORD_HEAD` where it can be."""
+    m = RECORD_HEAD.match(raw)
+    if m is None:
+        r = Record.decode(raw)
+        return r.nbytes, r.version, r.seg, r.off, r.length
+    a, b, c, d, e = map(int, m.groups())
+    return a, b, c, d, e
 
 
 def _merged(extents: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -450,18 +451,6 @@ class Catalog:
             self._shared[raw] = rec
         return rec
 
-    def replaced(self, txn: lmdb.Transaction, key: bytes) -> Replaced | None:
-        """The sizes, version and extent of the record at ``key`` (an :func:`entry_key`),
-        which a commit is about to replace; None if there is none."""
-        raw = txn.get(key, db=self.db["entries"])
-        if raw is None:
-            return None
-        m = _HEAD.match(raw)
-        if m is None:
-            r = Record.decode(raw)
-            return Replaced(r.nbytes, r.version, r.seg, r.off, r.length)
-        return Replaced._make(map(int, m.groups()))
-
     def iter_records(
         self, txn: lmdb.Transaction, prefix: str = "", db: str = "entries", tag: str | None = None
     ) -> Iterator[tuple[str, str, Record]]:
@@ -531,7 +520,7 @@ class Catalog:
         key = ext_key(rec.seg, rec.off)
         # A write's extents are fresh: one insert that fails where a reference exists
         # (a snapshot's restore) does for the usual case what a lookup and a put did.
-        if not held and txn.put(key, _REF.pack(rec.length, 1), db=self.db["refs"],
+        if not held and txn.put(key, REF_COUNT.pack(rec.length, 1), db=self.db["refs"],
                                 overwrite=False):
             if carve is None:
                 self.carve(txn, rec.seg, rec.off, rec.length)
@@ -541,10 +530,10 @@ class Catalog:
         raw = txn.get(key, db=self.db["refs"])
         if raw is None:
             raise StoreError(f"reference map has no extent at segment {rec.seg} offset {rec.off}")
-        length, n = _REF.unpack(raw)
-        txn.put(key, _REF.pack(length, n + 1), db=self.db["refs"])
+        length, n = REF_COUNT.unpack(raw)
+        txn.put(key, REF_COUNT.pack(length, n + 1), db=self.db["refs"])
 
-    def decref(self, txn: lmdb.Transaction, rec: Record | Replaced,
+    def decref(self, txn: lmdb.Transaction, rec: Record,
                free: list[tuple[int, int, int]] | None = None) -> tuple[int, int, int] | None:
         """Drop one reference; returns the extent if that freed it. A freed extent goes
         back to the free map now, or, where ``free`` is given, is appended to it for
@@ -555,9 +544,9 @@ class Catalog:
         raw = txn.pop(key, db=self.db["refs"])  # the usual last reference: one operation
         if raw is None:
             raise StoreError(f"reference map has no extent at segment {rec.seg} offset {rec.off}")
-        length, n = _REF.unpack(raw)
+        length, n = REF_COUNT.unpack(raw)
         if n > 1:
-            txn.put(key, _REF.pack(length, n - 1), db=self.db["refs"])
+            txn.put(key, REF_COUNT.pack(length, n - 1), db=self.db["refs"])
             return None
         if free is None:
             self.add_free(txn, rec.seg, rec.off, length)
@@ -579,7 +568,7 @@ class Catalog:
     def refs(self, txn: lmdb.Transaction) -> Iterator[tuple[int, int, int, int]]:
         for key, raw in txn.cursor(db=self.db["refs"]):
             seg, off = _EXT.unpack(key)
-            length, n = _REF.unpack(raw)
+            length, n = REF_COUNT.unpack(raw)
             yield seg, off, length, n
 
     # -- segments ---------------------------------------------------------------------

@@ -27,6 +27,7 @@ from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, BatchError, EngineClo
 
 from .catalog import Record, entry_key
 from .collector import paused
+from .commits import AHEAD_MIN_ENTRIES, Committer, commit_records
 from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
@@ -222,7 +223,8 @@ class WritePath(LocalState):
                 for (_, rec, start, _), crc in zip(chunks, job.result()):
                     rec.crc[start // self._chunk] = crc
             self._medium.sync({seg for seg, _, length in taken if length})
-            freed = self._catalog.write(lambda txn: self._commit(txn, records))
+            freed = self._catalog.write(
+                lambda txn: commit_records(self._catalog, self._tombstones, txn, records))
         except BaseException as e:
             # A write still in flight must land before its extent can be handed out again.
             wait([job for _, job in jobs])
@@ -239,11 +241,20 @@ class WritePath(LocalState):
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
         encoded: dict[int, bytes] = {}
+        committer = (Committer(self._catalog, self._tombstones, records, encoded)
+                     if len(batch) >= AHEAD_MIN_ENTRIES else None)
         try:
-            self._run_writes(batch, copies, addrs, records, taken, encoded)
+            self._run_writes(batch, copies, addrs, records, taken, encoded, committer)
             self._medium.sync({seg for seg, _, length in taken if length})
-            freed = self._catalog.write(lambda txn: self._commit(txn, records, encoded))
+            if committer is None:
+                freed = self._catalog.write(lambda txn: commit_records(
+                    self._catalog, self._tombstones, txn, records, encoded))
+            else:
+                committer.durable()
+                freed = committer.result()
         except BaseException as e:
+            if committer is not None:
+                committer.abandon(e)
             self._write_failed(taken, e)  # nothing is in flight once the batch has ended
             raise
         self._written(freed, records)
@@ -265,7 +276,8 @@ class WritePath(LocalState):
 
     def _run_writes(self, batch: list[tuple[str, str, np.ndarray, Meta]], copies: list[bool],
                     addrs: list[int], records: list[tuple[str, str, Record]],
-                    taken: list[tuple[int, int, int]], encoded: dict[int, bytes]) -> None:
+                    taken: list[tuple[int, int, int]], encoded: dict[int, bytes],
+                    committer: Committer | None = None) -> None:
         """Write ``batch`` (``copies``: whether each entry is staged; ``addrs``: its
         address) to fresh extents, appending each entry's record (its crc32c filled in as
         its chunks land) to ``records``, each extent to ``taken``, and, for entries of one
@@ -289,6 +301,7 @@ class WritePath(LocalState):
         extents: list[tuple[int, int]] = []  # each entry's (segment, offset)
         runs: list[tuple[int, int]] = []  # requests: [first, last) of work
         sizes: list[int] = []
+        bounds: list[int] = []  # records whole once each request (and those before) landed
         placing: list[BaseException] = []  # what placing entries raised (a full disk)
 
         def place() -> bool:
@@ -320,6 +333,10 @@ class WritePath(LocalState):
             for a, b in adjacent_runs(work[first:], extents, chunk, MAX_PIECES):
                 runs.append((first + a, first + b))
                 sizes.append(sum(work[n][2] - work[n][1] for n in range(first + a, first + b)))
+                j, _, end = work[first + b - 1]
+                bounds.append(j + 1 if end == records[j][2].length else j)
+            if committer is not None and i == len(batch):
+                committer.start(bounds)  # every entry placed: see tierstore.commits
             return True
 
         # Staged ahead: a job for each chunk worker, and at most STAGE_AHEAD_BYTES (with the
@@ -409,6 +426,8 @@ class WritePath(LocalState):
                 ahead_bytes -= nbytes
                 at[0] = m
                 after[m], staged, buf = pending.popleft().result()
+                if committer is not None and not after[m]:
+                    committer.finished(m)
                 if staged is not None:
                     held[m] = staged
                 i, start, _ = work[first]
@@ -421,6 +440,12 @@ class WritePath(LocalState):
             chunks = after.pop(m)
             if chunks:
                 checks.append(self._workers.submit(checksum, chunks))
+                if committer is not None:
+                    checks[-1].add_done_callback(lambda f, m=m: told(f, m))
+
+        def told(f: Future[None], m: int) -> None:
+            if f.exception() is None:  # else the batch fails, and drops the commit
+                committer.finished(m)  # type: ignore[union-attr]
 
         try:
             self._medium.run(requests(), landed)
@@ -551,50 +576,3 @@ class WritePath(LocalState):
                 self._alloc.add(seg, 0, size)
             got = self._alloc.allocate(length)
         return got
-
-    def _commit(
-        self, txn: Any, records: list[tuple[str, str, Record]],
-        encoded: dict[int, bytes] | None = None,
-    ) -> list[tuple[int, int, int]]:
-        """Point entries at their new extents; returns extents to hand back to the allocator.
-        ``encoded`` holds records encoded already, by position.
-
-        Versions are given out when ``put`` is called, so a record older than the one the
-        catalog holds (a slow write-back overtaken by a newer write) is dropped: the newest
-        version wins whatever order commits land in. So is one older than a delete of its
-        key (a write-back that took the entry before the delete and commits after it: see
-        ``delete``).
-        """
-        cat = self._catalog
-        top = cat.get_meta(txn, "version", 0)
-        live = cat.get_meta(txn, "live_bytes", 0)
-        freed: list[tuple[int, int, int]] = []
-        carve: list[tuple[int, int, int]] = []
-        free: list[tuple[int, int, int]] = []
-        entries = cat.db["entries"]
-        encoded = encoded or {}
-        for i, (name, kind, rec) in enumerate(records):
-            key = entry_key(name, kind)
-            old = cat.replaced(txn, key)
-            dead = self._tombstones.get((name, kind))
-            if (old is not None and old.version > rec.version) or (
-                    dead is not None and dead > rec.version):
-                if rec.seg >= 0:
-                    freed.append(rec.extent)  # taken in memory only, never carved
-                continue
-            cat.incref(txn, rec, carve)
-            if old is not None:
-                live -= old.nbytes
-                ext = cat.decref(txn, old, free)
-                if ext:
-                    freed.append(ext)
-            live += rec.nbytes
-            top = max(top, rec.version)
-            raw = encoded.get(i)
-            txn.put(key, rec.encode() if raw is None else raw, db=entries)
-        cat.carve_many(txn, carve)
-        cat.add_free_many(txn, free)
-        cat.put_meta(txn, "version", top)
-        cat.put_meta(txn, "live_bytes", live)
-        return freed
-

@@ -1,0 +1,207 @@
+"""A write's commit: the one LMDB transaction that points a batch's entries at the extents
+its bytes were written to, and frees the extents they replace.
+
+It is the commit point of copy-on-write (see :mod:`tierstore.writes`): it is committed only
+once the batch's bytes are durable, so a crash before it leaves every entry at its last
+committed version. For a batch of many entries the transaction is built while the batch's
+last requests are still in flight (:class:`Committer`), on a thread of its own: each record
+is put as its checksums come in, and the transaction commits once the batch is synced, or
+is dropped if the batch fails. A 4,096-entry put of 256 KiB entries spends about 14 ms in
+its commit's Python; the last 96 MiB of its I/O (two staged windows and the one in flight,
+see :data:`tierstore.writes.STAGE_AHEAD_BYTES`) take about as long, so the catalog's
+writer is held only that much longer, and the put returns that much sooner.
+
+Caveat: while a committer waits for its batch, the catalog's writer is held, so another
+writer's commit (and a write that needs a new slab) waits for this batch's last bytes. A
+committer starts only once every entry of its batch is placed, since placing may itself
+commit (a new slab): it never waits on a commit of its own batch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from .catalog import REF_COUNT, Catalog, Record, ext_key, record_numbers
+from .errors import StoreError
+from .keys import Key
+
+Extent = tuple[int, int, int]
+# A batch of at least this many entries builds its commit during its I/O; a smaller one
+# commits after it, on the calling thread (a thread's start costs more than its commit).
+AHEAD_MIN_ENTRIES = 64
+
+
+def commit_records(cat: Catalog, tombstones: dict[Key, int], txn: Any,
+                   records: list[tuple[str, str, Record]], encoded: dict[int, bytes] | None = None,
+                   ready: Callable[[int], int] | None = None) -> list[Extent]:
+    """Point each entry of ``records`` at its new extent in ``txn``; returns the extents to
+    hand back to the allocator. ``encoded`` holds records encoded already, by position;
+    ``ready(i)`` waits until record ``i`` has its checksums, returning how many records
+    have theirs.
+
+    Versions are given out when ``put`` is called, so a record older than the one the
+    catalog holds (a slow write-back overtaken by a newer write) is dropped: the newest
+    version wins whatever order commits land in. So is one older than a delete of its key
+    (``tombstones``: a write-back that took the entry before the delete and commits after
+    it, see ``WritePath._delete``).
+
+    Written for the usual record: its key's old record is swapped out in one operation
+    (and put back in the rare case that it is newer), read through the head of its
+    encoding, and the fresh extent's reference inserted in one more: 17.7 -> 13.8 ms for
+    4,096 records, where a lookup, a put and calls per reference had been."""
+    top = cat.get_meta(txn, "version", 0)
+    live = cat.get_meta(txn, "live_bytes", 0)
+    freed: list[Extent] = []
+    carve: list[Extent] = []
+    free: list[Extent] = []
+    refs = cat.db["refs"]
+    cur = txn.cursor(db=cat.db["entries"])
+    put, pop = txn.put, txn.pop
+    pack, unpack = REF_COUNT.pack, REF_COUNT.unpack
+    encoded = encoded or {}
+    have = 0 if ready is not None else len(records)
+    for i, (name, kind, rec) in enumerate(records):
+        if i >= have:
+            have = ready(i)  # type: ignore[misc]
+        dead = tombstones.get((name, kind)) if tombstones else None
+        if dead is not None and dead > rec.version:
+            if rec.seg >= 0:
+                freed.append(rec.extent)  # taken in memory only, never carved
+            continue
+        key = name.encode() + b"\0" + kind.encode()
+        raw = encoded.get(i)
+        prev = cur.replace(key, rec.encode() if raw is None else raw)
+        if prev is not None:
+            old_nbytes, old_version, seg, off, _ = record_numbers(prev)
+            if old_version > rec.version:
+                cur.put(key, prev)
+                if rec.seg >= 0:
+                    freed.append(rec.extent)
+                continue
+            live -= old_nbytes
+            if seg >= 0:
+                ref = ext_key(seg, off)
+                got = pop(ref, db=refs)  # the usual last reference: one operation
+                if got is None:
+                    raise StoreError(f"reference map has no extent at segment {seg} offset {off}")
+                length, n = unpack(got)
+                if n > 1:
+                    put(ref, pack(length, n - 1), db=refs)
+                else:
+                    free.append((seg, off, length))
+                    freed.append((seg, off, length))
+        if rec.seg >= 0:
+            # A write's extents are fresh: an insert that fails only where the extent is
+            # referenced already.
+            if put(ext_key(rec.seg, rec.off), pack(rec.length, 1), db=refs, overwrite=False):
+                carve.append(rec.extent)
+            else:
+                cat.incref(txn, rec, carve, held=True)
+        live += rec.nbytes
+        if rec.version > top:
+            top = rec.version
+    cat.carve_many(txn, carve)
+    cat.add_free_many(txn, free)
+    cat.put_meta(txn, "version", top)
+    cat.put_meta(txn, "live_bytes", live)
+    return freed
+
+
+class _Abandoned(Exception):
+    """The batch failed: its transaction is dropped."""
+
+
+class Committer:
+    """The commit of one batch, built on a thread of its own while the batch's last
+    requests are in flight (see the module docstring).
+
+    The write path tells it, for each request in order, how many of the batch's records are
+    whole once that request and the ones before it have their checksums (``bounds``, given
+    to :meth:`start` once every entry is placed), and calls :meth:`finished` as each
+    request's checksums are in, in any order; then :meth:`durable` once the batch is
+    synced, and :meth:`result` for the extents to free. :meth:`abandon` drops the
+    transaction, started or not."""
+
+    def __init__(self, cat: Catalog, tombstones: dict[Key, int],
+                 records: list[tuple[str, str, Record]], encoded: dict[int, bytes]) -> None:
+        self._cat, self._tombstones = cat, tombstones
+        self._records, self._encoded = records, encoded
+        self._cond = threading.Condition()
+        self._bounds: list[int] = []
+        self._done: set[int] = set()  # requests finished, not yet counted in _have
+        self._next = 0  # the first request not counted in _have
+        self._have = 0  # records whose checksums are all in
+        self._outcome: bool | BaseException | None = None  # True: commit
+        self._result: Future[list[Extent]] = Future()
+        self._thread: threading.Thread | None = None
+
+    def start(self, bounds: list[int]) -> None:
+        """Begin the transaction; ``bounds[m]``: the records whole after request ``m``."""
+        self._bounds = bounds
+        self._thread = threading.Thread(target=self._run, name="tierstore-commit", daemon=True)
+        self._thread.start()
+
+    def finished(self, m: int) -> None:
+        """Request ``m``'s checksums are in (any thread)."""
+        with self._cond:
+            self._done.add(m)
+            self._cond.notify_all()
+
+    def durable(self) -> None:
+        """The batch is synced: commit."""
+        self._end(True)
+
+    def abandon(self, why: BaseException) -> None:
+        """The batch failed: drop the transaction and wait until it is dropped."""
+        self._end(why)
+        if self._thread is not None:
+            self._thread.join()
+
+    def result(self) -> list[Extent]:
+        """The extents the commit freed, once it is committed; what it raised otherwise."""
+        return self._result.result()
+
+    def _end(self, outcome: bool | BaseException) -> None:
+        with self._cond:
+            if self._outcome is None:
+                self._outcome = outcome
+            self._cond.notify_all()
+
+    def _ready(self, i: int) -> int:
+        with self._cond:
+            while True:
+                while self._next in self._done:
+                    self._done.discard(self._next)
+                    self._have = max(self._have, self._bounds[self._next])
+                    self._next += 1
+                if self._next == len(self._bounds):
+                    self._have = len(self._records)  # and the empty entries after the last
+                if i < self._have:
+                    return self._have
+                if self._outcome is True:  # synced with a request never finished: a bug
+                    raise StoreError(f"commit of {len(self._records)} entries: record {i} "
+                                     "never had its checksums")
+                if self._outcome is not None:
+                    raise _Abandoned
+                self._cond.wait()
+
+    def _transaction(self, txn: Any) -> list[Extent]:
+        freed = commit_records(self._cat, self._tombstones, txn, self._records,
+                               self._encoded, self._ready)
+        with self._cond:
+            while self._outcome is None:
+                self._cond.wait()
+            if self._outcome is not True:
+                raise _Abandoned  # leaves the transaction uncommitted
+        return freed
+
+    def _run(self) -> None:
+        try:
+            freed = self._cat.write(self._transaction)
+        except BaseException as e:  # noqa: BLE001 (handed to the caller by result())
+            self._result.set_exception(e)
+        else:
+            self._result.set_result(freed)
