@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import threading
 
 import numpy as np
@@ -29,17 +31,24 @@ SHEAF_BYTES = 8 << 20  # read buffers under HUGE_PAGE are carved from arrays thi
 
 
 def huge_empty(nbytes: int) -> np.ndarray:
-    """:func:`aligned_empty` on a 2 MiB boundary, where transparent huge pages can back it.
-
-    numpy asks for huge pages (``madvise(MADV_HUGEPAGE)``) on arrays of 4 MiB and more, but
-    the kernel only uses them for 2 MiB-aligned ranges. An O_DIRECT read into huge pages
-    pins one page instead of 512 and reaches the device as fewer segments: into 256 KiB
-    buffers on 4 KiB pages the disk here read at 0.7 of the rate into huge pages. The
-    up to 2 MiB skipped at the front is address space only: it is never touched.
-    """
+    """An uninitialised uint8 array of ``nbytes`` on a 2 MiB boundary, in a fresh private
+    anonymous mapping (a shared one is shmem, whose huge pages another setting governs)
+    advised for transparent huge pages (``MADV_HUGEPAGE``), so the kernel backs it
+    with them where it can. An O_DIRECT read into huge pages pins one page instead of 512
+    and reaches the device as fewer segments: into 256 KiB buffers on 4 KiB pages the disk
+    here read at 0.7 of the rate into huge pages. A mapping of its own, not the C
+    allocator's memory: that may be reused heap already faulted in on 4 KiB pages, which
+    advice does not change (so did a long test run's read buffers, now and then). The up to
+    2 MiB skipped at the front is address space only: it is never touched. The array keeps
+    the mapping; it is unmapped with the last view of it."""
     if nbytes < HUGE_PAGE:
         return aligned_empty(nbytes)
-    return aligned_empty(nbytes, HUGE_PAGE)
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError):  # advice only: refused, 4 KiB pages
+        m.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(m, dtype=np.uint8)
+    skip = -raw.ctypes.data % HUGE_PAGE
+    return raw[skip : skip + nbytes]
 
 
 _bump_lock = threading.Lock()
@@ -62,7 +71,7 @@ def small_huge_empty(nbytes: int) -> np.ndarray:
     with _bump_lock:
         sheaf, at = _bump
         if sheaf is None or at + step > HUGE_PAGE:
-            sheaf, at = aligned_empty(HUGE_PAGE, HUGE_PAGE), 0
+            sheaf, at = huge_empty(HUGE_PAGE), 0
         _bump[0], _bump[1] = sheaf, at + step
     return sheaf[at : at + nbytes]
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from tierstore.cache.pinned import arena_tensor
-from tierstore.nvme import aligned_empty
 from tierstore.nvme.libaio import unavailable
 
 import tierstore
@@ -34,8 +33,10 @@ def _odd_slice(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _short_storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    # Page-aligned, but its storage is exactly the entry: the last page is not all there.
-    return torch.from_numpy(aligned_empty(_nbytes(shape, dtype))).view(dtype).view(shape)
+    # Page-aligned on huge pages, but its storage is exactly the entry: the last page is
+    # not all there.
+    n = _nbytes(shape, dtype)
+    return torch.from_numpy(tierstore.read_buffer(n).numpy()[:n]).view(dtype).view(shape)
 
 
 def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -212,7 +213,12 @@ def test_an_aligned_source_stages_only_its_last_partial_page(store, monkeypatch)
         srcs[n] = _short_storage(SHAPE, v.dtype)
         srcs[n].copy_(v)
     store.put_many(srcs)
-    assert 0 < sum(copied) <= 3 * 4096  # 480,012 bytes each: 12 bytes past the last page
+    # 480,012 bytes each: 12 bytes past the last page; all of it where the kernel put the
+    # buffer on 4 KiB pages (it may not give huge ones), as any memory on them.
+    from tierstore.nvme.pages import on_small_pages
+
+    assert sum(copied) == sum(t.nbytes if on_small_pages(t.data_ptr(), t.nbytes)
+                              else t.nbytes % 4096 for t in srcs.values())
     got = store.get_many(list(values))
     assert all(torch.equal(got[n], v) for n, v in values.items())
     info = store.info("a1")
@@ -258,24 +264,42 @@ def _on_small_pages(nbytes: int) -> torch.Tensor:
     return t.fill_(0)
 
 
-def test_large_memory_on_small_pages_is_copied_and_the_rest_is_not(monkeypatch) -> None:
-    # The rule, whatever this kernel can tell: entries from 8 MiB on 4 KiB pages are
-    # bounced and staged; smaller ones, and memory on huge pages, are not.
+def test_memory_on_small_pages_is_copied_and_on_huge_pages_is_not(monkeypatch) -> None:
+    # The rule, whatever this kernel can tell: memory on 4 KiB pages is bounced and staged
+    # at every size; memory on huge pages is not, and unaligned memory always is.
     from tierstore import landing
 
     mib = 1 << 20
-    small_pages = {True}
-    monkeypatch.setattr(landing, "on_small_pages", lambda addr, n: True in small_pages)
+    small = {True}
+    monkeypatch.setattr(landing, "small_pages",
+                        lambda addrs, sizes: [True in small] * len(addrs))
     buf = tierstore.read_buffer(8 * mib)
-    assert landing.target(buf, 8 * mib, 8 * mib).direct == 0
-    assert landing.target(buf[: 4 * mib], 4 * mib, 4 * mib).direct == 4 * mib
-    assert landing.staged(buf.data_ptr(), 8 * mib)
-    assert not landing.staged(buf.data_ptr(), 4 * mib)
-    assert landing.direct_end(landing.staged(buf.data_ptr(), 8 * mib), 8 * mib, 0, mib) == 0
-    small_pages.clear()
-    assert landing.target(buf, 8 * mib, 8 * mib).direct == 8 * mib
-    assert not landing.staged(buf.data_ptr(), 8 * mib)
-    assert landing.staged(buf.data_ptr() + 64, 8 * mib)  # not page-aligned: always
+    parts = [buf, buf[: 4 * mib], buf[: mib]]
+    sizes = [8 * mib, 4 * mib, mib]
+    assert [t.direct for t in landing.targets(parts, sizes, sizes)] == [0, 0, 0]
+    assert landing.staged([p.data_ptr() for p in parts], sizes) == [True] * 3
+    assert landing.direct_end(True, 8 * mib, 0, mib) == 0
+    small.clear()
+    assert [t.direct for t in landing.targets(parts, sizes, sizes)] == sizes
+    assert landing.staged([p.data_ptr() for p in parts], sizes) == [False] * 3
+    assert landing.staged([buf.data_ptr() + 64], [8 * mib]) == [True]  # not page-aligned
+
+
+def test_the_kernel_is_asked_once_for_a_batch_and_answers_per_range() -> None:
+    from tierstore.nvme import pages
+
+    mib = 1 << 20
+    maps = [_on_small_pages(mib) for _ in range(20)]
+    huge = tierstore.read_buffer(20 * mib).fill_(1)
+    addrs = [t.data_ptr() for t in maps] + [huge.data_ptr() + i * mib for i in range(20)]
+    got = pages.small_pages(addrs, [mib] * 40)
+    if not pages.on_small_pages(maps[0].data_ptr(), mib):
+        assert got == [False] * 40  # this kernel cannot say (PAGEMAP_SCAN, Linux 6.7)
+        return
+    assert got == [pages.on_small_pages(a, mib) for a in addrs]
+    assert got[:20] == [True] * 20
+    assert pages.small_pages(addrs[::-1], [mib] * 40) == got[::-1]
+    assert pages.small_pages([addrs[0]], [0]) == [False]
 
 
 def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatch) -> None:
@@ -312,14 +336,29 @@ def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatc
     assert all(torch.equal(outs[n], v) for n, v in values.items())
     copied.clear()
     landed.clear()
-    # Under 8 MiB the same memory is written from and read into straight.
+    # Smaller entries on small pages too; on huge pages they are written and read straight.
     half = {f"h{n}": _on_small_pages(nbytes // 4).view(torch.float32).copy_(v[: nbytes // 16])
             for n, v in values.items()}
     store.put_many(half)
     got = {n: _on_small_pages(nbytes // 4).view(torch.float32) for n in half}
     store.get_many(list(half), out=got)
-    assert copied == [] and landed == []
+    assert sum(copied) == sum(landed) == nbytes // 2
     assert all(torch.equal(got[n], t) for n, t in half.items())
+    copied.clear()
+    landed.clear()
+    # Read buffers: on huge pages where the kernel gave them (it may not), and only what
+    # is not moves through the store's buffers.
+    huge = {f"g{n}": tierstore.read_buffer(nbytes // 4).view(torch.float32).copy_(t)
+            for n, t in half.items()}
+    store.put_many(huge)
+    got = {n: tierstore.read_buffer(nbytes // 4).view(torch.float32) for n in huge}
+    store.get_many(list(huge), out=got)
+
+    def on_small(ts: dict[str, torch.Tensor]) -> int:
+        return sum(t.nbytes for t in ts.values() if on_small_pages(t.data_ptr(), t.nbytes))
+
+    assert (sum(copied), sum(landed)) == (on_small(huge), on_small(got))
+    assert all(torch.equal(got[n], t) for n, t in huge.items())
     info = store.info("b")
     with open(info.path, "r+b") as f:
         f.seek(info.offset + nbytes - 9)

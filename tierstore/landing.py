@@ -8,9 +8,8 @@ tensor goes like this (:class:`Target`):
 
 - the longest run from the tensor's first byte that O_DIRECT can fill (whole pages of
   page-aligned host memory that the tensor's storage covers) is read straight into it;
-- the rest (all of it, for an unaligned or device tensor, or a large one on 4 KiB pages:
-  :data:`SMALL_PAGES_MIN`; the last partial page, for an aligned one whose storage ends
-  early) is read into a reused aligned bounce buffer, and
+- the rest (all of it, for an unaligned or device tensor, or one on 4 KiB pages; the last
+  partial page, for an aligned one whose storage ends early) is read into a reused aligned bounce buffer, and
   :func:`land` copies each chunk out of it and checksums the copy as its request completes,
   while the requests after it are in flight: one copy, overlapped with the I/O, and the
   crc32c taken on the same cache-hot bytes as the copy, not in a pass of its own.
@@ -25,18 +24,18 @@ import numpy as np
 import torch
 
 from tierstore.nvme import ALIGNMENT
-from tierstore.nvme.pages import on_small_pages
+from tierstore.nvme.pages import small_pages
 
 from .tensors import raw_bytes
 
-# Entries from this size on 4 KiB pages are moved through the store's buffers on 2 MiB
-# pages (one copy), not by O_DIRECT itself (see tierstore.nvme.pages). On the development
-# VM (tierstore bench tiers --peer deepnvme, 1 GiB, 5 rounds; runs in a row without and
-# with): 16 MiB entries of an anonymous mapping read at 0.70 of DeepNVMe and wrote at 0.75
-# direct, 0.98 and 1.06 copied; 64 MiB ones 0.89 and 0.74 direct, 1.01 and 0.92 copied. At
-# 4 MiB it bought nothing (reads 0.97 and 0.98, writes 0.92 and 0.82); at 1 MiB every
-# staged kind wrote at 0.41-0.45, against 0.69 straight from huge pages.
-SMALL_PAGES_MIN = 8 << 20
+# Memory on 4 KiB pages is moved through the store's buffers on 2 MiB pages (one copy), not
+# by O_DIRECT itself, at every size (see tierstore.nvme.pages): a request into it reaches the
+# disk as many small segments. On the development VM (1 GiB, 5 rounds, one entry per
+# anonymous mapping against slices of one read buffer, in the same run): at 1 MiB reads went
+# from 0.67 to 0.98 of the slices' rate and writes from 0.67 to 0.99, at 4 MiB from 0.59 to
+# 0.96 and 0.59 to 0.99, at 256 KiB from 0.88 to 0.92 (reads) and 0.87 to 0.85 (writes).
+# Before the copies were overlapped with the I/O (two windows staged ahead), this paid only
+# from 8 MiB on.
 
 # Bytes copied and checksummed at a time: the copy leaves them in the CPU's cache and the
 # checksum reads them from there. 256 KiB sits in the L2 cache of current x86 cores.
@@ -57,30 +56,44 @@ def accepts(out: torch.Tensor | None) -> bool:
     """Whether a read may land in ``out`` itself (directly or through :func:`land`): memory
     the caller owns, contiguous, on the CPU or a CUDA device, not part of an autograd graph.
     Other tensors get the bytes by a copy once they are read."""
-    return (out is not None and out.device.type in ("cpu", "cuda") and out.is_contiguous()
+    return (out is not None and (out.is_cpu or out.is_cuda) and out.is_contiguous()
             and not out.requires_grad and out.numel() > 0)
 
 
-def target(out: torch.Tensor, nbytes: int, length: int) -> Target:
-    """How an entry of ``nbytes`` (an extent of ``length``, whole pages) lands in ``out``."""
-    if out.device.type != "cpu":
-        return Target(0, out.reshape(-1).view(torch.uint8))
-    direct = 0
-    if out.data_ptr() % ALIGNMENT == 0:
-        start = out.storage_offset() * out.element_size()
-        room = out.untyped_storage().nbytes() - start  # the storage may run past the tensor
-        direct = min(length, room // ALIGNMENT * ALIGNMENT)
-        if direct >= SMALL_PAGES_MIN and on_small_pages(out.data_ptr(), direct):
-            direct = 0
-    return Target(direct, raw_bytes(out, max(nbytes, direct)))
+def targets(outs: list[torch.Tensor], nbytes: list[int], lengths: list[int]) -> list[Target]:
+    """How each entry of ``nbytes[i]`` (an extent of ``lengths[i]``, whole pages) lands in
+    ``outs[i]``: memory on 4 KiB pages is bounced whole (see the note above ``STEP``), asked
+    of the kernel for all of them at once."""
+    directs = []
+    for out, n, length in zip(outs, nbytes, lengths):
+        direct = 0
+        if out.is_cpu and out.data_ptr() % ALIGNMENT == 0:
+            if n >= length:  # whole pages of its own (asking its storage costs 1 us)
+                room = length
+            else:  # the storage may run past the tensor
+                room = out.untyped_storage().nbytes() - out.storage_offset() * out.element_size()
+            direct = min(length, room // ALIGNMENT * ALIGNMENT)
+        directs.append(direct)
+    asked = [i for i, d in enumerate(directs) if d]
+    for i, small in zip(asked, small_pages([outs[i].data_ptr() for i in asked],
+                                           [directs[i] for i in asked])):
+        if small:
+            directs[i] = 0
+    return [Target(d, raw_bytes(out, max(n, d))) if out.is_cpu
+            else Target(0, out.reshape(-1).view(torch.uint8))
+            for out, n, d in zip(outs, nbytes, directs)]
 
 
-def staged(addr: int, nbytes: int) -> bool:
-    """Whether a write from the ``nbytes`` at ``addr`` is staged (copied into the store's
-    aligned buffers) rather than written from the memory itself: memory O_DIRECT cannot
-    take, or large and on 4 KiB pages (see :data:`SMALL_PAGES_MIN`)."""
-    return bool(addr % ALIGNMENT) or (nbytes >= SMALL_PAGES_MIN
-                                      and on_small_pages(addr, nbytes))
+def staged(addrs: list[int], nbytes: list[int]) -> list[bool]:
+    """Whether each write from the ``nbytes[i]`` at ``addrs[i]`` is staged (copied into the
+    store's aligned buffers) rather than written from the memory itself: memory O_DIRECT
+    cannot take, or on 4 KiB pages (asked of the kernel for all of them at once)."""
+    out = [bool(a % ALIGNMENT) for a in addrs]
+    asked = [i for i, unaligned in enumerate(out) if not unaligned]
+    for i, small in zip(asked, small_pages([addrs[i] for i in asked],
+                                           [nbytes[i] for i in asked])):
+        out[i] = small
+    return out
 
 
 # Entries smaller than this, on average, stay in one AIO batch whatever their memory: the

@@ -40,12 +40,14 @@ from .errors import (
 )
 from .interface import Meta
 from .keys import Key
-from .landing import Target, accepts, land, on_workers, target
+from .landing import Target, accepts, land, on_workers
+from .landing import targets as landing_targets
 from .local_state import LocalState
 from .media import adjacent_runs, joined
 from .tensors import dtype_from_name, from_bytes, raw_bytes
 
 _DIRECT = object()  # found's bytes for a key read straight into the caller's out=
+_NOTHING = np.empty(0, np.uint8)  # the direct part of a target read wholly bounced
 
 
 class _Request(NamedTuple):
@@ -94,7 +96,9 @@ class ReadPath(LocalState):
         if cache and self._cache is not None:
             found, handles = self._host_bytes(keys, views=views)
         else:
-            once = {k for k, n in collections.Counter(keys).items() if n == 1}
+            once = set(keys)
+            if len(once) < len(keys):  # a key asked twice gets copies of one read
+                once = {k for k, n in collections.Counter(keys).items() if n == 1}
             direct = {k: o for k, o in zip(keys, outs) if k in once and accepts(o)}
             found, handles = self._host_bytes(keys, admit=False, direct=direct, views=views)
         try:
@@ -168,12 +172,12 @@ class ReadPath(LocalState):
         try:
             metas = [Meta(rec.dtype, tuple(rec.shape), rec.nbytes, rec.version) for rec in recs]
             into_of: dict[Key, torch.Tensor] = {}
-            for key, meta in zip(keys, metas):
-                into = (direct or {}).get(key)
+            for key, meta in zip(keys, metas) if direct else ():
+                into = direct.get(key)  # type: ignore[union-attr]
                 if into is not None:
                     self._check_out(key, meta, into)  # before any slot is taken
                     into_of[key] = into
-                    if into.device.type == "cuda":
+                    if into.is_cuda:
                         cuda_consumer()
             todo_keys: list[Key] = []
             todo_recs: list[Record] = []
@@ -192,15 +196,19 @@ class ReadPath(LocalState):
                 bufs[i] = buf
                 return buf
 
-            for key, rec, meta in zip(keys, recs, metas):
+            at = [j for j, key in enumerate(keys) if key in into_of]
+            placed = dict(zip(at, landing_targets([into_of[keys[j]] for j in at],
+                                                  [recs[j].nbytes for j in at],
+                                                  [recs[j].length for j in at])))
+            for j, (key, rec, meta) in enumerate(zip(keys, recs, metas)):
                 into = into_of.get(key)
                 if into is not None:
                     found[key] = (meta, _DIRECT)
-                    t = target(into, rec.nbytes, rec.length)
+                    t = placed[j]
                     targets[len(bufs)] = t
                     todo_keys.append(key)
                     todo_recs.append(rec)
-                    bufs.append(t.dst[: t.direct] if t.direct else np.empty(0, np.uint8))
+                    bufs.append(t.dst[: t.direct] if t.direct else _NOTHING)
                     continue
                 h = None
                 if admit and self._cache is not None and rec.nbytes:
@@ -295,7 +303,7 @@ class ReadPath(LocalState):
     @staticmethod
     def _check_out(key: Key, meta: Meta, out: torch.Tensor) -> None:
         dtype = dtype_from_name(meta.dtype)
-        if out.dtype != dtype or tuple(out.shape) != tuple(meta.shape):
+        if out.dtype != dtype or out.shape != tuple(meta.shape):  # a torch.Size is a tuple
             raise ShapeMismatchError(
                 f"out= for {key[0]!r} (kind {key[1]!r}) is {out.dtype} {tuple(out.shape)}, "
                 f"the entry is {dtype} {tuple(meta.shape)}"
@@ -432,12 +440,16 @@ class ReadPath(LocalState):
                 step, length = rec.chunk, rec.length
                 work += [(i, start, min(start + step, length))
                          for start in range(0, length, step)]
-        addrs = [None if b is None else address(b) for b in bufs]
+        # Asked as each entry's first request is made, while earlier ones are in flight
+        # (an entry read wholly through a bounce buffer never asks).
+        addrs: list[int | None] = [None] * len(bufs)
 
         def addr(i: int) -> int:
-            if addrs[i] is None:
-                addrs[i] = address(provide(i))
-            return addrs[i]  # type: ignore[return-value]
+            a = addrs[i]
+            if a is None:
+                b = bufs[i]
+                a = addrs[i] = address(provide(i) if b is None else b)
+            return a
 
         bad: list[tuple[int, CorruptEntryError]] = []
 

@@ -187,7 +187,7 @@ class WritePath(LocalState):
         one batch (:meth:`_write_batched`) unless most of its bytes need staging."""
         # Each source's address and whether it is staged, once.
         addrs = [address(src) for _, _, src, _ in batch]
-        copies = [staged(a, b[2].nbytes) for a, b in zip(addrs, batch)]
+        copies = staged(addrs, [src.nbytes for _, _, src, _ in batch])
         copied = sum(src.nbytes for (_, _, src, _), c in zip(batch, copies) if c)
         if (getattr(self._medium, "batched", False)
                 and not on_workers(copied, sum(src.nbytes for _, _, src, _ in batch),
