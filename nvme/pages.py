@@ -5,14 +5,15 @@ physically adjacent pages, and a disk takes a bounded number of segments per req
 on the development VM's virtio disk). There, 16 MiB entries read into an anonymous mapping
 at 0.70 of DeepNVMe's rate while the same entries into 2 MiB pages read at 1.48. The
 store's own buffers are on 2 MiB pages where the kernel allows
-(:func:`~tierstore.nvme.buffers.huge_empty`), so large entries in memory a caller hands it
-on 4 KiB pages are moved through them instead, at the cost of a copy (see
-``tierstore.landing.SMALL_PAGES_MIN``).
+(:func:`~tierstore.nvme.buffers.huge_empty`), so entries in memory a caller hands it on
+4 KiB pages are moved through them instead, at the cost of a copy overlapped with the I/O
+(see the note in ``tierstore.landing``). A batch asks once for all its entries
+(:func:`small_pages`).
 
 ``PAGEMAP_SCAN`` is an ioctl on ``/proc/self/pagemap`` that reports which pages of a range
 are huge, without privileges and without reading the range. Where it is missing (an older
-kernel, no procfs) or huge pages are off, :func:`on_small_pages` says False: every page is
-then treated as it was before, whatever its size.
+kernel, no procfs) or huge pages are off, :func:`small_pages` says False: every page is
+then treated as a huge one.
 """
 
 from __future__ import annotations

@@ -33,9 +33,8 @@ from .tensors import raw_bytes
 # disk as many small segments. On the development VM (1 GiB, 5 rounds, one entry per
 # anonymous mapping against slices of one read buffer, in the same run): at 1 MiB reads went
 # from 0.67 to 0.98 of the slices' rate and writes from 0.67 to 0.99, at 4 MiB from 0.59 to
-# 0.96 and 0.59 to 0.99, at 256 KiB from 0.88 to 0.92 (reads) and 0.87 to 0.85 (writes).
-# Before the copies were overlapped with the I/O (two windows staged ahead), this paid only
-# from 8 MiB on.
+# 0.96 and 0.59 to 0.99 (docs/tiers.md). Before the copies were overlapped with the I/O
+# (two windows staged ahead), this paid only from 8 MiB on.
 
 # Bytes copied and checksummed at a time: the copy leaves them in the CPU's cache and the
 # checksum reads them from there. 256 KiB sits in the L2 cache of current x86 cores.
@@ -62,7 +61,7 @@ def accepts(out: torch.Tensor | None) -> bool:
 
 def targets(outs: list[torch.Tensor], nbytes: list[int], lengths: list[int]) -> list[Target]:
     """How each entry of ``nbytes[i]`` (an extent of ``lengths[i]``, whole pages) lands in
-    ``outs[i]``: memory on 4 KiB pages is bounced whole (see the note above ``STEP``), asked
+    ``outs[i]``: memory on 4 KiB pages is bounced whole (see the note on them above), asked
     of the kernel for all of them at once."""
     directs = []
     for out, n, length in zip(outs, nbytes, lengths):
