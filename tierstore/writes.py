@@ -408,22 +408,40 @@ class WritePath(LocalState):
                 checksum([n for n, _ in copy], places)
             return direct, staged, joined([p for chunk_pieces in pieces for p in chunk_pieces])
 
+        # Requests queued for staging, their bytes not yet sent, and the next one to send.
+        line = [0, 0, 0]
+
+        def top_up(may_place: bool) -> None:
+            """Queue staging jobs up to ``ahead`` and STAGE_AHEAD_BYTES, planning (placing)
+            more requests only where ``may_place``, or where the next one to send is not
+            planned yet. The engine asks for a window's requests in a row once the disk
+            has completed the last window, and submits them together: placing a group
+            there (0.5 ms for 128 entries) kept the disk waiting. So the generator only
+            takes what is staged, and the topping up, placing included, runs as requests
+            land (``landed``), after the engine has submitted their successors: 1 GiB of
+            256 KiB entries, alternated in one process, 4.20-4.84 -> 4.70-5.20 GB/s from
+            slices of one buffer, 4.13-4.65 -> 4.26-4.85 from ``torch.empty``; 1 MiB
+            even."""
+            queued, ahead_bytes, m = line
+            while queued <= m or (queued < m + ahead and ahead_bytes < STAGE_AHEAD_BYTES):
+                if queued == len(runs):
+                    if (queued > m and not may_place) or not place():
+                        break
+                    continue  # a group of empty entries plans no request
+                pending.append(self._workers.submit(stage, queued))
+                ahead_bytes += sizes[queued]
+                queued += 1
+            line[0], line[1] = queued, ahead_bytes
+
         def requests() -> Any:
-            queued = ahead_bytes = m = 0
             while True:
-                while queued <= m or (queued < m + ahead and ahead_bytes < STAGE_AHEAD_BYTES):
-                    if queued == len(runs):
-                        if not place():
-                            break
-                        continue  # a group of empty entries plans no request
-                    pending.append(self._workers.submit(stage, queued))
-                    ahead_bytes += sizes[queued]
-                    queued += 1
+                top_up(False)
+                m = line[2]
                 if m == len(runs):
                     return
                 first = runs[m][0]
                 nbytes = sizes[m]
-                ahead_bytes -= nbytes
+                line[1] -= nbytes
                 at[0] = m
                 after[m], staged, buf = pending.popleft().result()
                 if committer is not None and not after[m]:
@@ -433,7 +451,7 @@ class WritePath(LocalState):
                 i, start, _ = work[first]
                 rec = records[i][2]
                 yield rec.seg, rec.off + start, buf, nbytes, True
-                m += 1
+                line[2] = m + 1
 
         def landed(m: int) -> None:
             give(held.pop(m, None))
@@ -442,6 +460,7 @@ class WritePath(LocalState):
                 checks.append(self._workers.submit(checksum, chunks))
                 if committer is not None:
                     checks[-1].add_done_callback(lambda f, m=m: told(f, m))
+            top_up(True)
 
         def told(f: Future[None], m: int) -> None:
             if f.exception() is None:  # else the batch fails, and drops the commit
