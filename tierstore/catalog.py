@@ -45,15 +45,16 @@ from .errors import CatalogError, StoreError, StoreFullError
 
 FORMAT_VERSION = 1
 _EXT = struct.Struct(">IQ")  # big-endian so LMDB's byte order is (segment, offset) order
-REF_COUNT = struct.Struct(">QQ")
+_REF = struct.Struct(">QQ")
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 _DECODE = json.JSONDecoder().decode
 _RAW_DECODE = json.JSONDecoder().raw_decode
 _LEN = struct.Struct(">Q")
 # A record as Record.encode spells it, up to its last number: a commit reads the record it
-# replaces through this (tierstore.commits), at two fifths of a JSON decode's cost; any other spelling (records
-# of older releases, a dtype name that is not an identifier) is decoded in full.
-RECORD_HEAD = re.compile(rb'\{"dtype":"\w+","shape":\[[\d,]*\],"nbytes":(\d+),"crc":\[[\d,]*\],'
+# replaces through this (record_numbers), at two fifths of a JSON decode's cost; any other
+# spelling (records of older releases, a dtype name that is not an identifier) is decoded in
+# full.
+_HEAD = re.compile(rb'\{"dtype":"\w+","shape":\[[\d,]*\],"nbytes":(\d+),"crc":\[[\d,]*\],'
                    rb'"chunk":\d+,"version":(\d+),"seg":(-?\d+),"off":(\d+),"length":(\d+),')
 T = TypeVar("T")
 # Decoded records kept for readers (Catalog.read_record): a model's experts' entries and
@@ -163,8 +164,8 @@ class Record:
 
 def record_numbers(raw: bytes) -> tuple[int, int, int, int, int]:
     """``nbytes, version, seg, off, length`` of an encoded record: what a commit needs of
-    the record it replaces, read through :data:`RECORD_HEAD` where it can be."""
-    m = RECORD_HEAD.match(raw)
+    the record it replaces, read through :data:`_HEAD` where it can be."""
+    m = _HEAD.match(raw)
     if m is None:
         r = Record.decode(raw)
         return r.nbytes, r.version, r.seg, r.off, r.length
@@ -520,7 +521,7 @@ class Catalog:
         key = ext_key(rec.seg, rec.off)
         # A write's extents are fresh: one insert that fails where a reference exists
         # (a snapshot's restore) does for the usual case what a lookup and a put did.
-        if not held and txn.put(key, REF_COUNT.pack(rec.length, 1), db=self.db["refs"],
+        if not held and txn.put(key, _REF.pack(rec.length, 1), db=self.db["refs"],
                                 overwrite=False):
             if carve is None:
                 self.carve(txn, rec.seg, rec.off, rec.length)
@@ -530,29 +531,34 @@ class Catalog:
         raw = txn.get(key, db=self.db["refs"])
         if raw is None:
             raise StoreError(f"reference map has no extent at segment {rec.seg} offset {rec.off}")
-        length, n = REF_COUNT.unpack(raw)
-        txn.put(key, REF_COUNT.pack(length, n + 1), db=self.db["refs"])
+        length, n = _REF.unpack(raw)
+        txn.put(key, _REF.pack(length, n + 1), db=self.db["refs"])
 
     def decref(self, txn: lmdb.Transaction, rec: Record,
                free: list[tuple[int, int, int]] | None = None) -> tuple[int, int, int] | None:
         """Drop one reference; returns the extent if that freed it. A freed extent goes
         back to the free map now, or, where ``free`` is given, is appended to it for
         :meth:`add_free_many` later in the same transaction."""
-        if rec.seg < 0:
+        return self.decref_at(txn, rec.seg, rec.off, free)
+
+    def decref_at(self, txn: lmdb.Transaction, seg: int, off: int,
+                  free: list[tuple[int, int, int]] | None = None) -> tuple[int, int, int] | None:
+        """:meth:`decref` of the extent at ``seg``, ``off`` (none where ``seg`` < 0)."""
+        if seg < 0:
             return None
-        key = ext_key(rec.seg, rec.off)
+        key = ext_key(seg, off)
         raw = txn.pop(key, db=self.db["refs"])  # the usual last reference: one operation
         if raw is None:
-            raise StoreError(f"reference map has no extent at segment {rec.seg} offset {rec.off}")
-        length, n = REF_COUNT.unpack(raw)
+            raise StoreError(f"reference map has no extent at segment {seg} offset {off}")
+        length, n = _REF.unpack(raw)
         if n > 1:
-            txn.put(key, REF_COUNT.pack(length, n - 1), db=self.db["refs"])
+            txn.put(key, _REF.pack(length, n - 1), db=self.db["refs"])
             return None
         if free is None:
-            self.add_free(txn, rec.seg, rec.off, length)
+            self.add_free(txn, seg, off, length)
         else:
-            free.append((rec.seg, rec.off, length))
-        return rec.seg, rec.off, length
+            free.append((seg, off, length))
+        return seg, off, length
 
     def carve_many(self, txn: lmdb.Transaction, extents: list[tuple[int, int, int]]) -> None:
         """:meth:`carve` each extent, neighbours as one: the extents of a batch of small
@@ -568,7 +574,7 @@ class Catalog:
     def refs(self, txn: lmdb.Transaction) -> Iterator[tuple[int, int, int, int]]:
         for key, raw in txn.cursor(db=self.db["refs"]):
             seg, off = _EXT.unpack(key)
-            length, n = REF_COUNT.unpack(raw)
+            length, n = _REF.unpack(raw)
             yield seg, off, length, n
 
     # -- segments ---------------------------------------------------------------------

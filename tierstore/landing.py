@@ -73,26 +73,19 @@ def targets(outs: list[torch.Tensor], nbytes: list[int], lengths: list[int]) -> 
                 room = out.untyped_storage().nbytes() - out.storage_offset() * out.element_size()
             direct = min(length, room // ALIGNMENT * ALIGNMENT)
         directs.append(direct)
-    asked = [i for i, d in enumerate(directs) if d]
-    for i, small in zip(asked, small_pages([outs[i].data_ptr() for i in asked],
-                                           [directs[i] for i in asked])):
-        if small:
-            directs[i] = 0
-    return [Target(d, raw_bytes(out, max(n, d))) if out.is_cpu
+    small = small_pages([out.data_ptr() for out in outs], directs)
+    return [Target(0 if s else d, raw_bytes(out, max(n, d))) if out.is_cpu
             else Target(0, out.reshape(-1).view(torch.uint8))
-            for out, n, d in zip(outs, nbytes, directs)]
+            for out, n, d, s in zip(outs, nbytes, directs, small)]
 
 
 def staged(addrs: list[int], nbytes: list[int]) -> list[bool]:
     """Whether each write from the ``nbytes[i]`` at ``addrs[i]`` is staged (copied into the
     store's aligned buffers) rather than written from the memory itself: memory O_DIRECT
     cannot take, or on 4 KiB pages (asked of the kernel for all of them at once)."""
-    out = [bool(a % ALIGNMENT) for a in addrs]
-    asked = [i for i, unaligned in enumerate(out) if not unaligned]
-    for i, small in zip(asked, small_pages([addrs[i] for i in asked],
-                                           [nbytes[i] for i in asked])):
-        out[i] = small
-    return out
+    unaligned = [bool(a % ALIGNMENT) for a in addrs]
+    small = small_pages(addrs, [0 if u else n for u, n in zip(unaligned, nbytes)])
+    return [u or s for u, s in zip(unaligned, small)]
 
 
 # Entries smaller than this, on average, stay in one AIO batch whatever their memory: the
