@@ -138,3 +138,25 @@ def test_concurrent_batches_each_commit_whole(st: Any) -> None:
         assert torch.equal(st.get(f"b{k}"), v)
         assert (f"a{k}" in st) == (int(k[1:]) % 7 != 0)
     assert st.fsck().ok
+
+
+@pytest.mark.parametrize("slab", ["64MiB", "1MiB"])
+def test_the_commit_begins_with_the_first_request_where_one_extent_holds_the_batch(
+        tmp_path: Any, slab: str) -> None:
+    """Where one free extent holds the whole batch, its commit is begun before any entry
+    is placed (placing cannot add a slab then); where none does (a fresh store, which has
+    no slab yet, or slabs smaller than the batch), only once every entry is placed. Either
+    way every entry lands whole."""
+    at_start: list[int] = []
+    begin = commits.Committer.start
+    commits.Committer.start = lambda self, b: (at_start.append(len(self._records)),
+                                               begin(self, b))[1]
+    try:
+        with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
+                            chunk_size="64KiB", io_threads=2, slab_size=slab) as st:
+            for fill in (0.0, 100.0):
+                st.put_many(batch(fill))
+            assert same(st, batch(100.0)) and st.fsck().ok
+    finally:
+        commits.Committer.start = begin
+    assert at_start == ([N, 0] if slab == "64MiB" else [N, N])

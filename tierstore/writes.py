@@ -28,12 +28,12 @@ from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, BatchError, EngineClo
 from .catalog import Record, entry_key
 from .collector import paused
 from .commits import AHEAD_MIN_ENTRIES, Committer, commit_records
-from .errors import EntryNotFoundError, StoreClosedError, StoreError, StoreFullError
+from .errors import EntryNotFoundError, StoreClosedError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
 from .landing import copy_checked, direct_end, on_workers, staged
-from .local_state import LocalState
 from .media import adjacent_runs, align_up, joined
+from .placing import Placing
 from .tensors import as_bytes, dtype_name
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -53,7 +53,7 @@ PLACE_AHEAD_CHUNKS = 4
 GROUP_BYTES = 1 << 20
 
 
-class WritePath(LocalState):
+class WritePath(Placing):
     """The write path of :class:`tierstore.LocalStore` (see the module docstring)."""
 
     @paused()
@@ -241,7 +241,7 @@ class WritePath(LocalState):
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
         encoded: dict[int, bytes] = {}
-        committer = (Committer(self._catalog, self._tombstones, records, encoded)
+        committer = (Committer(self._catalog, self._tombstones, records, encoded, len(batch))
                      if len(batch) >= AHEAD_MIN_ENTRIES else None)
         try:
             self._run_writes(batch, copies, addrs, records, taken, encoded, committer)
@@ -317,7 +317,7 @@ class WritePath(LocalState):
                 i += 1
             try:
                 placed = self._placed([(src, meta) for _, _, src, meta in batch[first_entry:i]],
-                                      taken)
+                                      taken, span)
             except BaseException as e:
                 placing.append(e)  # raised as it is, not as a failed write (see below)
                 raise
@@ -336,8 +336,16 @@ class WritePath(LocalState):
                 j, _, end = work[first + b - 1]
                 bounds.append(j + 1 if end == records[j][2].length else j)
             if committer is not None and i == len(batch):
-                committer.start(bounds)  # every entry placed: see tierstore.commits
+                if span is None:
+                    committer.start(bounds)  # every entry placed: see tierstore.placing
+                committer.planned()
             return True
+
+        # A batch that commits in flight takes one extent for all of it where it can, so
+        # its commit is built from its first request on (see tierstore.placing).
+        span = self._reserve([align_up(s.nbytes) for s in srcs], taken) if committer else None
+        if span is not None:
+            committer.start(bounds)  # type: ignore[union-attr]
 
         # Staged ahead: a job for each chunk worker, and at most STAGE_AHEAD_BYTES (with the
         # engine's window in flight, within the staging pool's idle buffers for full chunks).
@@ -555,43 +563,3 @@ class WritePath(LocalState):
             self._medium.write(rec.seg, rec.off + start, memoryview(src[start:cut]))
             crc = crc32c.crc32c(src[start:cut])
         return crc if cut == end else self._write_staged([(src, rec, cut, crc)])[0]
-
-    def _placed(self, items: list[tuple[np.ndarray, Meta]],
-                taken: list[tuple[int, int, int]]) -> list[Record]:
-        """The records of the sources' new versions at fresh extents, each appended to
-        ``taken`` as it is taken (so a full disk met part way releases what was taken),
-        their chunks' crc32c still to fill in; an empty tensor has no extent (and crc
-        [0])."""
-        chunk, recs = self._chunk, []
-        for src, meta in items:
-            length = align_up(src.nbytes)
-            recs.append(Record(meta.dtype, list(meta.shape), src.nbytes, [0] * (
-                -(-length // chunk) or 1), chunk, meta.version, -1, 0, length))
-        sized = [rec for rec in recs if rec.nbytes]
-        got = self._alloc.allocate_many([rec.length for rec in sized])
-        taken.extend((g[0], g[1], rec.length) for rec, g in zip(sized, got) if g is not None)
-        for rec, g in zip(sized, got):
-            if g is None:  # past the free space: a new slab (see _allocate)
-                g = self._allocate(rec.length)
-                taken.append((*g, rec.length))
-            rec.seg, rec.off = g
-        return recs
-
-    def _allocate(self, length: int) -> tuple[int, int]:
-        got = self._alloc.allocate(length)
-        while got is None:
-            with self._seg_lock:
-                got = self._alloc.allocate(length)  # another thread may have added a slab
-                if got is not None:
-                    break
-                seg = self._next_seg
-                try:
-                    new = self._medium.create_segment(seg, max(length, self._grow_bytes))
-                except FileExistsError as e:
-                    raise StoreError(f"{e.filename}: {e.strerror}") from None
-                self._catalog.write(lambda txn, new=new: self._catalog.add_segment(txn, *new))
-                seg, _, _, size = new
-                self._next_seg = seg + 1
-                self._alloc.add(seg, 0, size)
-            got = self._alloc.allocate(length)
-        return got
