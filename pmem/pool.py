@@ -145,6 +145,7 @@ class PoolMedium:
         self._created_here = False
         self._fd = -1
         self._file_size = 0
+        self._pool_size = 0  # what the header records (the file may be longer)
         self._assigned_end = hdr.HEADER_SIZE
         if create:
             self._create(_align_up(size or hdr.HEADER_SIZE))
@@ -191,7 +192,7 @@ class PoolMedium:
             os.fsync(self._fd)
             _fsync_dir(os.path.dirname(self.path))
             m = self._map()
-            self._file_size = m.length
+            self._file_size, self._pool_size = m.length, size
             fixed = hdr.encode_fixed(uuid.uuid4().bytes, time.time_ns())
             self._store(len(hdr.MAGIC), fixed)
             self._store(hdr.POOL_SIZE_OFFSET, hdr.encode_word(size))
@@ -216,6 +217,7 @@ class PoolMedium:
             header = hdr.decode(raw, file_size, self.path)
             m = self._map()
             self._file_size = m.length
+            self._pool_size = header.pool_size
             self._assigned_end = header.assigned_end
         except BaseException:
             self._release()
@@ -258,6 +260,7 @@ class PoolMedium:
         # Recorded only after the file size itself is durable, and before assigned_end
         # moves, so a header on disk always satisfies assigned_end <= pool_size <= file.
         self._set_word(hdr.POOL_SIZE_OFFSET, new_size)
+        self._pool_size = new_size
 
     # -- Medium ----------------------------------------------------------------------
 
@@ -335,6 +338,13 @@ class PoolMedium:
             base = self._assigned_end
             if base + size > self._file_size:
                 self._grow(base + size)
+            elif base + size > self._pool_size:
+                # The file is longer than its header says: a crash between growing it and
+                # recording that. Recorded now (its length durable first), or the header
+                # would claim a segment past the pool's end and refuse the next opening.
+                os.fsync(self._fd)
+                self._set_word(hdr.POOL_SIZE_OFFSET, self._file_size)
+                self._pool_size = self._file_size
             self._set_word(hdr.ASSIGNED_END_OFFSET, base + size)
             self._assigned_end = base + size
             self._segments[seg] = (base, size)

@@ -379,6 +379,24 @@ def test_create_before_attach_never_reuses_space(make_pool: Callable[..., PoolMe
     assert pool.create_segment(3, 4096)[2] == s2[2] + s2[3]
 
 
+
+def test_a_file_grown_before_a_crash_is_recorded_before_its_space_is_used(
+    make_pool: Callable[..., PoolMedium], tmp_path: Path
+) -> None:
+    """A crash after the file grew and before the header recorded it leaves a file longer
+    than the pool; the segment that then uses that space records it, so the pool opens."""
+    pool = make_pool(size=64 * KiB)
+    s0 = pool.create_segment(0, 60 * KiB)
+    pool.close()
+    os.truncate(tmp_path / "test.pool", 1 * MiB)  # grown; the header still says 64 KiB
+    pool = make_pool(create=False)
+    s1 = pool.create_segment(1, 256 * KiB)
+    assert s1[2] == 64 * KiB and pool.size == 1 * MiB
+    pool.close()
+    pool = make_pool(create=False)
+    pool.attach([s0, s1])
+    assert pool.create_segment(2, 4096)[2] == s1[2] + s1[3]
+
 _GROWTH_FAILURE_SCRIPT = """
 import errno, json, os, resource, signal, sys
 from tierstore import pmem
