@@ -197,6 +197,7 @@ def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
 def test_an_aligned_source_stages_only_its_last_partial_page(store, monkeypatch) -> None:
     # Page-aligned memory whose entry ends part way into a page: its whole pages are written
     # from the tensor itself, and only the partial page is copied to an aligned buffer.
+    import tierstore.write_jobs as write_jobs
     import tierstore.writes as writes
 
     copied: list[int] = []
@@ -206,7 +207,8 @@ def test_an_aligned_source_stages_only_its_last_partial_page(store, monkeypatch)
         copied.append(src.nbytes)
         return inner(dst, src, crc)
 
-    monkeypatch.setattr(writes, "copy_checked", counted)
+    for module in (writes, write_jobs):  # the AIO batch's and the chunk workers' copies
+        monkeypatch.setattr(module, "copy_checked", counted)
     values = {f"a{i}": _value(i) for i in range(3)}
     srcs = {}
     for n, v in values.items():
@@ -306,6 +308,7 @@ def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatc
     from tierstore.nvme.pages import on_small_pages
 
     import tierstore.reads as reads
+    import tierstore.write_jobs as write_jobs
     import tierstore.writes as writes
 
     nbytes = 8 << 20
@@ -324,7 +327,8 @@ def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatc
         landed.append(piece.nbytes)
         return land(t, start, piece, crc)
 
-    monkeypatch.setattr(writes, "copy_checked", counted_copy)
+    for module in (writes, write_jobs):  # the AIO batch's and the chunk workers' copies
+        monkeypatch.setattr(module, "copy_checked", counted_copy)
     monkeypatch.setattr(reads, "land", counted_land)
     values = {n: _value(i, (nbytes // 4,)) for i, n in enumerate(("a", "b"))}
     srcs = {n: _on_small_pages(nbytes).view(torch.float32).copy_(v) for n, v in values.items()}

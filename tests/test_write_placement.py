@@ -89,3 +89,62 @@ def test_groups_of_one_entry_each(tmp_path, monkeypatch) -> None:
         st.put_many(data)
         assert all(torch.equal(st.get(k), v) for k, v in data.items())
         assert st.fsck().ok
+
+
+def _mixed(n: int, fill: float, aligned_first: int = 0) -> dict[str, torch.Tensor]:
+    """Entries of every kind of memory a put meets: slices of one aligned buffer, torch's
+    own tensors (not page-aligned), non-contiguous views, other dtypes, an empty one; the
+    first ``aligned_first`` all slices."""
+    buf = tierstore.read_buffer(n * 4096, torch.float32)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        kind = 0 if i < aligned_first else i % 5
+        if kind == 0:
+            t = buf[i * 4096 : (i + 1) * 4096].fill_(fill + i)
+        elif kind == 1:
+            t = torch.full((3000 + i,), fill + i)
+        elif kind == 2:
+            t = torch.full((64, 2 * 48), fill + i)[:, ::2]  # non-contiguous
+        elif kind == 3:
+            t = torch.full((1000 + i,), fill + i, dtype=torch.bfloat16)
+        else:
+            t = torch.full((0,), fill) if i == 4 else torch.arange(i, dtype=torch.int64)
+        out[f"e{i}"] = t
+    return out
+
+
+@pytest.mark.parametrize("cache", [0, "64MiB"])
+def test_a_batch_made_bytes_as_it_is_placed_lands_every_kind_of_memory(
+        tmp_path, cache) -> None:
+    """A wide batch takes its tensors' bytes a group at a time as it places them (see
+    ``WritePath._converted_as_placed``): every kind of memory lands whole, with or without
+    the host cache (``durable=True``), and reads back after a reopen. Memory met part way
+    that needs staging (after groups that did not) has the rest taken at once."""
+    n = 3 * writes.AHEAD_MIN_ENTRIES
+    kw = dict(host_cache=cache, engine="aio", chunk_size=64 << 10, io_threads=2)
+    with tierstore.open(tmp_path / "s", create=True, **kw) as st:
+        assert st._converted_as_placed([(k, "param", v) for k, v in _mixed(n, 0.0).items()])
+        for fill, aligned in ((0.0, 0), (100.0, n // 2)):
+            st.put_many(_mixed(n, fill, aligned), durable=True)
+        assert all(torch.equal(st.get(k), v) for k, v in _mixed(n, 100.0, n // 2).items())
+    with tierstore.open(tmp_path / "s", **kw) as st:
+        assert st.fsck().ok
+        assert all(torch.equal(st.get(k), v) for k, v in _mixed(n, 100.0, n // 2).items())
+
+
+def test_a_tensor_that_cannot_be_stored_fails_a_batch_made_bytes_as_placed(tmp_path) -> None:
+    """A tensor found unstorable only as its group is placed (a meta tensor, well after
+    the first requests): the put raises that in one line, commits nothing, and every
+    extent the batch took is free again."""
+    n = 3 * writes.AHEAD_MIN_ENTRIES
+    with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
+                        chunk_size=64 << 10, io_threads=2) as st:
+        st.put_many(_mixed(n, 0.0))
+        free = st.stats()["free_bytes"]
+        bad = _mixed(n, 100.0)
+        bad[f"e{n - 3}"] = torch.empty(3000, device="meta")
+        with pytest.raises(tierstore.UnsupportedTensorError, match="meta"):
+            st.put_many(bad)
+        assert st.stats()["free_bytes"] == free
+        assert all(torch.equal(st.get(k), v) for k, v in _mixed(n, 0.0).items())
+        assert st.fsck().ok

@@ -9,9 +9,12 @@ put as its checksums come in, and the transaction commits once the batch is sync
 dropped if the batch fails. A 4,096-entry put of 256 KiB entries spends about 17 ms in its
 commit's Python. Begun once every entry was placed (the batch's last ~25 ms of I/O, placing
 overlapping the writes), it was still putting records 6-9 ms after the sync; begun with the
-first request (where the batch took one extent for all its entries, see
+first group (where the batch took one extent for all its entries, see
 :mod:`tierstore.placing`), it is done when the sync is: 1 GiB from slices of one buffer,
-alternated in one process, 5.73 -> 6.10 GB/s, from ``torch.empty`` (staged) even.
+alternated in one process, 5.73 -> 6.10 and 5.67 -> 6.07 GB/s. Not where the first group's
+memory needs staging: beside the copies, on the development VM's two cores, the committer
+working through the whole batch cost 27 % more CPU and 5 % of the throughput (pinned
+memory, 5.47 -> 5.20 GB/s); begun once every entry is placed, as before, even.
 
 Caveat: while a committer waits for its batch, the catalog's writer is held, so another
 writer's commit (and a write that needs a new slab) waits for this batch to be synced. A

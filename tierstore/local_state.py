@@ -1,7 +1,8 @@
 """What the parts of a local store share: its state, the key locks and the version counter.
 
 :class:`tierstore.LocalStore` is put together from parts, one module each: the read path
-(``reads.py``), the write and commit path (``writes.py``), borrow and stage (``borrow.py``)
+(``reads.py``), the write and commit path (``writes.py``, over ``placing.py`` and
+``write_jobs.py``), borrow and stage (``borrow.py``)
 and snapshots (``snapshots.py``). Each part is a class whose methods run on the store itself,
 so nothing is added between a call and its work; :class:`LocalState`, their common base,
 names the state they share (``LocalStore.__init__`` sets it up) and holds the three

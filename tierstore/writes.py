@@ -33,8 +33,8 @@ from .interface import Meta
 from .keys import Key, PutItems, put_items
 from .landing import copy_checked, direct_end, on_workers, staged
 from .media import adjacent_runs, align_up, joined
-from .placing import Placing
 from .tensors import as_bytes, dtype_name
+from .write_jobs import WriteJobs
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # A flush commits dirty entries in batches of about this many bytes, each its own commit:
@@ -53,7 +53,7 @@ PLACE_AHEAD_CHUNKS = 4
 GROUP_BYTES = 1 << 20
 
 
-class WritePath(Placing):
+class WritePath(WriteJobs):
     """The write path of :class:`tierstore.LocalStore` (see the module docstring)."""
 
     @paused()
@@ -73,24 +73,45 @@ class WritePath(Placing):
         a crash could take back: the daemon's puts, whose readers outlive it.
         """
         self._check_open()
-        batch = [
-            (name, k, as_bytes(t), Meta(dtype_name(t.dtype), tuple(t.shape), 0, 0))
-            for name, k, t in put_items(items, kind)
-        ]
+        named = list(put_items(items, kind))
         cached = self._cache is not None
+        later = (not cached or durable) and self._converted_as_placed(named)
+        batch: list[tuple[str, str, Any, Any]] = [(name, k, t, None) for name, k, t in named] \
+            if later else [(name, k, as_bytes(t), Meta(dtype_name(t.dtype), tuple(t.shape), 0, 0))
+                           for name, k, t in named]
         # With the cache, versions are given out under the key locks, so two operations on
         # one key are ordered the same way by their versions and by the cache.
         with self._ops.shared(), self._key_locks([(n, k) for n, k, _, _ in batch] if cached else []):
             versions = self._next_versions(len(batch))
-            for (_, _, src, meta), v in zip(batch, versions):
-                meta.nbytes, meta.version = src.nbytes, v
-            if cached and not durable:
-                self._land(batch)
+            if later:
+                self._write_batched(batch, versions=versions)
             else:
+                for (_, _, src, meta), v in zip(batch, versions):
+                    meta.nbytes, meta.version = src.nbytes, v
+                if cached and not durable:
+                    self._land(batch)
+                    return versions
                 self._write_through(batch)
-                if cached:
-                    self._land(batch, clean=True)
+            if cached:
+                self._land(batch, clean=True)
         return versions
+
+    def _converted_as_placed(self, named: list[tuple[str, str, Any]]) -> bool:
+        """Whether a put's tensors are made bytes (and their memory asked about) a group at
+        a time as its batch places them, rather than all before its first request: the
+        batch's route must not depend on what the bytes are (see
+        :func:`tierstore.landing.on_workers`), and it must commit in flight, so its first
+        request goes out before later entries are looked at. Making 4,096 tensors bytes
+        took 9-10 ms before the first request (1 GiB of 256 KiB entries, about 180 ms);
+        taken as the batch places them, 1 GiB from slices of one buffer, alternated in one
+        process, 4.95 -> 5.16 and 5.21 -> 5.45 GB/s. Memory that needs staging has the rest
+        of its batch taken at once (see ``_run_writes``): from ``torch.empty`` even."""
+        if len(named) < AHEAD_MIN_ENTRIES or not getattr(self._medium, "batched", False):
+            return False
+        if not all(isinstance(t, torch.Tensor) for _, _, t in named):
+            return False  # as_bytes says what is wrong before anything is written
+        total = sum(t.nbytes for _, _, t in named)
+        return not on_workers(total, total, len(named))
 
     def _land(self, batch: list[tuple[str, str, np.ndarray, Meta]], *,
               clean: bool = False) -> None:
@@ -232,8 +253,9 @@ class WritePath(Placing):
             raise
         self._written(freed, records)
 
-    def _write_batched(self, batch: list[tuple[str, str, np.ndarray, Meta]],
-                       copies: list[bool], addrs: list[int]) -> None:
+    def _write_batched(self, batch: list[tuple[str, str, Any, Any]],
+                       copies: list[bool] | None = None, addrs: list[int] | None = None,
+                       versions: list[int] | None = None) -> None:
         """:meth:`_write_through` as one batch on an engine with a deep queue (AIO): chunks
         are requests (see :meth:`_run_writes`), each chunk's crc32c taken while other
         chunks are in flight, and the batch's extents placed a group at a time as the
@@ -244,7 +266,8 @@ class WritePath(Placing):
         committer = (Committer(self._catalog, self._tombstones, records, encoded, len(batch))
                      if len(batch) >= AHEAD_MIN_ENTRIES else None)
         try:
-            self._run_writes(batch, copies, addrs, records, taken, encoded, committer)
+            self._run_writes(batch, copies, addrs, records, taken, encoded, committer,
+                             versions)
             self._medium.sync({seg for seg, _, length in taken if length})
             if committer is None:
                 freed = self._catalog.write(lambda txn: commit_records(
@@ -274,14 +297,17 @@ class WritePath(Placing):
             self._tier.writes += len(records)
             self._tier.bytes_written += sum(r.nbytes for _, _, r in records)
 
-    def _run_writes(self, batch: list[tuple[str, str, np.ndarray, Meta]], copies: list[bool],
-                    addrs: list[int], records: list[tuple[str, str, Record]],
+    def _run_writes(self, batch: list[tuple[str, str, Any, Any]], copies: list[bool] | None,
+                    addrs: list[int] | None, records: list[tuple[str, str, Record]],
                     taken: list[tuple[int, int, int]], encoded: dict[int, bytes],
-                    committer: Committer | None = None) -> None:
+                    committer: Committer | None = None,
+                    versions: list[int] | None = None) -> None:
         """Write ``batch`` (``copies``: whether each entry is staged; ``addrs``: its
         address) to fresh extents, appending each entry's record (its crc32c filled in as
         its chunks land) to ``records``, each extent to ``taken``, and, for entries of one
-        chunk, the record's encoding to ``encoded`` (by position).
+        chunk, the record's encoding to ``encoded`` (by position). With ``versions``, the
+        batch holds tensors (and no metas) yet, each made bytes of that version as its group
+        is placed (see :meth:`_converted_as_placed`), ``copies`` and ``addrs`` with it.
 
         The engine takes the requests in order as its queue has room. Entries are placed a
         group of about ``PLACE_AHEAD_CHUNKS`` chunks at a time, as the engine asks for more
@@ -297,6 +323,19 @@ class WritePath(Placing):
         bytes at once (256 MiB put, 5-7 alternated rounds: 64 MiB entries 6-11 % and 16 MiB
         ones 1-7 % faster than checksumming before submission, smaller ones unchanged)."""
         chunk, srcs = self._chunk, [src for _, _, src, _ in batch]
+        converted = [len(batch)]  # entries before it are bytes (see _converted_as_placed)
+        if versions is not None:
+            copies, addrs, converted[0] = [False] * len(batch), [0] * len(batch), 0
+
+        def convert(hi: int) -> None:
+            """Entries up to ``hi`` made bytes, with their addresses and whether each is
+            staged (the kernel asked once for them all)."""
+            lo = converted[0]
+            self._convert(batch, versions, lo, hi)  # type: ignore[arg-type]
+            got = srcs[lo:hi] = [src for _, _, src, _ in batch[lo:hi]]
+            at = addrs[lo:hi] = [address(src) for src in got]  # type: ignore[index]
+            copies[lo:hi] = staged(at, [s.nbytes for s in got])  # type: ignore[index]
+            converted[0] = hi
         work: list[tuple[int, int, int]] = []  # (entry, start, end) of each chunk
         extents: list[tuple[int, int]] = []  # each entry's (segment, offset)
         runs: list[tuple[int, int]] = []  # requests: [first, last) of work
@@ -316,6 +355,13 @@ class WritePath(Placing):
                 budget -= align_up(batch[i][2].nbytes)
                 i += 1
             try:
+                if converted[0] < i:
+                    convert(i)
+                    if any(copies[first_entry:i]):  # type: ignore[index]
+                        # Staged memory: such a batch is bound by the copies' CPU, and
+                        # converting as it places put that work in this thread's way
+                        # (256 KiB torch.empty tensors 4.71 -> 4.57 GB/s): the rest now.
+                        convert(len(batch))
                 placed = self._placed([(src, meta) for _, _, src, meta in batch[first_entry:i]],
                                       taken, span)
             except BaseException as e:
@@ -335,17 +381,21 @@ class WritePath(Placing):
                 sizes.append(sum(work[n][2] - work[n][1] for n in range(first + a, first + b)))
                 j, _, end = work[first + b - 1]
                 bounds.append(j + 1 if end == records[j][2].length else j)
+            # With one extent for the batch (see tierstore.placing), placing never commits,
+            # so the commit may begin with the first group; unless that group's memory needs
+            # staging, where the committer working beside the copies cost more than it
+            # saved (see tierstore.commits). Else once every entry is placed.
+            if committer is not None and not begun and (i == len(batch) or (
+                    span is not None and first_entry == 0 and not any(copies[:i]))):  # type: ignore[index]
+                committer.start(bounds)
+                begun.append(True)
             if committer is not None and i == len(batch):
-                if span is None:
-                    committer.start(bounds)  # every entry placed: see tierstore.placing
                 committer.planned()
             return True
 
-        # A batch that commits in flight takes one extent for all of it where it can, so
-        # its commit is built from its first request on (see tierstore.placing).
+        # A batch that commits in flight takes one extent for all of it where one holds it.
         span = self._reserve([align_up(s.nbytes) for s in srcs], taken) if committer else None
-        if span is not None:
-            committer.start(bounds)  # type: ignore[union-attr]
+        begun: list[bool] = []
 
         # Staged ahead: a job for each chunk worker, and at most STAGE_AHEAD_BYTES (with the
         # engine's window in flight, within the staging pool's idle buffers for full chunks).
@@ -504,62 +554,13 @@ class WritePath(Placing):
             for b in held.values():
                 give(b)
 
-    def _write_group(self, chunks: list[tuple[np.ndarray, Record, int, bool]]) -> list[int]:
-        """A worker's job: write ``chunks`` (source, record, start, whether staged),
-        returning their crc32c. Staged chunks that follow each other on disk (small entries
-        of one put, from torch's allocator) share one staging buffer and request of up to a
-        chunk's bytes, as the AIO batch joins them: a request and a staging buffer per
-        256 KiB entry cost the workers more than the copy."""
-        crcs: list[int] = []
-        k = 0
-        while k < len(chunks):
-            src, rec, start, copy = chunks[k]
-            if not copy:
-                crcs.append(self._write_aligned(src, rec, start))
-                k += 1
-                continue
-            last, at, size = k, rec.off + start, 0
-            while last < len(chunks):
-                s, r, st, c = chunks[last]
-                e = min(st + self._chunk, r.length)
-                if (not c or r.seg != rec.seg or r.off + st != at
-                        or size + e - st > self._chunk):
-                    break
-                at, size, last = r.off + e, size + e - st, last + 1
-            crcs += self._write_staged([(s, r, st, 0) for s, r, st, _ in chunks[k:last]])
-            k = last
-        return crcs
-
-    def _write_staged(self, parts: list[tuple[np.ndarray, Record, int, int]]) -> list[int]:
-        """Copy ``parts`` (source, record, first byte, crc32c of the bytes before it), one
-        after another on disk and each to its chunk's end, into one staging buffer (reused,
-        so no page faults on the hot path) and write them as one request; returns each
-        one's crc32c continued over its bytes."""
-        crcs = []
-        stage = self._staging.take()
-        try:
-            used = 0
-            for s, r, lo, crc in parts:
-                e = min(lo - lo % self._chunk + self._chunk, r.length)
-                stop = min(e, s.nbytes)
-                crcs.append(copy_checked(stage[used : used + stop - lo], s[lo:stop], crc))
-                stage[used + stop - lo : used + e - lo] = 0
-                used += e - lo
-            rec, lo = parts[0][1], parts[0][2]
-            self._medium.write(rec.seg, rec.off + lo, memoryview(stage[:used]))
-        finally:
-            self._staging.give(stage)
-        return crcs
-
-    def _write_aligned(self, src: np.ndarray, rec: Record, start: int) -> int:
-        """Write the chunk of page-aligned ``src`` at ``start`` to ``rec``'s extent from
-        the source itself (O_DIRECT and GDS need page-aligned memory), up to its last whole
-        page; a partial last page is staged. Returns the chunk's crc32c."""
-        end = min(start + self._chunk, rec.length)
-        cut = direct_end(False, src.nbytes, start, end)
-        crc = 0
-        if cut > start:
-            # Checksummed after the write, as _run_writes does (see there).
-            self._medium.write(rec.seg, rec.off + start, memoryview(src[start:cut]))
-            crc = crc32c.crc32c(src[start:cut])
-        return crc if cut == end else self._write_staged([(src, rec, cut, crc)])[0]
+    @staticmethod
+    def _convert(batch: list[tuple[str, str, Any, Any]], versions: list[int], lo: int,
+                 hi: int) -> None:
+        """Entries ``lo`` to ``hi`` of a put's batch, tensors yet, made bytes of their
+        version (in place)."""
+        for j in range(lo, hi):
+            name, k, t, _ = batch[j]
+            src = as_bytes(t)
+            batch[j] = (name, k, src, Meta(dtype_name(t.dtype), tuple(t.shape), src.nbytes,
+                                           versions[j]))
