@@ -151,7 +151,8 @@ def aligned_batch(fill: float, n: int = N) -> tuple[torch.Tensor, dict[str, torc
 def test_the_commit_begins_with_the_first_request_where_one_extent_holds_the_batch(
         tmp_path: Any, slab: str, memory: str) -> None:
     """Where one free extent holds the whole batch, its commit is begun once its first
-    group is placed (placing cannot add a slab then), unless that memory needs staging
+    group is placed (placing cannot add a slab then; a batch of under COMMIT_AHEAD_BYTES
+    has no more to wait for), unless that memory needs staging
     (torch's own tensors; memory on 4 KiB pages); otherwise (a fresh store, which has no
     slab yet, or slabs smaller than the batch) only once every entry is placed. Either way
     every entry lands whole."""
@@ -177,3 +178,29 @@ def test_the_commit_begins_with_the_first_request_where_one_extent_holds_the_bat
         commits.Committer.start = begin
     assert at_start[0] == N
     assert (at_start[1] < N) == (slab == "64MiB" and not staged)
+
+
+def test_a_large_batch_begins_its_commit_only_near_its_end(tmp_path: Any,
+                                                           monkeypatch: Any) -> None:
+    """With one extent for a batch larger than COMMIT_AHEAD_BYTES, the commit begins once
+    at most that many of its bytes are left to place: not with the first group (it would
+    hold the catalog's writer across all of the batch's I/O), not after the last."""
+    from tierstore.nvme.pages import on_small_pages
+
+    from tierstore import writes
+
+    monkeypatch.setattr(writes, "COMMIT_AHEAD_BYTES", 64 << 10)
+    at_start: list[int] = []
+    begin = commits.Committer.start
+    monkeypatch.setattr(commits.Committer, "start",
+                        lambda self, b: (at_start.append(len(self._records)), begin(self, b))[1])
+    n = 200  # 800 KiB: groups of 64 entries (4 chunks of 64 KiB)
+    with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
+                        chunk_size="64KiB", io_threads=2, slab_size="64MiB") as st:
+        for fill in (0.0, 100.0):
+            buf, data = aligned_batch(fill, n)
+            st.put_many(data)
+        assert same(st, data) and st.fsck().ok
+    if on_small_pages(buf.data_ptr(), buf.nbytes):
+        pytest.skip("the read buffer is on 4 KiB pages here: staged, so begun after placing")
+    assert at_start[0] == n and 64 < at_start[1] < n

@@ -10,16 +10,20 @@ dropped if the batch fails. A 4,096-entry put of 256 KiB entries spends about 17
 commit's Python. Begun once every entry was placed (the batch's last ~25 ms of I/O, placing
 overlapping the writes), it was still putting records 6-9 ms after the sync; begun with the
 first group (where the batch took one extent for all its entries, see
-:mod:`tierstore.placing`), it is done when the sync is: 1 GiB from slices of one buffer,
-alternated in one process, 5.73 -> 6.10 and 5.67 -> 6.07 GB/s. Not where the first group's
+:mod:`tierstore.placing`), it was done when the sync was: 1 GiB from slices of one buffer,
+alternated in one process, 5.73 -> 6.10 and 5.67 -> 6.07 GB/s. It begins
+``COMMIT_AHEAD_BYTES`` before the last group is placed, so the catalog's writer is held
+across a bounded stretch of I/O, not all of a large batch's (against beginning with the
+first group: 4.54 and 4.21, 4.95 and 4.79 GB/s, a noisy disk). Not where the first group's
 memory needs staging: beside the copies, on the development VM's two cores, the committer
 working through the whole batch cost 27 % more CPU and 5 % of the throughput (pinned
 memory, 5.47 -> 5.20 GB/s); begun once every entry is placed, as before, even.
 
 Caveat: while a committer waits for its batch, the catalog's writer is held, so another
-writer's commit (and a write that needs a new slab) waits for this batch to be synced. A
-batch placed first fit starts its committer only once every entry is placed, since placing
-may itself commit (a new slab): it never waits on a commit of its own batch.
+writer's commit (and a write that needs a new slab) waits for this batch to be synced:
+about the last 220 MiB of its I/O. A batch placed first fit starts its committer only once
+every entry is placed, since placing may itself commit (a new slab): it never waits on a
+commit of its own batch.
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ Extent = tuple[int, int, int]
 # A batch of at least this many entries builds its commit during its I/O; a smaller one
 # commits after it, on the calling thread (a thread's start costs more than its commit).
 AHEAD_MIN_ENTRIES = 64
+# A batch that took one extent for all its entries begins its commit once at most this many
+# of its bytes are left to place: the commit's Python (17 ms for 4,096 records, 25-27 beside
+# the batch's I/O) then overlaps the last ~220 MiB of I/O (placing runs ~96 MiB ahead of the
+# disk), about 40 ms at 5.5 GB/s, and holds the catalog's writer that long whatever the
+# batch's size, not for all of its I/O.
+COMMIT_AHEAD_BYTES = 128 << 20
 
 
 def commit_records(cat: Catalog, tombstones: dict[Key, int], txn: Any,
@@ -111,8 +121,8 @@ class Committer:
     whole once that request and the ones before it have their checksums (``bounds``, given
     to :meth:`start` and appended to as requests are planned, until :meth:`planned`), and
     calls :meth:`finished` as each request's checksums are in, in any order; then
-    :meth:`durable` once the batch is synced, and :meth:`result` for the extents to free. :meth:`abandon` drops the
-    transaction, started or not."""
+    :meth:`durable` once the batch is synced, and :meth:`result` for the extents to free.
+    :meth:`abandon` drops the transaction, started or not."""
 
     def __init__(self, cat: Catalog, tombstones: dict[Key, int],
                  records: list[tuple[str, str, Record]], encoded: dict[int, bytes],

@@ -6,9 +6,10 @@ enough. Adding a slab commits (the catalog records the segment), so a batch that
 commit in flight (:class:`tierstore.commits.Committer`, which holds the catalog's writer)
 could only start that commit once its last group was placed. Such a batch therefore first
 tries to take ONE extent for all its entries (:meth:`Placing._reserve`) and cuts them from
-it in order: its placing then never commits, and its commit can be built from its first
-group on (unless its memory needs staging, see :mod:`tierstore.commits`). In a store rewritten in place that extent is the one the batch's previous versions left.
-Where no free extent holds the whole batch, it is placed first fit as before.
+it in order: its placing then never commits, and its commit can begin before its last group
+is placed (see :mod:`tierstore.commits`). In a store rewritten in place that extent is the
+one the batch's previous versions left. Where no free extent holds the whole batch, it is
+placed first fit as before.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, BatchError, EngineClo
 
 from .catalog import Record, entry_key
 from .collector import paused
-from .commits import AHEAD_MIN_ENTRIES, Committer, commit_records
+from .commits import AHEAD_MIN_ENTRIES, COMMIT_AHEAD_BYTES, Committer, commit_records
 from .errors import EntryNotFoundError, StoreClosedError, StoreFullError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
@@ -77,8 +77,7 @@ class WritePath(WriteJobs):
         cached = self._cache is not None
         later = (not cached or durable) and self._converted_as_placed(named)
         batch: list[tuple[str, str, Any, Any]] = [(name, k, t, None) for name, k, t in named] \
-            if later else [(name, k, as_bytes(t), Meta(dtype_name(t.dtype), tuple(t.shape), 0, 0))
-                           for name, k, t in named]
+            if later else [_entry(name, k, t) for name, k, t in named]
         # With the cache, versions are given out under the key locks, so two operations on
         # one key are ordered the same way by their versions and by the cache.
         with self._ops.shared(), self._key_locks([(n, k) for n, k, _, _ in batch] if cached else []):
@@ -86,8 +85,8 @@ class WritePath(WriteJobs):
             if later:
                 self._write_batched(batch, versions=versions)
             else:
-                for (_, _, src, meta), v in zip(batch, versions):
-                    meta.nbytes, meta.version = src.nbytes, v
+                for (_, _, _, meta), v in zip(batch, versions):
+                    meta.version = v
                 if cached and not durable:
                     self._land(batch)
                     return versions
@@ -382,11 +381,14 @@ class WritePath(WriteJobs):
                 j, _, end = work[first + b - 1]
                 bounds.append(j + 1 if end == records[j][2].length else j)
             # With one extent for the batch (see tierstore.placing), placing never commits,
-            # so the commit may begin with the first group; unless that group's memory needs
-            # staging, where the committer working beside the copies cost more than it
-            # saved (see tierstore.commits). Else once every entry is placed.
+            # so the commit may begin before the last group, COMMIT_AHEAD_BYTES before it;
+            # unless the first group's memory needs staging, where the committer working
+            # beside the copies cost more than it saved (see tierstore.commits). Else once
+            # every entry is placed.
+            if first_entry == 0:
+                early.append(span is not None and not any(copies[:i]))  # type: ignore[index]
             if committer is not None and not begun and (i == len(batch) or (
-                    span is not None and first_entry == 0 and not any(copies[:i]))):  # type: ignore[index]
+                    early[0] and span[1] + COMMIT_AHEAD_BYTES >= span_end)):  # type: ignore[index]
                 committer.start(bounds)
                 begun.append(True)
             if committer is not None and i == len(batch):
@@ -395,7 +397,9 @@ class WritePath(WriteJobs):
 
         # A batch that commits in flight takes one extent for all of it where one holds it.
         span = self._reserve([align_up(s.nbytes) for s in srcs], taken) if committer else None
+        span_end = taken[-1][1] + taken[-1][2] if span is not None else 0
         begun: list[bool] = []
+        early: list[bool] = []  # whether the commit may begin before every entry is placed
 
         # Staged ahead: a job for each chunk worker, and at most STAGE_AHEAD_BYTES (with the
         # engine's window in flight, within the staging pool's idle buffers for full chunks).
@@ -561,6 +565,10 @@ class WritePath(WriteJobs):
         version (in place)."""
         for j in range(lo, hi):
             name, k, t, _ = batch[j]
-            src = as_bytes(t)
-            batch[j] = (name, k, src, Meta(dtype_name(t.dtype), tuple(t.shape), src.nbytes,
-                                           versions[j]))
+            batch[j] = _entry(name, k, t, versions[j])
+
+
+def _entry(name: str, kind: str, t: Any, version: int = 0) -> tuple[str, str, np.ndarray, Meta]:
+    """A put's entry: the tensor's bytes and their meta."""
+    src = as_bytes(t)
+    return name, kind, src, Meta(dtype_name(t.dtype), tuple(t.shape), src.nbytes, version)
