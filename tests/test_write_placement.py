@@ -113,13 +113,17 @@ def _mixed(n: int, fill: float, aligned_first: int = 0) -> dict[str, torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("cache", [0, "64MiB"])
+@pytest.mark.parametrize(("cache", "rest"), [(0, "at once"), ("64MiB", "at once"),
+                                             (0, "as placed")])
 def test_a_batch_made_bytes_as_it_is_placed_lands_every_kind_of_memory(
-        tmp_path, cache) -> None:
+        tmp_path, monkeypatch, cache, rest) -> None:
     """A wide batch takes its tensors' bytes a group at a time as it places them (see
     ``WritePath._converted_as_placed``): every kind of memory lands whole, with or without
     the host cache (``durable=True``), and reads back after a reopen. Memory met part way
-    that needs staging (after groups that did not) has the rest taken at once."""
+    that needs staging (after groups that did not) has the rest taken at once where its
+    entries are small, else as it is placed (``STAGED_AS_PLACED_MIN``)."""
+    if rest == "as placed":
+        monkeypatch.setattr(writes, "STAGED_AS_PLACED_MIN", 0)
     n = 3 * writes.AHEAD_MIN_ENTRIES
     kw = dict(host_cache=cache, engine="aio", chunk_size=64 << 10, io_threads=2)
     with tierstore.open(tmp_path / "s", create=True, **kw) as st:

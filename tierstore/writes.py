@@ -44,6 +44,15 @@ FLUSH_BATCH_BYTES = 256 << 20
 STAGE_AHEAD_BYTES = 2 * DEFAULT_WINDOW  # why two windows: nvme/aio.py, DEFAULT_WINDOW
 # A batch's extents are placed this many chunks' worth at a time (see _run_writes).
 PLACE_AHEAD_CHUNKS = 4
+# A batch made bytes as it is placed (see WritePath._converted_as_placed) whose memory needs
+# staging, with entries under this size on average, has the rest made bytes at once when the
+# first such group is met. Its flight is bound by per-entry work (the copies, then Python)
+# on two cores, and converting there slowed it; from this size the flight has room, and
+# converting there shortened the call's head by 12 ms a GiB. 1 GiB, alternated in one
+# process, at once -> as placed, median GB/s: 64 KiB `torch.empty` 2.06 -> 1.92; 128 KiB
+# 3.78 -> 3.37 and pinned 3.34 -> 3.06; 256 KiB 4.62 -> 4.84 and 4.86 -> 4.94, pinned
+# 4.80 -> 5.01 and 4.81 -> 4.91; 512 KiB and 1 MiB even.
+STAGED_AS_PLACED_MIN = 256 << 10
 # Without a batching engine (PMem, the POSIX engines), a worker writes the chunks of small
 # entries up to this many bytes as one job: a 256 KiB chunk handed to a worker and waited for
 # cost about as much as copying it to PMem. 1 GiB of 256 KiB entries, alternated: PMem
@@ -103,8 +112,9 @@ class WritePath(WriteJobs):
         request goes out before later entries are looked at. Making 4,096 tensors bytes
         took 9-10 ms before the first request (1 GiB of 256 KiB entries, about 180 ms);
         taken as the batch places them, 1 GiB from slices of one buffer, alternated in one
-        process, 4.95 -> 5.16 and 5.21 -> 5.45 GB/s. Memory that needs staging has the rest
-        of its batch taken at once (see ``_run_writes``): from ``torch.empty`` even."""
+        process, 4.95 -> 5.16 and 5.21 -> 5.45 GB/s. Memory that needs staging, in entries
+        under ``STAGED_AS_PLACED_MIN`` on average, has the rest of its batch taken at once
+        when met."""
         if len(named) < AHEAD_MIN_ENTRIES or not getattr(self._medium, "batched", False):
             return False
         if not all(isinstance(t, torch.Tensor) for _, _, t in named):
@@ -356,11 +366,8 @@ class WritePath(WriteJobs):
             try:
                 if converted[0] < i:
                     convert(i)
-                    if any(copies[first_entry:i]):  # type: ignore[index]
-                        # Staged memory: such a batch is bound by the copies' CPU, and
-                        # converting as it places put that work in this thread's way
-                        # (256 KiB torch.empty tensors 4.71 -> 4.57 GB/s): the rest now.
-                        convert(len(batch))
+                    if small and any(copies[first_entry:i]):  # type: ignore[index]
+                        convert(len(batch))  # see STAGED_AS_PLACED_MIN
                 placed = self._placed([(src, meta) for _, _, src, meta in batch[first_entry:i]],
                                       taken, span)
             except BaseException as e:
@@ -395,6 +402,8 @@ class WritePath(WriteJobs):
                 committer.planned()
             return True
 
+        small = versions is not None and (
+            sum(s.nbytes for s in srcs) < STAGED_AS_PLACED_MIN * len(srcs))
         # A batch that commits in flight takes one extent for all of it where one holds it.
         span = self._reserve([align_up(s.nbytes) for s in srcs], taken) if committer else None
         span_end = taken[-1][1] + taken[-1][2] if span is not None else 0
