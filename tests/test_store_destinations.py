@@ -18,6 +18,7 @@ from tierstore.cache.pinned import arena_tensor
 from tierstore.nvme.libaio import unavailable
 
 import tierstore
+from tierstore import landing
 
 CHUNK = 64 << 10
 SHAPE = (3, 40001)  # float32: 480,012 bytes, eight chunks, the last one partial
@@ -72,9 +73,13 @@ def store(request: pytest.FixtureRequest, tmp_path) -> tierstore.Store:
     st.close()
 
 
-def test_every_destination_gets_the_bytes_in_one_batch(store) -> None:
+@pytest.mark.parametrize("group", ["default", "one entry"])
+def test_every_destination_gets_the_bytes_in_one_batch(store, monkeypatch, group) -> None:
     # Small entries next to each other on disk share requests: bounced and direct pieces
-    # of one request, and entries of every kind in one call.
+    # of one request, and entries of every kind in one call. On AIO the targets are worked
+    # out a group at a time as requests are made (landing.Deferred): here also one apiece.
+    if group == "one entry":
+        monkeypatch.setattr(landing, "DEFERRED_GROUP_BYTES", 1)
     small = (7, 1001)
     names = [f"{kind}.{size}" for kind in DESTINATIONS for size in ("big", "small")]
     values = {n: _value(i, SHAPE if n.endswith("big") else small) for i, n in enumerate(names)}
@@ -87,6 +92,39 @@ def test_every_destination_gets_the_bytes_in_one_batch(store) -> None:
     for n, v in values.items():
         assert got[n] is outs[n], n
         assert torch.equal(outs[n], v), n
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"no AIO here: {unavailable()}")
+def test_targets_worked_out_as_requests_are_made_name_a_corrupt_entry(
+        tmp_path, monkeypatch) -> None:
+    """A read's targets worked out one entry at a time as its requests are made
+    (``landing.Deferred``), entries read into buffers of their own between them: every
+    entry before a corrupt one lands whole, the corrupt one is named, and a read after it
+    gets the right bytes."""
+    monkeypatch.setattr(landing, "DEFERRED_GROUP_BYTES", 1)
+    kinds = sorted(k for k in DESTINATIONS if k != "transposed")
+    names = [f"e{i}" for i in range(2 * len(kinds))]
+    values = {n: _value(i) for i, n in enumerate(names)}
+    with tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
+                        engine="aio") as st:
+        st.put_many(values)
+        info = st.info("e9")
+        with open(info.path, "r+b") as f:
+            f.seek(info.offset + 3 * CHUNK + 5)
+            b = f.read(1)
+            f.seek(info.offset + 3 * CHUNK + 5)
+            f.write(bytes([b[0] ^ 0x5A]))
+        # Every other entry into a buffer of its own (no out=).
+        outs = {n: DESTINATIONS[kinds[i // 2]](SHAPE, torch.float32)
+                for i, n in enumerate(names) if i % 2 == 0}
+        with pytest.raises(tierstore.CorruptEntryError, match="'e9'.*bytes 196608"):
+            st.get_many(names, out=outs)
+        for i, n in enumerate(names[:9]):
+            if i % 2 == 0:
+                assert torch.equal(outs[n], values[n]), n
+        good = [n for n in names if n != "e9"]
+        got = st.get_many(good, out={n: o for n, o in outs.items() if n != "e9"})
+        assert all(torch.equal(got[n], values[n]) for n in good)
 
 
 @pytest.mark.parametrize("kind", sorted(DESTINATIONS))
@@ -307,7 +345,7 @@ def test_the_kernel_is_asked_once_for_a_batch_and_answers_per_range() -> None:
 def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatch) -> None:
     from tierstore.nvme.pages import on_small_pages
 
-    import tierstore.reads as reads
+    import tierstore.fetch as fetch
     import tierstore.write_jobs as write_jobs
     import tierstore.writes as writes
 
@@ -317,7 +355,7 @@ def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatc
         pytest.skip("this kernel cannot say which pages are small (PAGEMAP_SCAN, Linux 6.7)")
     copied: list[int] = []
     landed: list[int] = []
-    copy_checked, land = writes.copy_checked, reads.land
+    copy_checked, land = writes.copy_checked, fetch.land
 
     def counted_copy(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
         copied.append(src.nbytes)
@@ -329,7 +367,7 @@ def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatc
 
     for module in (writes, write_jobs):  # the AIO batch's and the chunk workers' copies
         monkeypatch.setattr(module, "copy_checked", counted_copy)
-    monkeypatch.setattr(reads, "land", counted_land)
+    monkeypatch.setattr(fetch, "land", counted_land)
     values = {n: _value(i, (nbytes // 4,)) for i, n in enumerate(("a", "b"))}
     srcs = {n: _on_small_pages(nbytes).view(torch.float32).copy_(v) for n, v in values.items()}
     store.put_many(srcs)
