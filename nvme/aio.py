@@ -252,9 +252,10 @@ class AioEngine(PosixEngine):
             done: Callable[[int], object] | None = None) -> int:
         """Carry out ``requests`` with up to ``depth`` in flight; ``done(i)`` is called on
         this thread once request ``i`` (its position in ``requests``) has moved all its
-        bytes. ``requests`` may be a generator: it is advanced only as slots free, so a
-        producer can stage (copy, checksum) the next request while others are in flight.
-        Returns the number of requests.
+        bytes. ``requests`` may be a generator: it is advanced at most a window (and
+        ``depth`` requests) ahead of what is in flight, the next window's requests made
+        while the last one's are in flight, so a producer can stage (copy, checksum) them
+        meanwhile. Returns the number of requests.
 
         Raises, once nothing is in flight any more: :class:`BatchError` for a failed
         request (the lowest-numbered one, when several fail), what the generator raised,
@@ -325,6 +326,10 @@ class AioEngine(PosixEngine):
         # back. A failed request alone stops only new requests.
         halted = False
         finished: list[int] = []
+        # Requests made (taken from ``todo``, numbered) but not yet submitted: the next
+        # window's, made while this one is in flight (see below).
+        early: deque[tuple[int, Request]] = deque()
+        early_bytes = 0
 
         def fail(exc: BaseException, at: int) -> None:
             nonlocal failure, failed_at
@@ -371,19 +376,25 @@ class AioEngine(PosixEngine):
                 slot = again.popleft()
                 ptrs[n] = slot_addr[slot]
                 n += 1
-            while failure is None and free and not exhausted and (held < window or not busy):
-                try:
-                    req = next(todo, None)
-                except BaseException as e:  # noqa: BLE001 (raised once the ring is idle)
-                    fail(e, count)
-                    break
-                if req is None:
-                    exhausted = True
-                    break
+            while (failure is None and free and (early or not exhausted)
+                   and (held < window or not busy)):
+                if early:
+                    index, req = early.popleft()
+                    early_bytes -= req[2]
+                else:
+                    try:
+                        req = next(todo, None)
+                    except BaseException as e:  # noqa: BLE001 (raised once the ring is idle)
+                        fail(e, count)
+                        break
+                    if req is None:
+                        exhausted = True
+                        break
+                    index = count
+                    count += 1
                 slot = free.pop()
-                busy[slot] = [count, req, 0]
+                busy[slot] = [index, req, 0]
                 held += req[2]
-                count += 1
                 fill(slot, req, 0)
                 ptrs[n] = slot_addr[slot]
                 n += 1
@@ -425,11 +436,31 @@ class AioEngine(PosixEngine):
                         halted = True
                         fail(exc, index)
             finished.clear()
+            # The next window's requests made now, while this one is in flight, not once it
+            # has landed: a disk that completes a window at once (the development VM's)
+            # otherwise waited while the caller made them (a read's pieces and bounce
+            # buffers, a write's staged copies). 1 GiB of 256 KiB entries, alternated in one
+            # process, 9 rounds: reads into slices of one buffer 2.87 -> 3.08 GB/s, into
+            # pinned memory 2.92 -> 3.00; writes from pinned 4.68 -> 4.81, from slices even;
+            # 1 MiB torch.empty reads 3.32 -> 3.38, writes 4.62 -> 4.83.
+            while (failure is None and not halted and not exhausted and inflight
+                   and early_bytes < window and len(early) < depth):
+                try:
+                    req = next(todo, None)
+                except BaseException as e:  # noqa: BLE001 (raised once the ring is idle)
+                    fail(e, count)
+                    break
+                if req is None:
+                    exhausted = True
+                    break
+                early.append((count, req))
+                early_bytes += req[2]
+                count += 1
             if inflight == 0:
                 if halted or failure is not None and not again:
                     ring.idle = True
                     raise failure  # type: ignore[misc]
-                if exhausted and not again:
+                if exhausted and not again and not early:
                     ring.idle = True
                     return count
                 continue

@@ -67,7 +67,8 @@ def test_batch_reads_and_writes_with_callbacks_in_order_of_completion(tmp_path) 
         seen: list[int] = []
 
         def done(i: int) -> None:
-            # At most depth in flight, and as many completed whose callbacks are still due.
+            # At most depth in flight, and as many made ahead of them or completed with
+            # their callbacks still due.
             assert i in pulled and len(pulled) - len(seen) <= 2 * 4
             seen.append(i)
 
