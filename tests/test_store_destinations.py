@@ -194,12 +194,13 @@ def test_small_entries_needing_a_copy_are_joined_on_the_workers(tmp_path) -> Non
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"no AIO here: {unavailable()}")
-def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
-    """Entries of 2 MiB and more, on average, go to the chunk workers, each chunk a
-    ``preadv``/``pwritev`` of its own (no AIO batch sees them), whether their memory is
-    O_DIRECT's (page-aligned) or needs a copy (torch's allocator: 64 bytes into a page);
-    smaller entries, whatever their memory, go as one AIO batch of many. Every path gives
-    the same bytes."""
+def test_writes_of_large_entries_move_on_the_chunk_workers_and_reads_stay_batched(
+        tmp_path) -> None:
+    """Writes of entries of 2 MiB and more, on average, go to the chunk workers, each chunk a
+    ``pwritev`` of its own (no AIO batch sees them), whether their memory is O_DIRECT's
+    (page-aligned) or needs a copy (torch's allocator: 64 bytes into a page); smaller
+    entries, whatever their memory, go as one AIO batch of many. Reads of any size go as
+    one AIO batch (``landing.read_on_workers``). Every path gives the same bytes."""
     with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
                         slab_size="64MiB", chunk_size="256KiB", io_threads=2) as st:
         at: list[int] = []  # each submitted request's position in its batch
@@ -213,16 +214,20 @@ def test_memory_that_needs_a_copy_moves_on_the_chunk_workers(tmp_path) -> None:
             loose = {f"u{i}": _odd_slice((n + i,), torch.float32).copy_(_value(i, (n + i,)))
                      for i in range(4)}
             st.put_many(loose)
+            assert (at == []) == workers, n
+            at.clear()
             outs = {k: _odd_slice(tuple(t.shape), t.dtype) for k, t in loose.items()}
             st.get_many(list(loose), out=outs)
-            assert (at == []) == workers, n
+            assert at != [], n
             assert all(torch.equal(outs[k], t) for k, t in loose.items())
             at.clear()
             st.put_many({k: tierstore.read_buffer(tuple(t.shape), t.dtype).copy_(t)
                          for k, t in loose.items()})
+            assert (at == []) == workers, n
+            at.clear()
             got = {k: tierstore.read_buffer(tuple(t.shape), t.dtype) for k, t in loose.items()}
             st.get_many(list(loose), out=got)
-            assert (at == []) == workers, n
+            assert at != [], n
             assert all(torch.equal(got[k], t) for k, t in loose.items())
             at.clear()
         # 8-12 KiB entries from torch's allocator: still one batch
@@ -283,11 +288,12 @@ def test_which_batches_go_to_the_chunk_workers(monkeypatch) -> None:
     assert on_workers(16 * mib, 16 * mib, 8)  # 2 MiB needing a copy: workers
     assert on_workers(0, 4 * mib, 2) and on_workers(0, 16 * mib, 1)  # aligned 2-32 MiB
     assert not on_workers(0, 64 * mib, 1) and on_workers(64 * mib, 64 * mib, 1)
+    assert not landing.read_on_workers()  # reads: one AIO batch whatever the sizes
     # The benchmark's override of the rule (bench tiers --paths)
     monkeypatch.setattr(landing, "ROUTE", "batch")
     assert not on_workers(64 * mib, 64 * mib, 1)
     monkeypatch.setattr(landing, "ROUTE", "workers")
-    assert on_workers(0, 8 * 256 * kib, 8)
+    assert on_workers(0, 8 * 256 * kib, 8) and landing.read_on_workers()
 
 
 def _on_small_pages(nbytes: int) -> torch.Tensor:

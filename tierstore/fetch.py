@@ -21,7 +21,7 @@ from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, EngineClosedError, ad
 from .catalog import Record
 from .errors import CorruptEntryError, StoreClosedError, StoreError
 from .keys import Key
-from .landing import Deferred, Target, land, on_workers
+from .landing import Deferred, Target, land, read_on_workers
 from .local_state import LocalState
 from .media import adjacent_runs, joined
 
@@ -79,13 +79,9 @@ class FetchPath(LocalState):
         if bufs is None:
             bufs = [aligned_empty(rec.length) for rec in recs]
         targets = targets or {}
-        if isinstance(targets, Deferred):  # made only where the route cannot depend on it
-            bounced = sum(rec.length for rec in recs)
-        else:
-            bounced = sum(recs[i].length - t.direct for i, t in targets.items())
-        if (getattr(self._medium, "batched", False)
-                and not on_workers(bounced, sum(rec.length for rec in recs), len(recs))):
+        if getattr(self._medium, "batched", False) and not read_on_workers():
             return self._fetch_batched(keys, recs, bufs, provide, targets)
+        assert not isinstance(targets, Deferred)  # made only for the batch
         for i, buf in enumerate(bufs):
             if buf is None:
                 bufs[i] = provide(i)

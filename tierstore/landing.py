@@ -84,8 +84,8 @@ class Deferred:
     """:func:`targets` of a read's ``out=`` tensors, worked out a group at a time as its
     requests are made rather than all before its first: 1,024 of them took 1.6 ms (3 for
     memory on 4 KiB pages, one ``PAGEMAP_SCAN`` each) of the 5.5 a 256 MiB call of 256 KiB
-    entries spent before its first request. Only where the read's route cannot depend on
-    them (see :func:`on_workers`). ``at``: the read's positions of the tensors, ascending;
+    entries spent before its first request. Only on the AIO batch (see
+    :func:`read_on_workers`). ``at``: the read's positions of the tensors, ascending;
     :meth:`get` of a position works out the group it starts, or returns ``default`` for a
     position with no tensor."""
 
@@ -150,9 +150,22 @@ WORKERS_ANY_ENTRY = range(2 << 20, 32 << 20)
 ROUTE: str | None = None
 
 
+def read_on_workers() -> bool:
+    """Whether a read goes to the chunk workers rather than one AIO batch: never, unless
+    the benchmark sends it there (:data:`ROUTE`). Since the engine makes the next window's
+    requests while the last is in flight, the batch read as fast or faster at every size
+    and kind, on 25-40 % less CPU where the memory needs a copy (``tierstore bench tiers
+    --peer deepnvme --paths batch,workers``, 1 GiB, 5 rounds, docs/tiers.md): at 4 MiB
+    `torch.empty` 3.19 against 3.08 GB/s and 3.37 against 3.35, at 16 MiB pinned memory
+    3.21 against 3.01 and 3.38 against 3.26, at 64 MiB 3.37 against 3.23; aligned memory
+    even (within 0.05). Writes still follow :func:`on_workers`."""
+    return ROUTE == "workers"
+
+
 def on_workers(copied: int, total: int, entries: int) -> bool:
-    """Whether a batch of ``entries`` with ``copied`` of its ``total`` bytes bounced (or
-    staged, for a write) should go to the chunk workers rather than one AIO batch. The AIO
+    """Whether a write of ``entries`` with ``copied`` of its ``total`` bytes staged should
+    go to the chunk workers rather than one AIO batch (reads: :func:`read_on_workers`;
+    the figures for reads below are from before that). The AIO
     engine submits and reaps on one thread, and gets each staged request from a worker a
     few requests ahead; the chunk workers move their own chunks side by side, each pinning
     its own pages. Measured on the development VM (``tierstore bench tiers --peer deepnvme
