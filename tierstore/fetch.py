@@ -68,6 +68,10 @@ class FetchPath(LocalState):
             return self._staging.take(), True
         return self._results.take(nbytes), False
 
+    def _reads_batched(self) -> bool:
+        """Whether a read goes as one batch of the engine (AIO), else on the chunk workers."""
+        return getattr(self._medium, "batched", False) and not read_on_workers()
+
     def _fetch(
         self, keys: list[Key], recs: list[Record], bufs: list[Any] | None = None,
         provide: Any = None, targets: dict[int, Target] | Deferred | None = None,
@@ -79,7 +83,7 @@ class FetchPath(LocalState):
         if bufs is None:
             bufs = [aligned_empty(rec.length) for rec in recs]
         targets = targets or {}
-        if getattr(self._medium, "batched", False) and not read_on_workers():
+        if self._reads_batched():
             return self._fetch_batched(keys, recs, bufs, provide, targets)
         assert not isinstance(targets, Deferred)  # made only for the batch
         for i, buf in enumerate(bufs):

@@ -32,7 +32,7 @@ from .errors import (
 from .fetch import FetchPath
 from .interface import Meta
 from .keys import Key
-from .landing import Deferred, Target, accepts, read_on_workers
+from .landing import Deferred, Target, accepts
 from .landing import targets as landing_targets
 from .tensors import dtype_from_name, from_bytes, raw_bytes
 
@@ -193,12 +193,10 @@ class ReadPath(FetchPath):
                 outs = [into_of[todo_keys[i]] for i in aimed]
                 nbytes = [todo_recs[i].nbytes for i in aimed]
                 lengths = [todo_recs[i].length for i in aimed]
-                if getattr(self._medium, "batched", False) and not read_on_workers():
+                if self._reads_batched():
                     targets = Deferred(aimed, outs, nbytes, lengths)
                 else:  # on the chunk workers: all now
                     targets = dict(zip(aimed, landing_targets(outs, nbytes, lengths)))
-                    for i in aimed:
-                        provide(i)
             try:
                 self._fetch(todo_keys, todo_recs, bufs, provide, targets)
             except BaseException:
