@@ -9,9 +9,11 @@ entry) is the engine's and the store's real code.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,19 @@ def _file(tmp_path: Path, nbytes: int, seed: int = 0) -> tuple[str, np.ndarray]:
     return path, data
 
 
+@contextlib.contextmanager
+def _open_engine(tmp_path: Path, nbytes: int, depth: int) -> Iterator[tuple[AioEngine, FileHandle, np.ndarray]]:
+    """An engine of ``depth`` with a file of ``nbytes`` random bytes open on it, and the bytes."""
+    path, data = _file(tmp_path, nbytes)
+    eng = AioEngine(threads=1, depth=depth)
+    fh = eng.open(path)
+    try:
+        yield eng, fh, data
+    finally:
+        eng.close_file(fh)
+        eng.close()
+
+
 def test_auto_picks_aio_and_the_fallback_when_it_cannot_run(monkeypatch) -> None:
     assert resolve_engine("auto") == "aio"
     eng = make_engine("auto", threads=2)
@@ -51,10 +66,7 @@ def test_auto_picks_aio_and_the_fallback_when_it_cannot_run(monkeypatch) -> None
 
 
 def test_batch_reads_and_writes_with_callbacks_in_order_of_completion(tmp_path) -> None:
-    path, data = _file(tmp_path, 8 * MiB)
-    eng = AioEngine(threads=1, depth=4)
-    fh = eng.open(path)
-    try:
+    with _open_engine(tmp_path, 8 * MiB, 4) as (eng, fh, data):
         buf = aligned_empty(8 * MiB)
         pulled: list[int] = []
 
@@ -81,9 +93,33 @@ def test_batch_reads_and_writes_with_callbacks_in_order_of_completion(tmp_path) 
         back = aligned_empty(MiB)
         eng.read(fh, memoryview(back), 2 * MiB)
         assert (back == 3).all()
-    finally:
-        eng.close_file(fh)
-        eng.close()
+
+
+def test_an_idle_disk_gets_the_first_request_before_the_next_is_made(tmp_path) -> None:
+    # A producer that stages each request (a copy) is slow to make the next one: with
+    # nothing in flight the first goes at once, not once a window's worth is made.
+    with _open_engine(tmp_path, 4 * MiB, 8) as (eng, fh, data):
+        buf = aligned_empty(4 * MiB)
+        events: list[tuple[str, int]] = []
+
+        def requests() -> Any:
+            for i in range(16):
+                events.append(("made", i))
+                off = i * 256 * 1024
+                yield fh, address(buf) + off, 256 * 1024, off, False
+
+        def inject(phase: str, index: int, req: Any) -> None:
+            if phase == "submit":
+                events.append(("sent", index))
+
+        eng.inject = inject
+        assert eng.run(requests()) == 16
+        assert events[:3] == [("made", 0), ("sent", 0), ("made", 1)]
+        sent = [i for what, i in events if what == "sent"]
+        assert sorted(sent) == list(range(16))
+        # After the first, the rest of the window was made before any of it was sent.
+        assert events.index(("sent", 1)) > events.index(("made", 7))
+        assert np.array_equal(buf, data)
 
 
 def test_a_real_short_read_at_the_end_of_the_file_is_eio(tmp_path) -> None:

@@ -33,6 +33,7 @@ from .interface import Meta
 from .keys import Key, PutItems, put_items
 from .landing import copy_checked, direct_end, on_workers, staged
 from .media import adjacent_runs, align_up, joined
+from .ordered import InOrder, usable_cores
 from .tensors import as_bytes, dtype_name
 from .write_jobs import WriteJobs
 
@@ -411,8 +412,10 @@ class WritePath(WriteJobs):
         early: list[bool] = []  # whether the commit may begin before every entry is placed
 
         # Staged ahead: a job for each chunk worker, and at most STAGE_AHEAD_BYTES (with the
-        # engine's window in flight, within the staging pool's idle buffers for full chunks).
+        # engine's window in flight, within the staging pool's idle buffers for full chunks),
+        # staged in order, one job per core at a time (tierstore.ordered).
         ahead = 2 * self._io_threads
+        staging = InOrder(self._workers, min(ahead, usable_cores()))
         pending: collections.deque[Future[tuple[list[int], Any, Any]]] = collections.deque()
         held: dict[int, Any] = {}  # staging buffers of requests in flight
         after: dict[int, list[int]] = {}  # chunks of requests in flight, checksummed on landing
@@ -499,7 +502,7 @@ class WritePath(WriteJobs):
                     if (queued > m and not may_place) or not place():
                         break
                     continue  # a group of empty entries plans no request
-                pending.append(self._workers.submit(stage, queued))
+                pending.append(staging.submit(stage, queued))
                 ahead_bytes += sizes[queued]
                 queued += 1
             line[0], line[1] = queued, ahead_bytes
