@@ -194,13 +194,17 @@ def test_small_entries_needing_a_copy_are_joined_on_the_workers(tmp_path) -> Non
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"no AIO here: {unavailable()}")
-def test_writes_of_large_entries_move_on_the_chunk_workers_and_reads_stay_batched(
-        tmp_path) -> None:
-    """Writes of entries of 2 MiB and more, on average, go to the chunk workers, each chunk a
-    ``pwritev`` of its own (no AIO batch sees them), whether their memory is O_DIRECT's
-    (page-aligned) or needs a copy (torch's allocator: 64 bytes into a page); smaller
-    entries, whatever their memory, go as one AIO batch of many. Reads of any size go as
-    one AIO batch (``landing.read_on_workers``). Every path gives the same bytes."""
+@pytest.mark.parametrize("route", [None, "workers"])
+def test_every_batch_moves_as_one_aio_batch_unless_sent_to_the_chunk_workers(
+        tmp_path, monkeypatch, route) -> None:
+    """On AIO, reads and writes of any size go as one batch, whether their memory is
+    O_DIRECT's (page-aligned) or needs a copy (an odd slice); sent to the chunk workers (the
+    benchmark's ``--paths``), each chunk is a ``preadv``/``pwritev`` of its own and no AIO
+    batch sees them. Every path gives the same bytes."""
+    from tierstore import landing
+
+    monkeypatch.setattr(landing, "ROUTE", route)
+    batched = route is None
     with tierstore.open(tmp_path / "s", create=True, host_cache=0, engine="aio",
                         slab_size="64MiB", chunk_size="256KiB", io_threads=2) as st:
         at: list[int] = []  # each submitted request's position in its batch
@@ -210,29 +214,29 @@ def test_writes_of_large_entries_move_on_the_chunk_workers_and_reads_stay_batche
                 at.append(index)
 
         st._medium.engine.inject = inject
-        for n, workers in ((600_000, True), (300_000, False)):  # 2.4 MB and 1.2 MB
+        for n in (600_000, 300_000):  # 2.4 MB and 1.2 MB
             loose = {f"u{i}": _odd_slice((n + i,), torch.float32).copy_(_value(i, (n + i,)))
                      for i in range(4)}
             st.put_many(loose)
-            assert (at == []) == workers, n
+            assert (at != []) == batched, n
             at.clear()
             outs = {k: _odd_slice(tuple(t.shape), t.dtype) for k, t in loose.items()}
             st.get_many(list(loose), out=outs)
-            assert at != [], n
+            assert (at != []) == batched, n
             assert all(torch.equal(outs[k], t) for k, t in loose.items())
             at.clear()
             st.put_many({k: tierstore.read_buffer(tuple(t.shape), t.dtype).copy_(t)
                          for k, t in loose.items()})
-            assert (at == []) == workers, n
+            assert (at != []) == batched, n
             at.clear()
             got = {k: tierstore.read_buffer(tuple(t.shape), t.dtype) for k, t in loose.items()}
             st.get_many(list(loose), out=got)
-            assert at != [], n
+            assert (at != []) == batched, n
             assert all(torch.equal(got[k], t) for k, t in loose.items())
             at.clear()
-        # 8-12 KiB entries from torch's allocator: still one batch
+        # 8-12 KiB entries from torch's allocator: many entries, one batch of few requests
         st.put_many({f"s{i:02d}": torch.randn(2048 + 512 * (i % 3)) for i in range(40)})
-        assert max(at) > 0
+        assert (max(at, default=0) > 0) == batched
         st._medium.engine.inject = None
         assert st.fsck().ok
 
@@ -279,21 +283,13 @@ def test_an_aligned_source_stages_only_its_last_partial_page(store, monkeypatch)
 
 def test_which_batches_go_to_the_chunk_workers(monkeypatch) -> None:
     from tierstore import landing
-    from tierstore.landing import on_workers
 
-    kib, mib = 1 << 10, 1 << 20
-    assert not on_workers(0, 8 * 256 * kib, 8)  # small aligned entries: one AIO batch
-    assert not on_workers(8 * 256 * kib, 8 * 256 * kib, 8)  # small, needing a copy: too
-    assert not on_workers(8 * mib, 8 * mib, 8)  # 1 MiB needing a copy: the batch too
-    assert on_workers(16 * mib, 16 * mib, 8)  # 2 MiB needing a copy: workers
-    assert on_workers(0, 4 * mib, 2) and on_workers(0, 16 * mib, 1)  # aligned 2-32 MiB
-    assert not on_workers(0, 64 * mib, 1) and on_workers(64 * mib, 64 * mib, 1)
-    assert not landing.read_on_workers()  # reads: one AIO batch whatever the sizes
-    # The benchmark's override of the rule (bench tiers --paths)
+    assert not landing.on_workers()  # reads and writes: one AIO batch whatever the sizes
+    # The benchmark's override (bench tiers --paths)
     monkeypatch.setattr(landing, "ROUTE", "batch")
-    assert not on_workers(64 * mib, 64 * mib, 1)
+    assert not landing.on_workers()
     monkeypatch.setattr(landing, "ROUTE", "workers")
-    assert on_workers(0, 8 * 256 * kib, 8) and landing.read_on_workers()
+    assert landing.on_workers()
 
 
 def _on_small_pages(nbytes: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, EngineClosedError, ad
 from .catalog import Record
 from .errors import CorruptEntryError, StoreClosedError, StoreError
 from .keys import Key
-from .landing import Deferred, Target, land, read_on_workers
+from .landing import Deferred, Target, land, on_workers
 from .local_state import LocalState
 from .media import adjacent_runs, joined
 
@@ -70,7 +70,7 @@ class FetchPath(LocalState):
 
     def _reads_batched(self) -> bool:
         """Whether a read goes as one batch of the engine (AIO), else on the chunk workers."""
-        return getattr(self._medium, "batched", False) and not read_on_workers()
+        return getattr(self._medium, "batched", False) and not on_workers()
 
     def _fetch(
         self, keys: list[Key], recs: list[Record], bufs: list[Any] | None = None,

@@ -85,7 +85,7 @@ class Deferred:
     requests are made rather than all before its first: 1,024 of them took 1.6 ms (3 for
     memory on 4 KiB pages, one ``PAGEMAP_SCAN`` each) of the 5.5 a 256 MiB call of 256 KiB
     entries spent before its first request. Only on the AIO batch (see
-    :func:`read_on_workers`). ``at``: the read's positions of the tensors, ascending;
+    :func:`on_workers`). ``at``: the read's positions of the tensors, ascending;
     :meth:`get` of a position works out the group it starts, or returns ``default`` for a
     position with no tensor."""
 
@@ -140,58 +140,29 @@ def staged(addrs: list[int], nbytes: list[int]) -> list[bool]:
     return [u or s for u, s in zip(unaligned, small)]
 
 
-# Entries smaller than this, on average, stay in one AIO batch whatever their memory: the
-# batch joins neighbours into large requests (see on_workers).
-WORKERS_MIN_ENTRY = 2 << 20
-# Entries of these sizes, on average, go to the chunk workers whatever their memory.
-WORKERS_ANY_ENTRY = range(2 << 20, 32 << 20)
 # "batch" or "workers" sends every batch of this process that way instead: for measuring
 # the two paths side by side (``tierstore bench tiers --peer deepnvme --paths``).
 ROUTE: str | None = None
 
 
-def read_on_workers() -> bool:
-    """Whether a read goes to the chunk workers rather than one AIO batch: never, unless
-    the benchmark sends it there (:data:`ROUTE`). Since the engine makes the next window's
-    requests while the last is in flight, the batch read as fast or faster at every size
-    and kind, on 25-40 % less CPU where the memory needs a copy (``tierstore bench tiers
-    --peer deepnvme --paths batch,workers``, 1 GiB, 5 rounds, docs/tiers.md): at 4 MiB
-    `torch.empty` 3.19 against 3.08 GB/s and 3.37 against 3.35, at 16 MiB pinned memory
-    3.21 against 3.01 and 3.38 against 3.26, at 64 MiB 3.37 against 3.23; aligned memory
-    even (within 0.05). Writes still follow :func:`on_workers`."""
+def on_workers() -> bool:
+    """Whether a read or write goes to the chunk workers rather than one AIO batch: never,
+    unless the benchmark sends it there (:data:`ROUTE`). Measured on the development VM
+    (``tierstore bench tiers --peer deepnvme --paths batch,workers``, 1 GiB, 5 rounds,
+    docs/tiers.md), GB/s batch against workers:
+
+    - reads, since the engine makes the next window's requests while the last is in
+      flight: as fast or faster at every size and kind, on 25-40 % less CPU where the
+      memory needs a copy (4 MiB `torch.empty` 3.19 against 3.08, 16 MiB pinned memory
+      3.21 against 3.01, 64 MiB 3.37 against 3.23; aligned memory within 0.05);
+    - writes, since the batch stages its requests in order (:mod:`tierstore.ordered`) and
+      sends an idle disk its first request alone: as fast or faster from 2 to 8 MiB
+      (2 MiB `torch.empty` 5.48 against 4.40, 4 MiB a slice at +100 5.41 against 5.20,
+      8 MiB `torch.empty` 5.75 against 5.53), even at 16 and 64 MiB (two runs at 16 MiB
+      with `torch.empty` 5.26 against 5.77 and 5.29 against 5.09; 64 MiB within 0.1), on
+      20-40 % less CPU for memory needing a copy. Those sizes went to the workers before.
+    """
     return ROUTE == "workers"
-
-
-def on_workers(copied: int, total: int, entries: int) -> bool:
-    """Whether a write of ``entries`` with ``copied`` of its ``total`` bytes staged should
-    go to the chunk workers rather than one AIO batch (reads: :func:`read_on_workers`;
-    the figures for reads below are from before that). The AIO
-    engine submits and reaps on one thread, and gets each staged request from a worker a
-    few requests ahead; the chunk workers move their own chunks side by side, each pinning
-    its own pages. Measured on the development VM (``tierstore bench tiers --peer deepnvme
-    --paths batch,workers``, 1 GiB, 5 rounds, docs/tiers.md), since the batch keeps 32 MiB
-    in flight with two windows staged ahead (:data:`tierstore.nvme.aio.DEFAULT_WINDOW`):
-
-    - under 2 MiB the batch wins: at 1 MiB writes at 0.73-0.90 of DeepNVMe against
-      0.67-0.84 on the workers (two runs; `torch.empty` 0.76-0.82 against 0.67-0.70),
-      reads even (0.93-0.99 against 0.89-1.00) on half the CPU time for memory needing a
-      copy (0.15 against 0.30-0.33 s/GB);
-    - from 2 to 16 MiB the two were within a few hundredths of each other, the workers
-      ahead for `torch.empty` (reads 1.00-1.03 against 0.95-0.98 at 2 and 4 MiB, writes
-      1.04 against 0.94 at 16 MiB);
-    - at 64 MiB the workers wrote faster from every kind (0.90-0.96 against 0.81-0.94)
-      and read as fast, except memory on 4 KiB pages (0.90 against 0.97); aligned memory
-      stays in the batch there, as before. Between 16 and 64 MiB nothing was measured.
-
-    Before (a 64 MiB window, 32 MiB staged ahead) the batch lost at 1 MiB for memory
-    needing a copy (reads 0.82-0.87 against 0.88-0.90, writes 0.55-0.56 against 0.62-0.70),
-    and the collector paused (:mod:`tierstore.collector`) had made 256 KiB entries faster
-    in the batch (reads 0.76-0.79 against 0.65-0.71)."""
-    if ROUTE is not None:
-        return ROUTE == "workers"
-    if total // max(entries, 1) in WORKERS_ANY_ENTRY:
-        return True
-    return 2 * copied > total and total >= entries * WORKERS_MIN_ENTRY
 
 
 def direct_end(copied: bool, nbytes: int, start: int, end: int) -> int:

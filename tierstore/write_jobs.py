@@ -1,8 +1,8 @@
 """The chunk workers' writes: a job of several small entries' chunks, written from the
 source where its memory is aligned, else copied into one staging buffer per run of chunks
 that follow each other on disk. The write path (:mod:`tierstore.writes`) sends a batch here
-on an engine without a deep queue (PMem, the POSIX engines), and from the AIO engine where
-most of a batch's bytes need staging (:func:`tierstore.landing.on_workers`).
+on an engine without a deep queue (PMem, the POSIX engines), and from the AIO engine only
+where the benchmark sends it (:func:`tierstore.landing.on_workers`).
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ class WritePath(WriteJobs):
     def _converted_as_placed(self, named: list[tuple[str, str, Any]]) -> bool:
         """Whether a put's tensors are made bytes (and their memory asked about) a group at
         a time as its batch places them, rather than all before its first request: the
-        batch's route must not depend on what the bytes are (see
-        :func:`tierstore.landing.on_workers`), and it must commit in flight, so its first
+        batch must go as one AIO batch (:func:`tierstore.landing.on_workers`), and it must
+        commit in flight, so its first
         request goes out before later entries are looked at. Making 4,096 tensors bytes
         took 9-10 ms before the first request (1 GiB of 256 KiB entries, about 180 ms);
         taken as the batch places them, 1 GiB from slices of one buffer, alternated in one
@@ -120,8 +120,7 @@ class WritePath(WriteJobs):
             return False
         if not all(isinstance(t, torch.Tensor) for _, _, t in named):
             return False  # as_bytes says what is wrong before anything is written
-        total = sum(t.nbytes for _, _, t in named)
-        return not on_workers(total, total, len(named))
+        return not on_workers()
 
     def _land(self, batch: list[tuple[str, str, np.ndarray, Meta]], *,
               clean: bool = False) -> None:
@@ -215,14 +214,11 @@ class WritePath(WriteJobs):
     def _write_through(self, batch: list[tuple[str, str, np.ndarray, Meta]]) -> None:
         """Copy-on-write: fresh extents, parallel chunk writes (a job of several small
         entries' chunks, see ``GROUP_BYTES``), sync, then one commit. On the AIO engine,
-        one batch (:meth:`_write_batched`) unless most of its bytes need staging."""
+        one batch (:meth:`_write_batched`), unless the benchmark sends it to the workers."""
         # Each source's address and whether it is staged, once.
         addrs = [address(src) for _, _, src, _ in batch]
         copies = staged(addrs, [src.nbytes for _, _, src, _ in batch])
-        copied = sum(src.nbytes for (_, _, src, _), c in zip(batch, copies) if c)
-        if (getattr(self._medium, "batched", False)
-                and not on_workers(copied, sum(src.nbytes for _, _, src, _ in batch),
-                                      len(batch))):
+        if getattr(self._medium, "batched", False) and not on_workers():
             return self._write_batched(batch, copies, addrs)
         taken: list[tuple[int, int, int]] = []
         records: list[tuple[str, str, Record]] = []
