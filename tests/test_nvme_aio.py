@@ -7,6 +7,8 @@ and everything after it (continuing a short transfer, draining the queue, naming
 entry) is the engine's and the store's real code.
 """
 
+# Over 600 lines: batches, errors and closing, below and through the store, share one set
+# of files, hooks and stores.
 from __future__ import annotations
 
 import contextlib
