@@ -21,7 +21,7 @@ from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, EngineClosedError, ad
 from .catalog import Record
 from .errors import CorruptEntryError, StoreClosedError, StoreError
 from .keys import Key
-from .landing import Deferred, Target, land, on_workers
+from .landing import Deferred, Target, land
 from .local_state import LocalState
 from .media import adjacent_runs, joined
 
@@ -68,10 +68,6 @@ class FetchPath(LocalState):
             return self._staging.take(), True
         return self._results.take(nbytes), False
 
-    def _reads_batched(self) -> bool:
-        """Whether a read goes as one batch of the engine (AIO), else on the chunk workers."""
-        return getattr(self._medium, "batched", False) and not on_workers()
-
     def _fetch(
         self, keys: list[Key], recs: list[Record], bufs: list[Any] | None = None,
         provide: Any = None, targets: dict[int, Target] | Deferred | None = None,
@@ -83,7 +79,7 @@ class FetchPath(LocalState):
         if bufs is None:
             bufs = [aligned_empty(rec.length) for rec in recs]
         targets = targets or {}
-        if self._reads_batched():
+        if self._batched():
             return self._fetch_batched(keys, recs, bufs, provide, targets)
         assert not isinstance(targets, Deferred)  # made only for the batch
         for i, buf in enumerate(bufs):

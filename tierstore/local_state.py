@@ -32,6 +32,7 @@ from .alloc import ExtentAllocator
 from .catalog import Catalog, Gate
 from .errors import StoreClosedError
 from .keys import Key
+from .landing import on_workers
 from .media import Medium
 
 
@@ -99,6 +100,11 @@ class LocalState:
                     slot[1] -= 1
                     if slot[1] == 0:
                         del self._locks[key]
+
+    def _batched(self) -> bool:
+        """Whether a read or write goes as one batch of the engine (AIO), else on the chunk
+        workers (:func:`tierstore.landing.on_workers`)."""
+        return getattr(self._medium, "batched", False) and not on_workers()
 
     def _next_versions(self, n: int) -> list[int]:
         with self._version_lock:

@@ -193,7 +193,7 @@ class ReadPath(FetchPath):
                 outs = [into_of[todo_keys[i]] for i in aimed]
                 nbytes = [todo_recs[i].nbytes for i in aimed]
                 lengths = [todo_recs[i].length for i in aimed]
-                if self._reads_batched():
+                if self._batched():
                     targets = Deferred(aimed, outs, nbytes, lengths)
                 else:  # on the chunk workers: all now
                     targets = dict(zip(aimed, landing_targets(outs, nbytes, lengths)))
