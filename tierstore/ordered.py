@@ -22,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
+_Call = tuple[Future, Callable[..., Any], tuple[Any, ...]]  # a call's future, function, args
+
 
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, where the system tells it)."""
@@ -37,8 +39,7 @@ class InOrder:
 
     def __init__(self, pool: Executor, lanes: int) -> None:
         self._pool, self._lanes = pool, max(1, lanes)
-        self._waiting: collections.deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] \
-            = collections.deque()
+        self._waiting: collections.deque[_Call] = collections.deque()
         self._running = 0
         self._lock = threading.Lock()
 
