@@ -108,14 +108,13 @@ class WritePath(WriteJobs):
     def _converted_as_placed(self, named: list[tuple[str, str, Any]]) -> bool:
         """Whether a put's tensors are made bytes (and their memory asked about) a group at
         a time as its batch places them, rather than all before its first request: the
-        batch must go as one AIO batch (:func:`tierstore.landing.on_workers`), and it must
-        commit in flight, so its first
-        request goes out before later entries are looked at. Making 4,096 tensors bytes
-        took 9-10 ms before the first request (1 GiB of 256 KiB entries, about 180 ms);
-        taken as the batch places them, 1 GiB from slices of one buffer, alternated in one
-        process, 4.95 -> 5.16 and 5.21 -> 5.45 GB/s. Memory that needs staging, in entries
-        under ``STAGED_AS_PLACED_MIN`` on average, has the rest of its batch taken at once
-        when met."""
+        batch must go as one AIO batch (:func:`tierstore.landing.on_workers`) and commit in
+        flight, so its first request goes out before later entries are looked at. Making
+        4,096 tensors bytes took 9-10 ms before the first request (1 GiB of 256 KiB
+        entries, about 180 ms); taken as the batch places them, 1 GiB from slices of one
+        buffer, alternated in one process, 4.95 -> 5.16 and 5.21 -> 5.45 GB/s. Memory that
+        needs staging, in entries under ``STAGED_AS_PLACED_MIN`` on average, has the rest of
+        its batch taken at once when met."""
         if len(named) < AHEAD_MIN_ENTRIES or not self._batched():
             return False
         # Not tensors: as_bytes says what is wrong before anything is written.
@@ -406,9 +405,9 @@ class WritePath(WriteJobs):
         begun: list[bool] = []
         early: list[bool] = []  # whether the commit may begin before every entry is placed
 
-        # Staged ahead: a job for each chunk worker, and at most STAGE_AHEAD_BYTES (with the
+        # Staged ahead: up to a request per chunk worker and STAGE_AHEAD_BYTES (with the
         # engine's window in flight, within the staging pool's idle buffers for full chunks),
-        # staged in order, one job per core at a time (tierstore.ordered).
+        # copied in order, one request per core at a time (tierstore.ordered).
         ahead = 2 * self._io_threads
         staging = InOrder(self._workers, min(ahead, usable_cores()))
         pending: collections.deque[Future[tuple[list[int], Any, Any]]] = collections.deque()
