@@ -37,6 +37,8 @@ PMEM_FILE_CREATE = 1 << 0
 PMEM_FILE_EXCL = 1 << 1
 PMEM_FILE_SPARSE = 1 << 2
 PMEM_FILE_TMPFILE = 1 << 3
+# Flag of pmem_memcpy: stores that bypass the CPU's caches.
+PMEM_F_MEM_NONTEMPORAL = 1 << 1
 
 _c_size_p = ctypes.POINTER(ctypes.c_size_t)
 _c_int_p = ctypes.POINTER(ctypes.c_int)
@@ -55,6 +57,9 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "pmem_msync": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]),
     "pmem_memcpy_persist": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
     "pmem_memcpy_nodrain": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
+    "pmem_memcpy": (
+        ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
+    ),
     "pmem_errormsg": (ctypes.c_char_p, []),
     "pmem_check_version": (ctypes.c_char_p, [ctypes.c_uint, ctypes.c_uint]),
 }
@@ -169,6 +174,12 @@ class Libpmem:
     def memcpy_nodrain(self, dest: int, src: int, length: int) -> None:
         """``pmem_memcpy_nodrain``: copy and flush; a later ``drain`` completes it."""
         self._c.pmem_memcpy_nodrain(dest, src, length)
+
+    def memcpy_streaming(self, dest: int, src: int, length: int) -> None:
+        """``pmem_memcpy`` with non-temporal stores, then drained: a copy into any memory
+        (DRAM too) that neither reads the destination into the cache before writing it
+        nor leaves it there, for bytes the CPU will not touch again soon."""
+        self._c.pmem_memcpy(dest, src, length, PMEM_F_MEM_NONTEMPORAL)
 
     def errormsg(self) -> str:
         """``pmem_errormsg``: this thread's last libpmem error message ("" if none)."""

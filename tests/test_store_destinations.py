@@ -292,6 +292,27 @@ def test_which_batches_go_to_the_chunk_workers(monkeypatch) -> None:
     assert landing.on_workers()
 
 
+@pytest.mark.parametrize("libpmem", [True, False], ids=["streaming", "numpy"])
+def test_a_copy_and_its_checksum_are_exact_at_any_offset(monkeypatch, libpmem: bool) -> None:
+    # Non-temporal stores (libpmem) move whole cache lines; the bytes around an odd-sized
+    # copy at an odd offset must be left as they were, and the checksum match the bytes.
+    import crc32c
+    from tierstore.pmem.libpmem import ENV_HIDE, load
+
+    if libpmem and load() is None:
+        pytest.skip("libpmem is not installed")
+    monkeypatch.setenv(ENV_HIDE, "0" if libpmem else "1")
+    rng = np.random.default_rng(0)
+    step = landing.STEP
+    for n in (1, 63, 4097, step - 1, step, 2 * step + 77):
+        for at, to in ((0, 0), (3, 64), (100, 5)):
+            src = rng.integers(0, 256, n + at, dtype=np.uint8)[at:]
+            dst = np.full(n + to + 70, 0xAB, np.uint8)
+            assert landing.copy_checked(dst[to : to + n], src, 7) == crc32c.crc32c(src, 7)
+            assert np.array_equal(dst[to : to + n], src)
+            assert (dst[:to] == 0xAB).all() and (dst[to + n :] == 0xAB).all()
+
+
 def _on_small_pages(nbytes: int) -> torch.Tensor:
     """Memory a caller might hand the store: an anonymous mapping kept off huge pages,
     faulted in."""

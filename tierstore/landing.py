@@ -26,6 +26,7 @@ import torch
 
 from tierstore.nvme import ALIGNMENT
 from tierstore.nvme.pages import small_pages
+from tierstore.pmem.libpmem import load as load_libpmem
 
 from .tensors import raw_bytes
 
@@ -177,13 +178,32 @@ def direct_end(copied: bool, nbytes: int, start: int, end: int) -> int:
 
 def copy_checked(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
     """Copy ``src`` into ``dst`` (host memory, as long), returning ``crc`` continued over
-    the bytes: each step is copied, then checksummed where it landed, from the cache the
-    copy left it in, so the bytes cross the memory bus once for both, and the checksum is of
-    the copy (the bytes a write puts on disk, or a read hands the caller).
+    the bytes. A step at a time, each checksummed from the cache the copy left it in, so
+    the bytes cross the memory bus once for both.
+
+    Where libpmem is loaded the copy's stores are non-temporal (``pmem_memcpy``, which
+    works on any memory): the destination is neither read into the cache before it is
+    written nor left there, and the checksum is of the source's step, which the copy's
+    loads brought into the cache. A read's destination is the caller's and a write's
+    staging buffer goes to the disk, so neither is worth caching. Against numpy's copy
+    (the fallback, which checksums the copy), alternated in one process, 1 GiB of
+    ``torch.empty`` or pinned entries on the development VM (Intel Xeon, 2 cores): reads
+    took 10 % less CPU time at 256 KiB, 17 % at 1 MiB and 19-20 % at 4 MiB, puts 7-15 %,
+    18-19 % and 21-22 %; GB/s even within 1 % (the disk's limit). A source changed while
+    it is put may leave a chunk whose checksum is not of the bytes written, as an aligned
+    source's may (its checksum is taken once its write has landed).
 
     The copy first, not the checksum: the copy streams from memory faster than crc32c's
     dependent chain does. 1,024 torch.empty tensors of 256 KiB into 8 MiB buffers, on the
     development VM (AMD EPYC, 2 cores): 21 us an entry against 35 the other way round."""
+    lib = load_libpmem()
+    if lib is not None and dst.flags.c_contiguous and src.flags.c_contiguous:
+        to, at, n = dst.ctypes.data, src.ctypes.data, src.nbytes
+        for k in range(0, n, STEP):
+            m = min(STEP, n - k)
+            lib.memcpy_streaming(to + k, at + k, m)
+            crc = crc32c.crc32c(src[k : k + m], crc)
+        return crc
     for k in range(0, src.nbytes, STEP):
         part = dst[k : min(k + STEP, src.nbytes)]
         np.copyto(part, src[k : k + STEP])
