@@ -249,13 +249,14 @@ class AioEngine(PosixEngine):
             self._ring_free.notify()
 
     def run(self, requests: Iterable[Request],
-            done: Callable[[int], object] | None = None) -> int:
+            done: Callable[[int], object] | None = None, count: int | None = None) -> int:
         """Carry out ``requests`` with up to ``depth`` in flight; ``done(i)`` is called on
         this thread once request ``i`` (its position in ``requests``) has moved all its
         bytes. ``requests`` may be a generator: it is advanced at most a window (and
         ``depth`` requests) ahead of what is in flight, the next window's requests made
         while the last one's are in flight, so a producer can stage (copy, checksum) them
-        meanwhile. Returns the number of requests.
+        meanwhile. ``count``, where the caller knows it: how many requests there are, so
+        the batch's end is tapered (see :meth:`_run`). Returns the number of requests.
 
         Raises, once nothing is in flight any more: :class:`BatchError` for a failed
         request (the lowest-numbered one, when several fail), what the generator raised,
@@ -276,7 +277,7 @@ class AioEngine(PosixEngine):
                 return self._run_posix(iter(requests), done)
             ring.idle = False
             try:
-                return self._run(ring, iter(requests), done)
+                return self._run(ring, iter(requests), done, count)
             finally:
                 self._give_ring(ring)
         finally:
@@ -309,7 +310,8 @@ class AioEngine(PosixEngine):
             count += 1
         return count
 
-    def _run(self, ring: Ring, todo: Any, done: Callable[[int], object] | None) -> int:
+    def _run(self, ring: Ring, todo: Any, done: Callable[[int], object] | None,
+             total: int | None = None) -> int:
         lib, ctx, depth = self._lib, ring.ctx, ring.depth
         iocbs, ptrs, events, slot_addr = ring.iocbs, ring.ptrs, ring.events, ring.slot_addr
         inject = self.inject
@@ -403,7 +405,18 @@ class AioEngine(PosixEngine):
             # 4.3-4.9 -> 2.4-4.2 ms in, the put 33.1-37.4 -> 32.8-34.6 ms (and with the
             # staging in order, tierstore.ordered, 29.6-30.7).
             solo = not busy and not early
-            while failure is None and free and (held < window or not busy) and (early or make()):
+            # The batch's end tapered: once its last request is made, at most half of what
+            # is left goes in flight (one request at least). A disk that completes all in
+            # flight at once (the development VM's) otherwise handed back the last window,
+            # 32 MiB, in one go, and the caller's checks of it (crc32c, bounce copies) ran
+            # after the I/O, not beside it; halving, each part's checks overlap the next
+            # part's transfer. 1 GiB read in 256 MiB calls, 7 alternated rounds: torch.empty
+            # tensors 1.319 -> 1.348 GB/s (256 KiB), 1.546 -> 1.601 (1 MiB), 1.673 -> 1.724
+            # (16 MiB); slices of one buffer 1.379 -> 1.401, 1.567 -> 1.571, 1.687 -> 1.700.
+            limit = window
+            if total is not None and count >= total:
+                limit = min(window, (held + early_bytes) // 2)
+            while failure is None and free and (held < limit or not busy) and (early or make()):
                 index, req = early.popleft()
                 early_bytes -= req[2]
                 slot = free.pop()

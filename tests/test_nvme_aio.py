@@ -124,6 +124,41 @@ def test_an_idle_disk_gets_the_first_request_before_the_next_is_made(tmp_path) -
         assert np.array_equal(buf, data)
 
 
+def test_a_counted_batch_ends_with_half_of_what_is_left_in_flight(tmp_path) -> None:
+    # Told how many requests there are, once the last is made the engine keeps at most
+    # half of what is left in flight (one request at least), so the caller's checks of
+    # each part overlap the next part's transfer rather than all following the last one.
+    size = 256 * 1024
+    with _open_engine(tmp_path, 4 * MiB, 16) as (eng, fh, data):
+        eng.window = 8 * size
+        buf = aligned_empty(4 * MiB)
+        made = [0]
+        flight: set[int] = set()
+        seen: list[tuple[int, int, int]] = []  # (request, made, in flight with it)
+
+        def requests() -> Any:
+            for i in range(16):
+                made[0] += 1
+                yield fh, address(buf) + i * size, size, i * size, False
+
+        def inject(phase: str, index: int, req: Any) -> None:
+            if phase == "submit":
+                flight.add(index)
+                seen.append((index, made[0], len(flight)))
+            else:
+                flight.discard(index)
+
+        eng.inject = inject
+        assert eng.run(requests(), count=16) == 16
+        assert np.array_equal(buf, data)
+        assert sorted(i for i, _, _ in seen) == list(range(16))
+        for index, had, together in seen:
+            if had == 16:  # all made: what is left is in flight or not yet sent
+                left = together - 1 + 16 - index
+                assert together == 1 or 2 * (together - 1) < left, seen
+        assert seen[-1][2] == 1  # the last went alone
+
+
 def test_a_real_short_read_at_the_end_of_the_file_is_eio(tmp_path) -> None:
     path, data = _file(tmp_path, 8192)
     eng = AioEngine(threads=1)

@@ -307,7 +307,7 @@ class FetchPath(LocalState):
 
         try:
             try:
-                self._medium.run(requests(), done)
+                self._medium.run(requests(), done, len(plan))
             finally:
                 settle(checking)
             return None
