@@ -19,7 +19,9 @@ depth 32 (io_uring where it runs). Every side runs once a round, in an order rot
 round and reversed every other, page cache dropped before each read; medians of the rounds.
 Unlike the main table, nothing is set aside from Python's cycle collector
 (``gc.freeze``): the process's own objects (torch's, DeepSpeed's) are in its reach, as in a
-user's. The headline per size is the worst kind's ratio to DeepNVMe. Each row also has the CPU
+user's. The headline per size is the worst kind's ratio to DeepNVMe (of the medians), with
+the median of each round's own ratio beside it: a disk that slows for everyone in the middle
+of a round moves the first and not the second. Each row also has the CPU
 time the process spent per GB moved (the store's, DeepNVMe's, medians of the same rounds):
 on a machine whose cores are shared, what decides how far the bandwidth falls.
 """
@@ -199,6 +201,10 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                 "total_bytes": span, "repeats": repeats, "engine_described": described,
                 "gbps": round(med[k], 3), "reference": ref,
                 "reference_gbps": round(med[ref], 3), "ratio": round(med[k] / med[ref], 3),
+                # Each round's own ratio (the sides ran next to each other), their median: a
+                # disk whose rate shifts between or within rounds moves it less.
+                "paired_ratio": round(statistics.median(
+                    a / b for a, b in zip(runs[op][k], runs[op][ref])), 3),
                 "peers": {s: round(med[s], 3) for s in peers},
                 "runs": [round(x, 3) for x in runs[op][k]],
                 "peer_runs": {s: [round(x, 3) for x in runs[op][s]] for s in peers},
@@ -230,7 +236,8 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
              f"{worst['kind']:{w}} "
              f"{worst['ratio']:5.2f}x {worst['reference']} ({worst['gbps']:.3f} / "
              f"{worst['reference_gbps']:.3f} GB/s, {worst['repeats']} rounds, "
-             f"{tierstore.format_size(worst['total_bytes'])})")
+             f"{tierstore.format_size(worst['total_bytes'])}; each round's own ratio "
+             f"{worst['paired_ratio']:.2f})")
     echo(f"{'op':5} {'block':>9} {'engine':16} {'memory':{w}} {'GB/s':>7} {'ratio':>6} "
          f"{'CPU s/GB':>8}  peers (GB/s; CPU s/GB)")
     for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["engine"], r["ratio"])):

@@ -187,6 +187,8 @@ def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
         assert all(r["reference"].startswith("fio") and r["gbps"] > 0 for r in mine)
         assert all(r["engine"] == "posix-direct" and r["engine_described"].startswith("posix")
                    and r["cpu_s_per_gb"] > 0 for r in mine)
+        assert all(r["paired_ratio"] == pytest.approx(
+            r["runs"][0] / r["peer_runs"][r["reference"]][0], rel=1e-2) for r in mine)
     out: list[str] = []
     report_kinds(rows, out.append)
     worst = min((r for r in rows if r["op"] == "read"), key=lambda r: r["ratio"])
