@@ -247,9 +247,10 @@ def load() -> Libpmem | None:
     global _attempted, _binding, _load_error
     if _hidden():
         return None
+    if _attempted:  # no lock once loaded: the NVMe path asks on every copy it makes
+        return _binding
     with _lock:
         if not _attempted:
-            _attempted = True
             name = ctypes.util.find_library("pmem")
             if name is None:
                 _load_error = "libpmem not found"
@@ -258,6 +259,7 @@ def load() -> Libpmem | None:
                     _binding = Libpmem(ctypes.CDLL(name, use_errno=True))
                 except (OSError, AttributeError) as exc:
                     _load_error = f"libpmem unusable ({exc})"
+            _attempted = True  # after the binding, which a reader without the lock takes
         return _binding
 
 
