@@ -134,12 +134,13 @@ def _fio_queue_engine() -> str:
 _FIO_QUEUE: str | None = None
 
 
-def nvme_ceilings(ceiling: str, bs: int, threads: int, direct: bool, span: int
+def nvme_ceilings(ceiling: str, bs: int, threads: int, direct: bool, span: int,
+                  read_call: int | None = None
                   ) -> tuple[dict[str, Callable[[str, str, int, int], float]], list[Any]]:
     """The ceilings measured beside the store, by name: ``fn(path, op, offset, span)`` gives
     GB/s. For ``fio``: fio psync with a job per thread, fio io_uring (or libaio) at queue
-    depth 32, and DeepNVMe's ``aio_handle`` where deepspeed is installed. Also returns what
-    must be closed afterwards."""
+    depth 32, and DeepNVMe's ``aio_handle`` where deepspeed is installed, reading
+    ``read_call`` bytes a call where given. Also returns what must be closed afterwards."""
     if ceiling == "gdsio":
         gds = GdsioCeiling(bs, threads)
         return {"gdsio GDS": gds}, [gds]
@@ -153,7 +154,7 @@ def nvme_ceilings(ceiling: str, bs: int, threads: int, direct: bool, span: int
     from . import deepnvme
 
     if direct and deepnvme.unavailable() is None:
-        peer = deepnvme.DeepNVMe(span)
+        peer = deepnvme.DeepNVMe(span, read_piece=read_call)
         closers.append(peer)
         out["DeepNVMe aio_handle"] = peer.gbps
     return out, closers

@@ -63,9 +63,11 @@ def unavailable() -> str | None:
 
 
 class DeepNVMe:
-    """One ``aio_handle`` and a page-locked buffer of ``min(span, PIECE)`` bytes."""
+    """One ``aio_handle`` and a page-locked buffer of ``min(span, PIECE)`` bytes (or of
+    ``read_piece``, the bytes a read moves per call where that is given and larger)."""
 
-    def __init__(self, span: int, threads: int = PARALLELISM) -> None:
+    def __init__(self, span: int, threads: int = PARALLELISM,
+                 read_piece: int | None = None) -> None:
         import torch
 
         op = _load()
@@ -73,7 +75,9 @@ class DeepNVMe:
             raise RuntimeError(_why)
         self.handle = op.aio_handle(BLOCK, QUEUE_DEPTH, False, True, threads)
         self.piece = min(span, PIECE)
-        self.buf = self.handle.new_cpu_locked_tensor(self.piece, torch.empty(0, dtype=torch.uint8))
+        self.read_piece = min(span, read_piece or PIECE)
+        self.buf = self.handle.new_cpu_locked_tensor(max(self.piece, self.read_piece),
+                                                     torch.empty(0, dtype=torch.uint8))
         self.buf.random_(0, 255)
 
     def close(self) -> None:
@@ -84,8 +88,9 @@ class DeepNVMe:
         ``offset``."""
         t0 = time.perf_counter()
         done = 0
+        piece = self.read_piece if op == "read" else self.piece
         while done < span:
-            n = min(self.piece, span - done)
+            n = min(piece, span - done)
             view = self.buf[:n]
             if op == "read":
                 self.handle.async_pread(view, path, offset + done)

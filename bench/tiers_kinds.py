@@ -9,7 +9,9 @@ memory (page-aligned; on a machine without CUDA the store's own page-aligned are
 code path) and, where CUDA is present, a device tensor. Each is a row.
 
 Setup, per entry size: one store (``host_cache=0``, the ``auto`` engine, ``io_threads``),
-``total`` bytes of entries. Reads are ``get_many(names, out=...)`` 256 MiB per call, into
+``total`` bytes of entries. Reads are ``get_many(names, out=...)`` 256 MiB per call (``call``
+bytes, where asked: a layer's experts are tens of MiB, and DeepNVMe then reads as much per
+call), into
 destinations made and touched before the clock starts and reused every round (as DeepNVMe
 reuses its page-locked buffer); writes are ``put_many`` from sources of each kind (one per
 entry, up to 256 MiB of them, reused) with its fsync and commit. Beside them, on the same
@@ -44,7 +46,7 @@ from tierstore import landing
 from .ceilings import nvme_ceilings
 from .tiers import CHUNK, drop_page_cache
 
-GROUP = 256 << 20  # bytes per get_many call, and of each kind's destinations
+GROUP = 256 << 20  # bytes per get_many call, and of each kind's destinations (by default)
 PEER = "DeepNVMe aio_handle"
 
 
@@ -94,15 +96,15 @@ def unavailable() -> str | None:
 
 def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                   kinds: list[str] | None = None, engine: str = "auto",
-                  paths: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+                  paths: tuple[str, ...] = (), call: int = GROUP) -> list[dict[str, Any]]:
     """Rows of GB/s per (op, kind) for entries of ``block`` bytes through the store's
     ``engine``, each with DeepNVMe's and fio's medians from the same rounds (see the module
     docstring). With ``paths`` ("batch", "workers"), each kind is a side once per path,
     named ``kind [path]``, every batch sent that way (:data:`tierstore.landing.ROUTE`)
-    instead of by the store's rule."""
+    instead of by the store's rule. Reads ask for ``call`` bytes of entries at a time."""
     n = max(1, total // block)
     span = n * block
-    count = max(1, min(n, GROUP // block))
+    count = max(1, min(n, call // block))
     made = memory_kinds(block, count)
     kinds = [k for k in (kinds or list(made)) if k in made]
     route = {f"{k} [{p}]": (k, p) for k in kinds for p in paths} or {k: (k, None) for k in kinds}
@@ -115,7 +117,7 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
     names = [f"bench.kinds.{j}" for j in range(n)]
     path = os.path.join(root, f"kinds-{engine}-{block}")
     bs = min(block, CHUNK)
-    ceilings, closers = nvme_ceilings("fio", bs, threads, True, span)
+    ceilings, closers = nvme_ceilings("fio", bs, threads, True, span, read_call=count * block)
     peers = {name: fn for name, fn in ceilings.items() if name != "fio psync"}
     runs: dict[str, dict[str, list[float]]] = {"read": {}, "write": {}}
     # CPU seconds per GB moved, of this process (the store, DeepNVMe's threads; fio runs in
@@ -197,7 +199,7 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
         for k in route:
             rows.append({
                 "op": op, "kind": k, "path": route[k][1] or "auto", "engine": engine,
-                "block_bytes": block, "threads": threads,
+                "block_bytes": block, "threads": threads, "read_call_bytes": count * block,
                 "total_bytes": span, "repeats": repeats, "engine_described": described,
                 "gbps": round(med[k], 3), "reference": ref,
                 "reference_gbps": round(med[ref], 3), "ratio": round(med[k] / med[ref], 3),
@@ -232,12 +234,14 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
         mine = [r for r in rows
                 if r["op"] == op and r["block_bytes"] == block and r["engine"] == engine]
         worst = min(mine, key=lambda r: r["ratio"])
+        calls = (f" in calls of {tierstore.format_size(worst['read_call_bytes'])}"
+                 if op == "read" else "")
         echo(f"{op:5} {tierstore.format_size(block):>9} {_engine(worst):16} worst: "
              f"{worst['kind']:{w}} "
              f"{worst['ratio']:5.2f}x {worst['reference']} ({worst['gbps']:.3f} / "
              f"{worst['reference_gbps']:.3f} GB/s, {worst['repeats']} rounds, "
-             f"{tierstore.format_size(worst['total_bytes'])}; each round's own ratio "
-             f"{worst['paired_ratio']:.2f})")
+             f"{tierstore.format_size(worst['total_bytes'])}{calls}; each round's own "
+             f"ratio {worst['paired_ratio']:.2f})")
     echo(f"{'op':5} {'block':>9} {'engine':16} {'memory':{w}} {'GB/s':>7} {'ratio':>6} "
          f"{'CPU s/GB':>8}  peers (GB/s; CPU s/GB)")
     for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["engine"], r["ratio"])):
@@ -258,7 +262,7 @@ def _engine(row: dict[str, Any]) -> str:
 
 def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: int,
               progress: bool = True, engines: tuple[str, ...] = ("auto",),
-              paths: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+              paths: tuple[str, ...] = (), call: int = GROUP) -> list[dict[str, Any]]:
     """:func:`measure_kinds` at every size, through each of ``engines`` (and ``paths``)."""
     from tqdm import tqdm
 
@@ -267,5 +271,5 @@ def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: in
     for block, engine in tqdm(plan, desc="bench tiers: caller's memory",
                               disable=None if progress else True):
         rows += measure_kinds(root, block, threads, total, repeats, engine=engine,
-                              paths=paths)
+                              paths=paths, call=call)
     return rows

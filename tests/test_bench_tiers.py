@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from tierstore.bench.tiers import _write_source, _young_heap, measure_entry_sizes
 
+import tierstore
 from tierstore.cli import main
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
@@ -174,10 +175,17 @@ def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
     from tierstore import landing
 
     monkeypatch.setattr(deepnvme, "unavailable", lambda: "not measured in this test")
+    # Reads ask for --read-call bytes of entries at a time.
+    asked: list[int] = []
+    get_many = tierstore.Store.get_many
+    monkeypatch.setattr(tierstore.Store, "get_many", lambda st, names, *a, **k: (
+        asked.append(len(names)), get_many(st, names, *a, **k))[1])
     # The engine asked for (bench tiers --engines) is the one the rows measure.
     # Each kind once per path asked for (bench tiers --paths), the rule restored after.
     rows = run_kinds(str(tmp_path), [1 << 20], 2, 4 << 20, repeats=1, progress=False,
-                     engines=("posix-direct",), paths=("batch", "workers"))
+                     engines=("posix-direct",), paths=("batch", "workers"), call=2 << 20)
+    assert asked and set(asked) == {2}
+    assert all(r["read_call_bytes"] == 2 << 20 for r in rows)
     kinds = {f"{k} [{p}]" for k in memory_kinds(1 << 20, 1) for p in ("batch", "workers")}
     assert landing.ROUTE is None
     for op in ("read", "write"):

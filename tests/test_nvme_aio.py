@@ -124,13 +124,15 @@ def test_an_idle_disk_gets_the_first_request_before_the_next_is_made(tmp_path) -
         assert np.array_equal(buf, data)
 
 
-def test_a_counted_batch_ends_with_half_of_what_is_left_in_flight(tmp_path) -> None:
+@pytest.mark.parametrize("windows", [2, 1], ids=["two windows", "one window"])
+def test_a_counted_batch_ends_with_half_of_what_is_left_in_flight(tmp_path, windows) -> None:
     # Told how many requests there are, once the last is made the engine keeps at most
     # half of what is left in flight (one request at least), so the caller's checks of
-    # each part overlap the next part's transfer rather than all following the last one.
+    # each part overlap the next part's transfer rather than all following the last one:
+    # also a batch that fits in one window, made whole while its first request moves.
     size = 256 * 1024
     with _open_engine(tmp_path, 4 * MiB, 16) as (eng, fh, data):
-        eng.window = 8 * size
+        eng.window = 16 * size // windows
         buf = aligned_empty(4 * MiB)
         made = [0]
         flight: set[int] = set()
@@ -566,6 +568,23 @@ def test_small_entries_next_to_each_other_move_as_few_requests(tmp_path) -> None
         assert len(sent) == 40 and all(torch.equal(got[k], data[k]) for k in names)
         st._medium.engine.inject = None
         assert st.fsck().ok
+
+
+def test_a_reads_last_request_of_several_chunks_goes_as_two(tmp_path) -> None:
+    # Its halves go one after the other (the engine's taper), so only the second's checks
+    # follow the read's last transfer.
+    with _store(tmp_path) as st:
+        data = _small(st)
+        sent: list[Any] = []
+        st._medium.engine.inject = _count("submit", sent)
+        got = st.get_many(list(data))
+        assert all(torch.equal(got[k], v) for k, v in data.items())
+        *_, (_, _, n1, off1, _), (_, _, n2, off2, _) = sent
+        assert off1 + n1 == off2 and 0 <= n1 - n2 <= 12288  # cut at a chunk past the middle
+        before = len(sent)
+        assert torch.equal(st.get("s00"), data["s00"])  # a request of one chunk stays one
+        assert len(sent) == before + 1
+        st._medium.engine.inject = None
 
 
 @pytest.mark.parametrize("phase,err", [("submit", errno.EIO), ("complete", errno.EIO)])
