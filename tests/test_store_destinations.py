@@ -241,6 +241,33 @@ def test_every_batch_moves_as_one_aio_batch_unless_sent_to_the_chunk_workers(
         assert st.fsck().ok
 
 
+@pytest.mark.skipif(unavailable() is not None, reason=f"no AIO here: {unavailable()}")
+def test_an_aligned_sources_checksums_are_taken_beside_its_transfer(tmp_path) -> None:
+    """Handed to the chunk workers as each request is made, not once it has landed: a
+    put that fits in one window (which a disk may complete in one go) does not take all
+    its checksums after its last transfer."""
+    values = {f"e{i}": _value(i) for i in range(3)}
+    with tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
+                        engine="aio") as st:
+        srcs = {n: DESTINATIONS["read_buffer"](SHAPE, torch.float32) for n in values}
+        for n, v in values.items():
+            srcs[n].copy_(v)
+        events: list[str] = []
+        submit = st._workers.submit
+        st._workers.submit = lambda fn, *a, **k: (
+            events.append(getattr(fn, "__name__", "")), submit(fn, *a, **k))[1]
+        st._medium.engine.inject = lambda phase, index, req: events.append(phase) and None
+        try:
+            st.put_many(srcs)
+        finally:
+            del st._workers.submit
+            st._medium.engine.inject = None
+        assert "checksum" in events and "complete" in events
+        assert events.index("checksum") < events.index("complete")
+        assert all(torch.equal(st.get(n), v) for n, v in values.items())
+        assert st.fsck().ok
+
+
 def test_an_aligned_source_stages_only_its_last_partial_page(store, monkeypatch) -> None:
     # Page-aligned memory whose entry ends part way into a page: its whole pages are written
     # from the tensor itself, and only the partial page is copied to an aligned buffer.

@@ -191,7 +191,7 @@ def copy_checked(dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
     took 10 % less CPU time at 256 KiB, 17 % at 1 MiB and 19-20 % at 4 MiB, puts 7-15 %,
     18-19 % and 21-22 %; GB/s even within 1 % (the disk's limit). A source changed while
     it is put may leave a chunk whose checksum is not of the bytes written, as an aligned
-    source's may (its checksum is taken once its write has landed).
+    source's may (its checksum is taken beside its write).
 
     The copy first, not the checksum: the copy streams from memory faster than crc32c's
     dependent chain does. 1,024 torch.empty tensors of 256 KiB into 8 MiB buffers, on the
