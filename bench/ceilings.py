@@ -135,12 +135,13 @@ _FIO_QUEUE: str | None = None
 
 
 def nvme_ceilings(ceiling: str, bs: int, threads: int, direct: bool, span: int,
-                  read_call: int | None = None
+                  read_call: int | None = None, write_call: int | None = None
                   ) -> tuple[dict[str, Callable[[str, str, int, int], float]], list[Any]]:
     """The ceilings measured beside the store, by name: ``fn(path, op, offset, span)`` gives
     GB/s. For ``fio``: fio psync with a job per thread, fio io_uring (or libaio) at queue
     depth 32, and DeepNVMe's ``aio_handle`` where deepspeed is installed, reading
-    ``read_call`` bytes a call where given. Also returns what must be closed afterwards."""
+    ``read_call`` bytes a call and writing ``write_call`` (each with an fsync) where given.
+    Also returns what must be closed afterwards."""
     if ceiling == "gdsio":
         gds = GdsioCeiling(bs, threads)
         return {"gdsio GDS": gds}, [gds]
@@ -154,7 +155,7 @@ def nvme_ceilings(ceiling: str, bs: int, threads: int, direct: bool, span: int,
     from . import deepnvme
 
     if direct and deepnvme.unavailable() is None:
-        peer = deepnvme.DeepNVMe(span, read_piece=read_call)
+        peer = deepnvme.DeepNVMe(span, read_piece=read_call, write_piece=write_call)
         closers.append(peer)
         out["DeepNVMe aio_handle"] = peer.gbps
     return out, closers

@@ -168,10 +168,15 @@ def bench() -> None:
               help="The caller's-memory rows (--peer, and the nvme tier): bytes of entries "
                    "one get_many asks for, and DeepNVMe one read call; a layer's experts "
                    "are tens of MiB (e.g. 32MiB).")
+@click.option("--write-call", type=SIZE,
+              help="The caller's-memory rows: bytes of entries one put_many writes, each "
+                   "durable, and DeepNVMe one write followed by an fsync (default: all of "
+                   "--total in one put_many, DeepNVMe's pieces with one fsync at the end).")
 def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list[int],
                 total: int, tiers: list[str], engines: list[str], pmem_dir: str | None,
                 repeats: int, json_out: str | None, plot_out: str | None,
-                peer: str | None, paths: list[str], read_call: int) -> None:
+                peer: str | None, paths: list[str], read_call: int,
+                write_call: int | None) -> None:
     """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
     run: NVMe through the store's engines against fio (psync, and io_uring at queue depth 32)
     and DeepNVMe on the same file with the same request size and O_DIRECT flag (NVMe writes
@@ -188,7 +193,8 @@ def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list
     _run(lambda: run_tiers(store, sizes, counts, total, json_out, engines=engine_list,
                            tiers=tuple(tiers), pmem_dir=pmem_dir,
                            plot_out=plot_out, repeats=repeats, echo=click.echo,
-                           peer=peer, paths=tuple(paths or ()), read_call=read_call))
+                           peer=peer, paths=tuple(paths or ()), read_call=read_call,
+                           write_call=write_call))
 
 
 @bench.command(name="cache")

@@ -64,10 +64,12 @@ def unavailable() -> str | None:
 
 class DeepNVMe:
     """One ``aio_handle`` and a page-locked buffer of ``min(span, PIECE)`` bytes (or of
-    ``read_piece``, the bytes a read moves per call where that is given and larger)."""
+    ``read_piece``, the bytes a read moves per call, where that is given and larger).
+    With ``write_piece``, writes go that many bytes a call, each call followed by an
+    fsync (a durable write per call, as a ``put_many`` is)."""
 
     def __init__(self, span: int, threads: int = PARALLELISM,
-                 read_piece: int | None = None) -> None:
+                 read_piece: int | None = None, write_piece: int | None = None) -> None:
         import torch
 
         op = _load()
@@ -76,8 +78,10 @@ class DeepNVMe:
         self.handle = op.aio_handle(BLOCK, QUEUE_DEPTH, False, True, threads)
         self.piece = min(span, PIECE)
         self.read_piece = min(span, read_piece or PIECE)
-        self.buf = self.handle.new_cpu_locked_tensor(max(self.piece, self.read_piece),
-                                                     torch.empty(0, dtype=torch.uint8))
+        self.write_piece = min(span, write_piece or PIECE)
+        self.sync_each = write_piece is not None
+        self.buf = self.handle.new_cpu_locked_tensor(
+            max(self.piece, self.read_piece, self.write_piece), torch.empty(0, dtype=torch.uint8))
         self.buf.random_(0, 255)
 
     def close(self) -> None:
@@ -88,21 +92,22 @@ class DeepNVMe:
         ``offset``."""
         t0 = time.perf_counter()
         done = 0
-        piece = self.read_piece if op == "read" else self.piece
-        while done < span:
-            n = min(piece, span - done)
-            view = self.buf[:n]
-            if op == "read":
-                self.handle.async_pread(view, path, offset + done)
-            else:
-                self.handle.async_pwrite(view, path, offset + done)
-            if self.handle.wait() < 0:
-                raise OSError(f"DeepNVMe {op} of {path} failed")
-            done += n
-        if op == "write":
-            fd = os.open(path, os.O_RDWR)
-            try:
-                os.fsync(fd)
-            finally:
+        piece = self.read_piece if op == "read" else self.write_piece
+        fd = os.open(path, os.O_RDWR) if op == "write" else -1
+        try:
+            while done < span:
+                n = min(piece, span - done)
+                view = self.buf[:n]
+                if op == "read":
+                    self.handle.async_pread(view, path, offset + done)
+                else:
+                    self.handle.async_pwrite(view, path, offset + done)
+                if self.handle.wait() < 0:
+                    raise OSError(f"DeepNVMe {op} of {path} failed")
+                done += n
+                if fd >= 0 and (self.sync_each or done == span):
+                    os.fsync(fd)
+        finally:
+            if fd >= 0:
                 os.close(fd)
         return span / (time.perf_counter() - t0) / 1e9

@@ -14,7 +14,9 @@ bytes, where asked: a layer's experts are tens of MiB, and DeepNVMe then reads a
 call), into
 destinations made and touched before the clock starts and reused every round (as DeepNVMe
 reuses its page-locked buffer); writes are ``put_many`` from sources of each kind (one per
-entry, up to 256 MiB of them, reused) with its fsync and commit. Beside them, on the same
+entry, up to 256 MiB of them, reused) with its fsync and commit, all ``total`` bytes in one
+call (or ``write_call`` bytes a call, each durable, and DeepNVMe then fsyncs each call's
+write). Beside them, on the same
 slab file: DeepNVMe's ``aio_handle`` (1 MiB blocks, queue depth 32, intra-op parallelism 2)
 into its ``new_cpu_locked_tensor`` buffer, its writes ending with an fsync, and fio at queue
 depth 32 (io_uring where it runs). Every side runs once a round, in an order rotated every
@@ -96,15 +98,18 @@ def unavailable() -> str | None:
 
 def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                   kinds: list[str] | None = None, engine: str = "auto",
-                  paths: tuple[str, ...] = (), call: int = GROUP) -> list[dict[str, Any]]:
+                  paths: tuple[str, ...] = (), call: int = GROUP,
+                  write_call: int | None = None) -> list[dict[str, Any]]:
     """Rows of GB/s per (op, kind) for entries of ``block`` bytes through the store's
     ``engine``, each with DeepNVMe's and fio's medians from the same rounds (see the module
     docstring). With ``paths`` ("batch", "workers"), each kind is a side once per path,
     named ``kind [path]``, every batch sent that way (:data:`tierstore.landing.ROUTE`)
-    instead of by the store's rule. Reads ask for ``call`` bytes of entries at a time."""
+    instead of by the store's rule. Reads ask for ``call`` bytes of entries at a time,
+    writes put ``write_call`` (all of them where None)."""
     n = max(1, total // block)
     span = n * block
     count = max(1, min(n, call // block))
+    per_put = n if write_call is None else max(1, min(n, write_call // block))
     made = memory_kinds(block, count)
     kinds = [k for k in (kinds or list(made)) if k in made]
     route = {f"{k} [{p}]": (k, p) for k in kinds for p in paths} or {k: (k, None) for k in kinds}
@@ -117,7 +122,9 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
     names = [f"bench.kinds.{j}" for j in range(n)]
     path = os.path.join(root, f"kinds-{engine}-{block}")
     bs = min(block, CHUNK)
-    ceilings, closers = nvme_ceilings("fio", bs, threads, True, span, read_call=count * block)
+    ceilings, closers = nvme_ceilings(
+        "fio", bs, threads, True, span, read_call=count * block,
+        write_call=None if write_call is None else per_put * block)
     peers = {name: fn for name, fn in ceilings.items() if name != "fio psync"}
     runs: dict[str, dict[str, list[float]]] = {"read": {}, "write": {}}
     # CPU seconds per GB moved, of this process (the store, DeepNVMe's threads; fio runs in
@@ -142,9 +149,11 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
             def write(side: str) -> float:
                 kind, landing.ROUTE = route[side]
                 srcs = mem[kind]
+                items = [(name, srcs[j % count]) for j, name in enumerate(names)]
                 try:
                     t0 = time.perf_counter()
-                    st.put_many([(name, srcs[j % count]) for j, name in enumerate(names)])
+                    for i in range(0, n, per_put):
+                        st.put_many(items[i : i + per_put])
                     return span / (time.perf_counter() - t0) / 1e9
                 finally:
                     landing.ROUTE = None
@@ -200,6 +209,7 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
             rows.append({
                 "op": op, "kind": k, "path": route[k][1] or "auto", "engine": engine,
                 "block_bytes": block, "threads": threads, "read_call_bytes": count * block,
+                "write_call_bytes": per_put * block,
                 "total_bytes": span, "repeats": repeats, "engine_described": described,
                 "gbps": round(med[k], 3), "reference": ref,
                 "reference_gbps": round(med[ref], 3), "ratio": round(med[k] / med[ref], 3),
@@ -234,8 +244,9 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
         mine = [r for r in rows
                 if r["op"] == op and r["block_bytes"] == block and r["engine"] == engine]
         worst = min(mine, key=lambda r: r["ratio"])
-        calls = (f" in calls of {tierstore.format_size(worst['read_call_bytes'])}"
-                 if op == "read" else "")
+        call = worst[f"{op}_call_bytes"]
+        calls = (f" in calls of {tierstore.format_size(call)}"
+                 if call < worst["total_bytes"] else "")
         echo(f"{op:5} {tierstore.format_size(block):>9} {_engine(worst):16} worst: "
              f"{worst['kind']:{w}} "
              f"{worst['ratio']:5.2f}x {worst['reference']} ({worst['gbps']:.3f} / "
@@ -262,7 +273,8 @@ def _engine(row: dict[str, Any]) -> str:
 
 def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: int,
               progress: bool = True, engines: tuple[str, ...] = ("auto",),
-              paths: tuple[str, ...] = (), call: int = GROUP) -> list[dict[str, Any]]:
+              paths: tuple[str, ...] = (), call: int = GROUP,
+              write_call: int | None = None) -> list[dict[str, Any]]:
     """:func:`measure_kinds` at every size, through each of ``engines`` (and ``paths``)."""
     from tqdm import tqdm
 
@@ -271,5 +283,5 @@ def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: in
     for block, engine in tqdm(plan, desc="bench tiers: caller's memory",
                               disable=None if progress else True):
         rows += measure_kinds(root, block, threads, total, repeats, engine=engine,
-                              paths=paths, call=call)
+                              paths=paths, call=call, write_call=write_call)
     return rows

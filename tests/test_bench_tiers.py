@@ -175,17 +175,25 @@ def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
     from tierstore import landing
 
     monkeypatch.setattr(deepnvme, "unavailable", lambda: "not measured in this test")
-    # Reads ask for --read-call bytes of entries at a time.
+    # Reads ask for --read-call bytes of entries at a time, puts --write-call.
     asked: list[int] = []
-    get_many = tierstore.Store.get_many
+    put: list[int] = []
+    from tierstore.local import LocalStore
+
+    get_many, put_many = tierstore.Store.get_many, LocalStore.put_many
     monkeypatch.setattr(tierstore.Store, "get_many", lambda st, names, *a, **k: (
         asked.append(len(names)), get_many(st, names, *a, **k))[1])
+    monkeypatch.setattr(LocalStore, "put_many", lambda st, items, *a, **k: (
+        put.append(len(items)), put_many(st, items, *a, **k))[1])
     # The engine asked for (bench tiers --engines) is the one the rows measure.
     # Each kind once per path asked for (bench tiers --paths), the rule restored after.
     rows = run_kinds(str(tmp_path), [1 << 20], 2, 4 << 20, repeats=1, progress=False,
-                     engines=("posix-direct",), paths=("batch", "workers"), call=2 << 20)
+                     engines=("posix-direct",), paths=("batch", "workers"), call=2 << 20,
+                     write_call=1 << 20)
     assert asked and set(asked) == {2}
-    assert all(r["read_call_bytes"] == 2 << 20 for r in rows)
+    assert put[:2] == [4, 4] and set(put[2:]) == {1}  # after the untimed setup's puts
+    assert all(r["read_call_bytes"] == 2 << 20 and r["write_call_bytes"] == 1 << 20
+               for r in rows)
     kinds = {f"{k} [{p}]" for k in memory_kinds(1 << 20, 1) for p in ("batch", "workers")}
     assert landing.ROUTE is None
     for op in ("read", "write"):
