@@ -308,7 +308,7 @@ class WritePath(WriteJobs):
                     versions: list[int] | None = None) -> None:
         """Write ``batch`` (``copies``: whether each entry is staged; ``addrs``: its
         address) to fresh extents, appending each entry's record (its crc32c filled in as
-        its chunks land) to ``records``, each extent to ``taken``, and, for entries of one
+        its chunks are staged or sent) to ``records``, each extent to ``taken``, and, for entries of one
         chunk, the record's encoding to ``encoded`` (by position). With ``versions``, the
         batch holds tensors (and no metas) yet, each made bytes of that version as its group
         is placed (see :meth:`_converted_as_placed`), ``copies`` and ``addrs`` with it.
