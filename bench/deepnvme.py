@@ -63,10 +63,10 @@ def unavailable() -> str | None:
 
 
 class DeepNVMe:
-    """One ``aio_handle`` and a page-locked buffer of ``min(span, PIECE)`` bytes (or of
-    ``read_piece``, the bytes a read moves per call, where that is given and larger).
-    With ``write_piece``, writes go that many bytes a call, each call followed by an
-    fsync (a durable write per call, as a ``put_many`` is)."""
+    """One ``aio_handle`` and a page-locked buffer for its calls: reads move
+    ``read_piece`` bytes a call, writes ``write_piece`` (``min(span, PIECE)`` where not
+    given), each write call then followed by an fsync (durable per call, as a ``put_many``
+    is; else one fsync at the end)."""
 
     def __init__(self, span: int, threads: int = PARALLELISM,
                  read_piece: int | None = None, write_piece: int | None = None) -> None:
@@ -76,12 +76,11 @@ class DeepNVMe:
         if op is None:
             raise RuntimeError(_why)
         self.handle = op.aio_handle(BLOCK, QUEUE_DEPTH, False, True, threads)
-        self.piece = min(span, PIECE)
         self.read_piece = min(span, read_piece or PIECE)
         self.write_piece = min(span, write_piece or PIECE)
         self.sync_each = write_piece is not None
         self.buf = self.handle.new_cpu_locked_tensor(
-            max(self.piece, self.read_piece, self.write_piece), torch.empty(0, dtype=torch.uint8))
+            max(self.read_piece, self.write_piece), torch.empty(0, dtype=torch.uint8))
         self.buf.random_(0, 255)
 
     def close(self) -> None:

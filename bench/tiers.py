@@ -441,7 +441,7 @@ def run_tiers(
                 notes.append(f"DeepNVMe ceiling: not measured ({why})")
         if "nvme" in tiers or peer is not None:
             kind_rows = run_kinds(root, sizes, max(threads), total, repeats,
-                                  engines=engines, paths=paths, call=read_call,
+                                  engines=engines, paths=paths, read_call=read_call,
                                   write_call=write_call)
         if peer is not None:
             plan = []

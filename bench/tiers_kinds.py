@@ -9,14 +9,13 @@ memory (page-aligned; on a machine without CUDA the store's own page-aligned are
 code path) and, where CUDA is present, a device tensor. Each is a row.
 
 Setup, per entry size: one store (``host_cache=0``, the ``auto`` engine, ``io_threads``),
-``total`` bytes of entries. Reads are ``get_many(names, out=...)`` 256 MiB per call (``call``
-bytes, where asked: a layer's experts are tens of MiB, and DeepNVMe then reads as much per
-call), into
-destinations made and touched before the clock starts and reused every round (as DeepNVMe
-reuses its page-locked buffer); writes are ``put_many`` from sources of each kind (one per
-entry, up to 256 MiB of them, reused) with its fsync and commit, all ``total`` bytes in one
-call (or ``write_call`` bytes a call, each durable, and DeepNVMe then fsyncs each call's
-write). Beside them, on the same
+``total`` bytes of entries. Reads are ``get_many(names, out=...)`` 256 MiB per call
+(``read_call`` bytes, where asked: a layer's experts are tens of MiB, and DeepNVMe then
+reads as much per call), into destinations made and touched before the clock starts and
+reused every round (as DeepNVMe reuses its page-locked buffer); writes are ``put_many``
+from sources of each kind (one per entry, up to 256 MiB of them, reused) with its fsync and
+commit, all ``total`` bytes in one call (or ``write_call`` bytes a call, each durable, and
+DeepNVMe then fsyncs each call's write). Beside them, on the same
 slab file: DeepNVMe's ``aio_handle`` (1 MiB blocks, queue depth 32, intra-op parallelism 2)
 into its ``new_cpu_locked_tensor`` buffer, its writes ending with an fsync, and fio at queue
 depth 32 (io_uring where it runs). Every side runs once a round, in an order rotated every
@@ -98,17 +97,17 @@ def unavailable() -> str | None:
 
 def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                   kinds: list[str] | None = None, engine: str = "auto",
-                  paths: tuple[str, ...] = (), call: int = GROUP,
+                  paths: tuple[str, ...] = (), read_call: int = GROUP,
                   write_call: int | None = None) -> list[dict[str, Any]]:
     """Rows of GB/s per (op, kind) for entries of ``block`` bytes through the store's
     ``engine``, each with DeepNVMe's and fio's medians from the same rounds (see the module
     docstring). With ``paths`` ("batch", "workers"), each kind is a side once per path,
     named ``kind [path]``, every batch sent that way (:data:`tierstore.landing.ROUTE`)
-    instead of by the store's rule. Reads ask for ``call`` bytes of entries at a time,
+    instead of by the store's rule. Reads ask for ``read_call`` bytes of entries at a time,
     writes put ``write_call`` (all of them where None)."""
     n = max(1, total // block)
     span = n * block
-    count = max(1, min(n, call // block))
+    count = max(1, min(n, read_call // block))
     per_put = n if write_call is None else max(1, min(n, write_call // block))
     made = memory_kinds(block, count)
     kinds = [k for k in (kinds or list(made)) if k in made]
@@ -273,7 +272,7 @@ def _engine(row: dict[str, Any]) -> str:
 
 def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: int,
               progress: bool = True, engines: tuple[str, ...] = ("auto",),
-              paths: tuple[str, ...] = (), call: int = GROUP,
+              paths: tuple[str, ...] = (), read_call: int = GROUP,
               write_call: int | None = None) -> list[dict[str, Any]]:
     """:func:`measure_kinds` at every size, through each of ``engines`` (and ``paths``)."""
     from tqdm import tqdm
@@ -283,5 +282,5 @@ def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: in
     for block, engine in tqdm(plan, desc="bench tiers: caller's memory",
                               disable=None if progress else True):
         rows += measure_kinds(root, block, threads, total, repeats, engine=engine,
-                              paths=paths, call=call, write_call=write_call)
+                              paths=paths, read_call=read_call, write_call=write_call)
     return rows

@@ -188,7 +188,7 @@ def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
     # The engine asked for (bench tiers --engines) is the one the rows measure.
     # Each kind once per path asked for (bench tiers --paths), the rule restored after.
     rows = run_kinds(str(tmp_path), [1 << 20], 2, 4 << 20, repeats=1, progress=False,
-                     engines=("posix-direct",), paths=("batch", "workers"), call=2 << 20,
+                     engines=("posix-direct",), paths=("batch", "workers"), read_call=2 << 20,
                      write_call=1 << 20)
     assert asked and set(asked) == {2}
     assert put[:2] == [4, 4] and set(put[2:]) == {1}  # after the untimed setup's puts
