@@ -430,7 +430,16 @@ class AioEngine(PosixEngine):
             limit = window
             if total is not None and count >= total:
                 limit = min(window, (held + early_bytes) // 2)
-            while failure is None and free and (held < limit or not busy) and (early or make()):
+            # A request made now, not ahead (the producer fell behind: a writer staging
+            # memory, the batch's start) goes at once, alone, while the next is made: a
+            # window made and sent together held each staged request back until the last
+            # was copied. Puts of 32 MiB of 4 MiB torch.empty tensors: their second to
+            # fourth requests 1.1 ms earlier. Requests made ahead go together.
+            fresh = False
+            while failure is None and free and (held < limit or not busy):
+                fresh = not early
+                if fresh and not make():
+                    break
                 index, req = early.popleft()
                 early_bytes -= req[2]
                 slot = free.pop()
@@ -439,7 +448,7 @@ class AioEngine(PosixEngine):
                 fill(slot, req, 0)
                 ptrs[n] = slot_addr[slot]
                 n += 1
-                if solo:
+                if solo or fresh:
                     break
             sent = 0
             while sent < n:
@@ -479,7 +488,7 @@ class AioEngine(PosixEngine):
                         halted = True
                         fail(exc, index)
             finished.clear()
-            if solo and sent:
+            if (solo or fresh) and sent:
                 continue  # the rest of the window, made and sent before any reaping
             # The next window's requests made now, while this one is in flight, not once it
             # has landed: a disk that completes a window at once (the development VM's)

@@ -312,11 +312,11 @@ def test_failed_batch_leaves_no_write_in_flight(make_store, monkeypatch) -> None
 def test_small_entries_written_a_group_a_job_fail_and_succeed_whole(make_store,
                                                                    monkeypatch) -> None:
     """Without a batching engine (PMem, POSIX) a worker writes several small entries'
-    chunks as one job (``writes.GROUP_BYTES``). A batch of empty, unaligned, one-page,
+    chunks as one job (``write_jobs.GROUP_BYTES``). A batch of empty, unaligned, one-page,
     one-chunk and many-chunk entries reads back whole, in fewer jobs than chunks there; a
     write failing in the middle of a job fails the batch with nothing of it committed and
     every extent it took free again, and the store goes on."""
-    from tierstore import writes
+    from tierstore import write_jobs
 
     st = make_store(host_cache=0, io_threads=1, chunk_size="64KiB")
     gen = torch.Generator().manual_seed(5)
@@ -362,7 +362,7 @@ def test_small_entries_written_a_group_a_job_fail_and_succeed_whole(make_store,
         st.put_many(new)
         assert all(torch.equal(st.get(k), v) for k, v in new.items())
     assert st.fsck().ok
-    assert writes.GROUP_BYTES >= 64 << 10  # a job holds one chunk at least
+    assert write_jobs.GROUP_BYTES >= 64 << 10  # a job holds one chunk at least
 
 
 def test_requires_grad_tensor_is_stored_detached(store) -> None:

@@ -18,6 +18,7 @@ tensor goes like this (:class:`Target`):
 from __future__ import annotations
 
 import bisect
+import functools
 from typing import NamedTuple
 
 import crc32c
@@ -221,3 +222,45 @@ def land(t: Target, start: int, piece: np.ndarray, crc: int) -> int:
     # Synchronous, so the bounce buffer may be reused once this returns.
     dst[start : start + piece.nbytes].copy_(torch.from_numpy(piece))
     return crc
+
+
+# crc32c's polynomial (Castagnoli), bit-reflected as the checksum's register holds it.
+_POLY = 0x82F63B78
+
+
+def _times(mat: tuple[int, ...], vec: int) -> int:
+    out, row = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[row]
+        vec >>= 1
+        row += 1
+    return out
+
+
+@functools.cache
+def _zeros(k: int) -> tuple[int, ...]:
+    """The map, on a crc32c, of appending ``2**k`` zero bytes to the message."""
+    if k:
+        mat, squarings = _zeros(k - 1), 1
+    else:  # one zero bit, squared three times: one byte
+        mat, squarings = (_POLY, *(1 << n for n in range(31))), 3
+    for _ in range(squarings):
+        mat = tuple(_times(mat, col) for col in mat)
+    return mat
+
+
+def crc_join(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The crc32c of ``a + b`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)``, as zlib's
+    ``crc32_combine`` joins its own: appending bytes to a message is a linear map of its
+    checksum over GF(2), so ``a``'s is carried past ``len(b)`` zero bytes (a 32x32 bit
+    matrix per set bit of the length, squared out once and kept) and xored with ``b``'s.
+    A few microseconds, whatever the lengths: a chunk staged in parts by different
+    workers gets its checksum without a second pass over its bytes."""
+    k = 0
+    while len_b:
+        if len_b & 1:
+            crc_a = _times(_zeros(k), crc_a)
+        len_b >>= 1
+        k += 1
+    return crc_a ^ crc_b

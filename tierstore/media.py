@@ -130,6 +130,40 @@ def adjacent_runs(work: list[Chunk], extents: list[tuple[int, int]], limit: int,
     return runs
 
 
+def ramped(work: list[Chunk], before: int, first: int, limit: int,
+           split: list[bool]) -> tuple[list[Chunk], list[int]]:
+    """A batch's first requests ramped up to ``limit`` bytes: ``work`` (its chunks after
+    its first ``before`` bytes) and the positions in it where a request ends, so that the
+    batch's requests are ``first``, ``2 * first``, ``4 * first``... bytes while under
+    ``limit``. A chunk of an entry ``split`` marks is cut in two where such a request ends
+    inside it; any other ends its request after it."""
+    ends: list[int] = []  # where in the batch's bytes each ramped request ends
+    size = at = first
+    while size < limit:
+        ends.append(at)
+        size *= 2
+        at += size
+    ends = [e for e in ends if e > before]
+    if not ends:
+        return work, []
+    out: list[Chunk] = []
+    cuts: list[int] = []
+    pos = before
+    for i, start, end in work:
+        while ends and ends[0] < pos + end - start and split[i]:
+            cut = start + ends.pop(0) - pos
+            out.append((i, start, cut))
+            cuts.append(len(out))
+            pos, start = pos + cut - start, cut
+        out.append((i, start, end))
+        pos += end - start
+        if ends and ends[0] <= pos:
+            cuts.append(len(out))
+            while ends and ends[0] <= pos:
+                ends.pop(0)
+    return out, cuts
+
+
 def joined(pieces: list[tuple[int, int]]) -> int | tuple[tuple[int, int], ...]:
     """A request's buffer from its ``(address, length)`` pieces: one address where they
     are contiguous in memory, else the pieces of a vectored request."""

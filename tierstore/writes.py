@@ -15,7 +15,6 @@ delete (a tombstone) is dropped, whatever order commits land in.
 from __future__ import annotations
 
 import collections
-import errno
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -28,16 +27,15 @@ from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, BatchError, EngineClo
 from .catalog import Record, entry_key
 from .collector import paused
 from .commits import AHEAD_MIN_ENTRIES, COMMIT_AHEAD_BYTES, Committer, commit_records
-from .errors import EntryNotFoundError, StoreClosedError, StoreFullError
+from .errors import EntryNotFoundError, StoreClosedError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
-from .landing import copy_checked, direct_end, staged
-from .media import adjacent_runs, align_up, joined
+from .landing import copy_checked, crc_join, direct_end, staged
+from .media import adjacent_runs, align_up, joined, ramped
 from .ordered import InOrder, usable_cores
 from .tensors import as_bytes, dtype_name
 from .write_jobs import WriteJobs
 
-_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # A flush commits dirty entries in batches of about this many bytes, each its own commit:
 # copy-on-write needs room for a batch's new bytes before its commit frees the old ones, so
 # on a nearly full disk a flush still makes progress (and freeing space lets it finish).
@@ -45,6 +43,18 @@ FLUSH_BATCH_BYTES = 256 << 20
 STAGE_AHEAD_BYTES = 2 * DEFAULT_WINDOW  # why two windows: nvme/aio.py, DEFAULT_WINDOW
 # A batch's extents are placed this many chunks' worth at a time (see _run_writes).
 PLACE_AHEAD_CHUNKS = 4
+# A batch's head ramps up: its first group of entries is placed, and its first request is
+# staged, this many bytes' worth, each next one twice the last (up to PLACE_AHEAD_CHUNKS
+# chunks, and a chunk a request). The disk waits for the first request, and a put that fits
+# in the engine's window (a layer's experts) waited for all of it: a staged request of a
+# chunk (8 MiB) is copied in about 1.1 ms on the development VM, and placing 128 entries
+# took 0.8 ms, before the first byte went. Durable puts of 32 MiB, 7 alternated rounds
+# beside DeepNVMe writing 32 MiB and fsyncing a call, with the engine sending each staged
+# request as it is made (nvme/aio.py) and one staging lane (below): from torch.empty
+# tensors 0.81 -> 1.11 of its rate (256 KiB entries), 0.86 -> 1.05 (1 MiB), 0.84 -> 1.07
+# (4 MiB), 0.87 -> 1.01 (16 MiB); from slices of one buffer 1.05 -> 1.10, 1.09 -> 1.16,
+# 1.20 and 1.22 even.
+FIRST_REQUEST_BYTES = 1 << 20
 # A batch made bytes as it is placed (see WritePath._converted_as_placed) whose memory needs
 # staging, with entries under this size on average, has the rest made bytes at once when the
 # first such group is met. Its flight is bound by per-entry work (the copies, then Python)
@@ -54,13 +64,6 @@ PLACE_AHEAD_CHUNKS = 4
 # 3.78 -> 3.37 and pinned 3.34 -> 3.06; 256 KiB 4.62 -> 4.84 and 4.86 -> 4.94, pinned
 # 4.80 -> 5.01 and 4.81 -> 4.91; 512 KiB and 1 MiB even.
 STAGED_AS_PLACED_MIN = 256 << 10
-# Without a batching engine (PMem, the POSIX engines), a worker writes the chunks of small
-# entries up to this many bytes as one job: a 256 KiB chunk handed to a worker and waited for
-# cost about as much as copying it to PMem. 1 GiB of 256 KiB entries, alternated: PMem
-# 2.42-2.67 -> 2.79-2.92 GB/s with 8 I/O threads, POSIX O_DIRECT 2.03-2.13 -> 2.22-2.27 with
-# 1 and 3.38-3.52 -> 3.65-3.67 with 8. Jobs of 4 MiB did better on POSIX (2.47, 3.81) and
-# worse on PMem with 8 threads (1.84-1.91), not understood yet.
-GROUP_BYTES = 1 << 20
 
 
 class WritePath(WriteJobs):
@@ -210,52 +213,15 @@ class WritePath(WriteJobs):
         self._write_through([(n, k, view.numpy(), meta) for (n, k), view, meta in items])
 
     def _write_through(self, batch: list[tuple[str, str, np.ndarray, Meta]]) -> None:
-        """Copy-on-write: fresh extents, parallel chunk writes (a job of several small
-        entries' chunks, see ``GROUP_BYTES``), sync, then one commit. On the AIO engine,
-        one batch (:meth:`_write_batched`), unless the benchmark sends it to the workers."""
+        """Copy-on-write: fresh extents, the chunks written, sync, then one commit. On the
+        AIO engine one batch (:meth:`_write_batched`), unless the benchmark sends it to the
+        workers; else jobs for the chunk workers (:meth:`_write_on_workers`)."""
         # Each source's address and whether it is staged, once.
         addrs = [address(src) for _, _, src, _ in batch]
         copies = staged(addrs, [src.nbytes for _, _, src, _ in batch])
         if self._batched():
             return self._write_batched(batch, copies, addrs)
-        taken: list[tuple[int, int, int]] = []
-        records: list[tuple[str, str, Record]] = []
-        jobs: list[tuple[list[tuple[np.ndarray, Record, int, bool]], Future[list[int]]]] = []
-        # A job per worker at least, where the batch has that many chunks.
-        workers = 2 * self._io_threads
-        limit = min(GROUP_BYTES, -(-sum(src.nbytes for _, _, src, _ in batch) // workers))
-        group: list[tuple[np.ndarray, Record, int, bool]] = []  # the next job's chunks
-        size = 0
-
-        def send() -> None:
-            nonlocal group, size
-            if group:
-                chunks = group
-                jobs.append((chunks, self._workers.submit(self._write_group, chunks)))
-            group, size = [], 0
-
-        try:
-            placed = self._placed([(src, meta) for _, _, src, meta in batch], taken)
-            for (name, k, src, _), rec, copy in zip(batch, placed, copies):
-                records.append((name, k, rec))
-                for start in range(0, rec.length, self._chunk):
-                    group.append((src, rec, start, copy))
-                    size += min(self._chunk, rec.length - start)
-                    if size >= limit:
-                        send()
-            send()
-            for chunks, job in jobs:
-                for (_, rec, start, _), crc in zip(chunks, job.result()):
-                    rec.crc[start // self._chunk] = crc
-            self._medium.sync({seg for seg, _, length in taken if length})
-            freed = self._catalog.write(
-                lambda txn: commit_records(self._catalog, self._tombstones, txn, records))
-        except BaseException as e:
-            # A write still in flight must land before its extent can be handed out again.
-            wait([job for _, job in jobs])
-            self._write_failed(taken, e)
-            raise
-        self._written(freed, records)
+        self._write_on_workers(batch, copies)
 
     def _write_batched(self, batch: list[tuple[str, str, Any, Any]],
                        copies: list[bool] | None = None, addrs: list[int] | None = None,
@@ -286,21 +252,6 @@ class WritePath(WriteJobs):
             raise
         self._written(freed, records)
 
-    def _write_failed(self, taken: list[tuple[int, int, int]], e: BaseException) -> None:
-        """A write-through failed with nothing in flight: its extents go back; a full disk
-        becomes :class:`StoreFullError`."""
-        self._alloc.release(taken)
-        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
-            raise StoreFullError(f"no space to write to {self.path}: {e}") from e
-
-    def _written(self, freed: list[tuple[int, int, int]],
-                 records: list[tuple[str, str, Record]]) -> None:
-        """A write-through committed: the extents it replaced go back, and it is counted."""
-        self._alloc.release(freed)
-        with self._stats_lock:
-            self._tier.writes += len(records)
-            self._tier.bytes_written += sum(r.nbytes for _, _, r in records)
-
     def _run_writes(self, batch: list[tuple[str, str, Any, Any]], copies: list[bool] | None,
                     addrs: list[int] | None, records: list[tuple[str, str, Record]],
                     taken: list[tuple[int, int, int]], encoded: dict[int, bytes],
@@ -314,13 +265,16 @@ class WritePath(WriteJobs):
         is placed (see :meth:`_converted_as_placed`), ``copies`` and ``addrs`` with it.
 
         The engine takes the requests in order as its queue has room. Entries are placed a
-        group of about ``PLACE_AHEAD_CHUNKS`` chunks at a time, as the engine asks for more
-        requests: the Python cost of placing a batch of small entries (a record and an
-        allocation each) is paid while the first ones are in flight, not before. Chunks that
+        group of about ``PLACE_AHEAD_CHUNKS`` chunks at a time (the first groups, and a
+        staged batch's first requests, smaller: ``FIRST_REQUEST_BYTES``), as the engine
+        asks for more requests: the Python cost of placing a batch of small entries (a
+        record and an allocation each) is paid while the first ones are in flight, not
+        before. Chunks that
         follow each other on disk (small entries given fresh extents one after another) are
         one request of up to a chunk's bytes: a put of 256 KiB entries costs what a few large
         ones do. Where the source is not aligned, the chunk workers copy it into an aligned
-        buffer a few requests ahead of submission, taking its crc32c as they copy. An
+        buffer a few requests ahead of submission (the first request: the calling thread),
+        taking its crc32c as they copy. An
         aligned chunk is written from the source itself, and its crc32c is taken by a
         worker beside its transfer, handed over as its request is made (both release the
         GIL, so they use every core): submission never waits for a checksum, and the disk
@@ -357,9 +311,11 @@ class WritePath(WriteJobs):
             entry is placed. A request never spans two groups: a group is several chunks,
             so that costs at most one short request per group."""
             i = first_entry = len(records)
-            first, budget = len(work), PLACE_AHEAD_CHUNKS * chunk
+            first = len(work)
+            budget = min(PLACE_AHEAD_CHUNKS * chunk, FIRST_REQUEST_BYTES << len(groups))
             if i == len(batch):
                 return False
+            groups.append(first)
             while i < len(batch) and (budget > 0 or i == first_entry):  # one entry at least
                 budget -= align_up(batch[i][2].nbytes)
                 i += 1
@@ -382,11 +338,22 @@ class WritePath(WriteJobs):
                     work.append((j, 0, length))
                 records.append((batch[j][0], batch[j][1], rec))
                 extents.append((rec.seg, rec.off))
-            for a, b in adjacent_runs(work[first:], extents, chunk, MAX_PIECES):
-                runs.append((first + a, first + b))
-                sizes.append(sum(work[n][2] - work[n][1] for n in range(first + a, first + b)))
-                j, _, end = work[first + b - 1]
-                bounds.append(j + 1 if end == records[j][2].length else j)
+            ends = [len(work) - first]
+            if any(copies[first_entry:i]):  # type: ignore[index]
+                # See FIRST_REQUEST_BYTES; a staged chunk cut in two is joined in ``parts``.
+                work[first:], cuts = ramped(work[first:], sum(sizes), FIRST_REQUEST_BYTES,
+                                            chunk, copies)  # type: ignore[arg-type]
+                ends = [*cuts, len(work) - first]
+            lo = 0
+            for hi in ends:
+                for a, b in adjacent_runs(work[first + lo : first + hi], extents, chunk,
+                                          MAX_PIECES):
+                    runs.append((first + lo + a, first + lo + b))
+                    sizes.append(sum(work[n][2] - work[n][1]
+                                     for n in range(first + lo + a, first + lo + b)))
+                    j, _, end = work[first + lo + b - 1]
+                    bounds.append(j + 1 if end == records[j][2].length else j)
+                lo = hi
             # With one extent for the batch (see tierstore.placing), placing never commits,
             # so the commit may begin before the last group, COMMIT_AHEAD_BYTES before it;
             # unless the first group's memory needs staging, where the committer working
@@ -409,12 +376,20 @@ class WritePath(WriteJobs):
         span_end = taken[-1][1] + taken[-1][2] if span is not None else 0
         begun: list[bool] = []
         early: list[bool] = []  # whether the commit may begin before every entry is placed
+        groups: list[int] = []  # each group's first chunk in ``work``, as it is placed
+        parts: dict[int, int] = {}  # the crc32c of each part of a chunk cut in two (ramped)
 
         # Staged ahead: up to a request per chunk worker and STAGE_AHEAD_BYTES (with the
         # engine's window in flight, within the staging pool's idle buffers for full chunks),
-        # copied in order, one request per core at a time (tierstore.ordered).
+        # copied in order, one request per core at a time (tierstore.ordered), a core left
+        # to the thread that sends them. The copies are bound by memory, not by cores: on
+        # the development VM's two, one copies a chunk in 1.1 ms alone and two took 3.4 ms
+        # for a chunk each; and the engine's thread, waiting for the oldest, got the GIL
+        # back 1-2 ms after it was copied, between the other copier's steps. Durable puts
+        # of 32 MiB from torch.empty tensors, alternated: 0.68 -> 0.77 of DeepNVMe's rate
+        # (256 KiB entries), 0.78 -> 0.90 (4 MiB).
         ahead = 2 * self._io_threads
-        staging = InOrder(self._workers, min(ahead, usable_cores()))
+        staging = InOrder(self._workers, min(ahead, max(1, usable_cores() - 1)))
         pending: collections.deque[Future[tuple[list[int], Any, Any]]] = collections.deque()
         held: dict[int, Any] = {}  # staging buffers of requests in flight
         checks: list[Future[None]] = []  # the aligned chunks' checksums
@@ -438,6 +413,9 @@ class WritePath(WriteJobs):
                     cut, place = into[m]
                     crc = crc32c.crc32c(src[: cut - start]) if cut > start else 0
                     crc = copy_checked(place, src[cut - start :], crc)
+                if start % chunk or end < min(start + chunk, rec.length):
+                    parts[n] = crc  # a part of a chunk (see ramped): joined in join_parts
+                    continue
                 rec.crc[start // chunk] = crc
                 if rec.length <= chunk:
                     # Its one checksum is in: the commit's encoding of a small entry's
@@ -480,6 +458,26 @@ class WritePath(WriteJobs):
                 checksum([n for n, _ in copy], places)
             return direct, staged, joined([p for chunk_pieces in pieces for p in chunk_pieces])
 
+        def join_parts(m: int) -> None:
+            """The checksums of the chunks cut in parts whose last part is request ``m``'s,
+            joined; the parts were staged by it and the requests before it."""
+            first, last = runs[m]
+            for n in range(first, last):
+                i, start, end = work[n]
+                rec = records[i][2]
+                if n not in parts or end < min(start - start % chunk + chunk, rec.length):
+                    continue
+                base = start - start % chunk
+                crc, k = 0, n
+                while k > 0 and work[k - 1][0] == i and work[k - 1][1] >= base and k - 1 in parts:
+                    k -= 1
+                for p in range(k, n + 1):
+                    _, s0, e0 = work[p]
+                    crc = crc_join(crc, parts.pop(p), max(0, min(e0, rec.nbytes) - s0))
+                rec.crc[base // chunk] = crc
+                if rec.length <= chunk:
+                    encoded[i] = rec.encode()
+
         # Requests queued for staging, their bytes not yet sent, and the next one to send.
         line = [0, 0, 0]
 
@@ -500,7 +498,14 @@ class WritePath(WriteJobs):
                     if (queued > m and not may_place) or not place():
                         break
                     continue  # a group of empty entries plans no request
-                pending.append(staging.submit(stage, queued))
+                if queued:
+                    pending.append(staging.submit(stage, queued))
+                else:
+                    # The first request is staged here, alone and at once: beside the
+                    # next ones it shared the memory's bandwidth (see the lanes above).
+                    done: Future[tuple[list[int], Any, Any]] = Future()
+                    done.set_result(stage(0))
+                    pending.append(done)
                 ahead_bytes += sizes[queued]
                 queued += 1
             line[0], line[1] = queued, ahead_bytes
@@ -516,6 +521,8 @@ class WritePath(WriteJobs):
                 line[1] -= nbytes
                 at[0] = m
                 direct, staged, buf = pending.popleft().result()
+                if parts:
+                    join_parts(m)
                 if direct:
                     checks.append(self._workers.submit(checksum, direct))
                     if committer is not None:
