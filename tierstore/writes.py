@@ -312,10 +312,10 @@ class WritePath(WriteJobs):
             so that costs at most one short request per group."""
             i = first_entry = len(records)
             first = len(work)
-            budget = min(PLACE_AHEAD_CHUNKS * chunk, FIRST_REQUEST_BYTES << len(groups))
+            budget = min(PLACE_AHEAD_CHUNKS * chunk, FIRST_REQUEST_BYTES << groups[0])
             if i == len(batch):
                 return False
-            groups.append(first)
+            groups[0] += 1
             while i < len(batch) and (budget > 0 or i == first_entry):  # one entry at least
                 budget -= align_up(batch[i][2].nbytes)
                 i += 1
@@ -376,7 +376,7 @@ class WritePath(WriteJobs):
         span_end = taken[-1][1] + taken[-1][2] if span is not None else 0
         begun: list[bool] = []
         early: list[bool] = []  # whether the commit may begin before every entry is placed
-        groups: list[int] = []  # each group's first chunk in ``work``, as it is placed
+        groups = [0]  # how many groups are placed
         parts: dict[int, int] = {}  # the crc32c of each part of a chunk cut in two (ramped)
 
         # Staged ahead: up to a request per chunk worker and STAGE_AHEAD_BYTES (with the
@@ -399,6 +399,10 @@ class WritePath(WriteJobs):
             if staged is not None and staged[0] is not None:
                 self._staging.give(staged[0])  # a chunk-sized buffer back to its pool
 
+        def chunk_end(at: int, length: int) -> int:
+            """Where the chunk holding byte ``at`` of an extent of ``length`` ends."""
+            return min(at - at % chunk + chunk, length)
+
         def checksum(chunks: list[int], into: Any = None) -> None:
             """Each chunk's crc32c; with ``into`` (each chunk's first staged byte and its
             staging place, in order), the staged bytes' taken as they are copied there
@@ -413,7 +417,7 @@ class WritePath(WriteJobs):
                     cut, place = into[m]
                     crc = crc32c.crc32c(src[: cut - start]) if cut > start else 0
                     crc = copy_checked(place, src[cut - start :], crc)
-                if start % chunk or end < min(start + chunk, rec.length):
+                if start % chunk or end < chunk_end(start, rec.length):
                     parts[n] = crc  # a part of a chunk (see ramped): joined in join_parts
                     continue
                 rec.crc[start // chunk] = crc
@@ -465,7 +469,7 @@ class WritePath(WriteJobs):
             for n in range(first, last):
                 i, start, end = work[n]
                 rec = records[i][2]
-                if n not in parts or end < min(start - start % chunk + chunk, rec.length):
+                if n not in parts or end < chunk_end(start, rec.length):
                     continue
                 base = start - start % chunk
                 crc, k = 0, n
