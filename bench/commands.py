@@ -172,11 +172,16 @@ def bench() -> None:
               help="The caller's-memory rows: bytes of entries one put_many writes, each "
                    "durable, and DeepNVMe one write followed by an fsync (default: all of "
                    "--total in one put_many, DeepNVMe's pieces with one fsync at the end).")
+@click.option("--kinds", type=CommaList(click.STRING, name="kind"),
+              help="The caller's-memory rows: which kinds of memory, comma-separated "
+                   "(default: torch.empty, read_buffer each, slices of one, slices at +100, "
+                   "pinned, and cuda where CUDA is present). Also 'slices at +512': aligned "
+                   "as O_DIRECT needs on a virtio disk, not to a page.")
 def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list[int],
                 total: int, tiers: list[str], engines: list[str], pmem_dir: str | None,
                 repeats: int, json_out: str | None, plot_out: str | None,
                 peer: str | None, paths: list[str], read_call: int,
-                write_call: int | None) -> None:
+                write_call: int | None, kinds: list[str] | None) -> None:
     """Tier bandwidth (GB/s) and latency (p50/p99), each beside its ceiling from the same
     run: NVMe through the store's engines against fio (psync, and io_uring at queue depth 32)
     and DeepNVMe on the same file with the same request size and O_DIRECT flag (NVMe writes
@@ -194,7 +199,7 @@ def bench_tiers(store: str | None, quick: bool, blocks: list[int], threads: list
                            tiers=tuple(tiers), pmem_dir=pmem_dir,
                            plot_out=plot_out, repeats=repeats, echo=click.echo,
                            peer=peer, paths=tuple(paths or ()), read_call=read_call,
-                           write_call=write_call))
+                           write_call=write_call, kinds=kinds or None))
 
 
 @bench.command(name="cache")

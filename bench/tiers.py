@@ -390,13 +390,16 @@ def run_tiers(
     paths: tuple[str, ...] = (),
     read_call: int = 256 << 20,
     write_call: int | None = None,
+    kinds: list[str] | None = None,
 ) -> int:
     """Measure the chosen tiers at every entry size (and thread count, for the NVMe and
     PMem tiers); print a table, and write JSON and a plot if asked. The NVMe tier also
     reads into and writes from each kind of caller's memory beside DeepNVMe
     (:mod:`bench.tiers_kinds`), printed first, worst kind first; ``peer="deepnvme"``
     measures only that, and refuses to run without DeepNVMe. Those rows read ``read_call``
-    bytes a call, and write ``write_call`` (all in one call where None)."""
+    bytes a call, and write ``write_call`` (all in one call where None), of the memory
+    ``kinds`` named (:func:`bench.tiers_kinds.memory_kinds`; all but its
+    ``EXTRA_KINDS`` where None)."""
     from .tiers_kinds import report_kinds, run_kinds, unavailable
 
     if peer == "deepnvme" and (why := unavailable()) is not None:
@@ -442,7 +445,7 @@ def run_tiers(
         if "nvme" in tiers or peer is not None:
             kind_rows = run_kinds(root, sizes, max(threads), total, repeats,
                                   engines=engines, paths=paths, read_call=read_call,
-                                  write_call=write_call)
+                                  write_call=write_call, kinds=kinds)
         if peer is not None:
             plan = []
         for tier, engine, block, t in tqdm(plan, desc="bench tiers", disable=None):

@@ -43,6 +43,7 @@ import torch
 
 import tierstore
 from tierstore import landing
+from tierstore.errors import StoreError
 
 from .ceilings import nvme_ceilings
 from .tiers import CHUNK, drop_page_cache
@@ -77,11 +78,17 @@ def memory_kinds(block: int, count: int) -> dict[str, Callable[[], list[torch.Te
         "slices of one": lambda: sliced(0),
         "slices at +100": lambda: sliced(100),
         "pinned": lambda: [_pinned(block) for _ in range(count)],
+        # Not a default kind: aligned as O_DIRECT needs on a virtio disk, not to a page.
+        "slices at +512": lambda: sliced(512),
     }
     if torch.cuda.is_available():
         kinds["cuda"] = lambda: [torch.empty(block, dtype=torch.uint8, device="cuda")
                                  for _ in range(count)]
     return kinds
+
+
+# Kinds a run measures only when named (``bench tiers --kinds``).
+EXTRA_KINDS = ("slices at +512",)
 
 
 def unavailable() -> str | None:
@@ -110,7 +117,7 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
     count = max(1, min(n, read_call // block))
     per_put = n if write_call is None else max(1, min(n, write_call // block))
     made = memory_kinds(block, count)
-    kinds = [k for k in (kinds or list(made)) if k in made]
+    kinds = [k for k in (kinds or [k for k in made if k not in EXTRA_KINDS]) if k in made]
     route = {f"{k} [{p}]": (k, p) for k in kinds for p in paths} or {k: (k, None) for k in kinds}
     data = torch.randint(0, 255, (block,), dtype=torch.uint8)
     mem: dict[str, list[torch.Tensor]] = {}
@@ -273,14 +280,24 @@ def _engine(row: dict[str, Any]) -> str:
 def run_kinds(root: str, sizes: list[int], threads: int, total: int, repeats: int,
               progress: bool = True, engines: tuple[str, ...] = ("auto",),
               paths: tuple[str, ...] = (), read_call: int = GROUP,
-              write_call: int | None = None) -> list[dict[str, Any]]:
-    """:func:`measure_kinds` at every size, through each of ``engines`` (and ``paths``)."""
+              write_call: int | None = None,
+              kinds: list[str] | None = None) -> list[dict[str, Any]]:
+    """:func:`measure_kinds` at every size, through each of ``engines`` (and ``paths``),
+    of ``kinds`` (all but :data:`EXTRA_KINDS` where None); a kind this machine does not
+    have is refused before anything runs."""
     from tqdm import tqdm
+
+    known = list(memory_kinds(1, 1))
+    missing = [k for k in kinds or () if k not in known]
+    if missing:
+        raise StoreError(f"no kind of memory {missing[0]!r} here; the kinds: "
+                         f"{', '.join(known)}")
 
     rows: list[dict[str, Any]] = []
     plan = [(block, e) for block in sizes for e in engines]
     for block, engine in tqdm(plan, desc="bench tiers: caller's memory",
                               disable=None if progress else True):
-        rows += measure_kinds(root, block, threads, total, repeats, engine=engine,
-                              paths=paths, read_call=read_call, write_call=write_call)
+        rows += measure_kinds(root, block, threads, total, repeats, kinds=kinds,
+                              engine=engine, paths=paths, read_call=read_call,
+                              write_call=write_call)
     return rows

@@ -39,7 +39,15 @@ from typing import Any
 
 import numpy as np
 
-from .engines import FileHandle, PosixEngine, _full_preadv, _full_pwritev, _open_fd
+from .buffers import ALIGNMENT
+from .engines import (
+    FileHandle,
+    PosixEngine,
+    _full_preadv,
+    _full_pwritev,
+    _open_fd,
+    dio_alignment,
+)
 from .libaio import (
     IOCB_CMD_PREAD,
     IOCB_CMD_PREADV,
@@ -164,7 +172,7 @@ class AioEngine(PosixEngine):
         if not direct:
             with self._lock:
                 self._refused.add(path)
-        return FileHandle(path, fd, direct)
+        return FileHandle(path, fd, direct, align=dio_alignment(fd) if direct else ALIGNMENT)
 
     # The single-request forms (read, write, pread, pwrite) are the inherited ``preadv``/
     # ``pwritev``: one request gains nothing from a queue, and the chunk workers issue

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
+from .buffers import ALIGNMENT
 from .engines import FileHandle, PosixEngine, make_engine
 
 SLAB_DIR = "slabs"
@@ -85,6 +86,7 @@ class SlabMedium:
         # file) while the rest of the store stays usable, so what survives can be got out.
         self._missing: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._align = ALIGNMENT  # see memory_alignment
         os.makedirs(os.path.join(self.root, SLAB_DIR), exist_ok=True)
         # New slabs go into this directory wherever the store is moved while open (a store
         # renamed under its daemon keeps growing), as the catalog's copies do.
@@ -94,6 +96,18 @@ class SlabMedium:
     def describe(self) -> str:
         return self.engine.describe()
 
+    @property
+    def memory_alignment(self) -> int:
+        """The alignment of host memory that its slabs' I/O moves bytes into or out of
+        directly: the most any slab file needs (:func:`~tierstore.nvme.engines.dio_alignment`;
+        one directory, so one filesystem and device). A page before the first slab."""
+        return self._align
+
+    def _opened(self, seg: int, fh: FileHandle) -> None:
+        with self._lock:
+            self._files[seg] = fh
+            self._align = max(f.align for f in self._files.values())
+
     def _abspath(self, rel: str) -> str:
         return rel if os.path.isabs(rel) else os.path.join(self.root, rel)
 
@@ -101,7 +115,7 @@ class SlabMedium:
         for seg, rel, _base, _size in segments:
             path = self._abspath(rel)
             try:
-                self._files[seg] = self.engine.open(path)
+                self._opened(seg, self.engine.open(path))
             except FileNotFoundError:
                 self._missing[seg] = path
 
@@ -147,8 +161,7 @@ class SlabMedium:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
-        with self._lock:
-            self._files[seg] = fh
+        self._opened(seg, fh)
         return seg, rel, 0, size
 
     def pread(self, seg: int, offset: int, buf: memoryview) -> Future[int]:

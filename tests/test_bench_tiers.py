@@ -166,11 +166,31 @@ def test_peer_deepnvme_says_in_one_line_what_is_missing(monkeypatch) -> None:
     assert len(lines) == 1 and "pip install '.[peers]'" in lines[0] and "libaio-dev" in lines[0]
 
 
+def test_kinds_of_memory_asked_for_are_the_rows_and_an_unknown_one_is_refused(
+        tmp_path, monkeypatch) -> None:
+    from tierstore.bench import deepnvme, tiers_kinds
+
+    monkeypatch.setattr(deepnvme, "unavailable", lambda: None)
+    measured: list[list[str] | None] = []
+    monkeypatch.setattr(tiers_kinds, "measure_kinds",
+                        lambda *a, kinds=None, **k: measured.append(kinds) or [])
+    cmd = ["bench", "tiers", "--peer", "deepnvme", "--blocks", "1MiB", "--engines", "auto", "--store",
+           str(tmp_path / "s")]
+    got = CliRunner().invoke(main, [*cmd, "--kinds", "slices at +512,torch.empty"])
+    assert got.exit_code == 0, got.output
+    assert measured == [["slices at +512", "torch.empty"]]
+    got = CliRunner().invoke(main, [*cmd, "--kinds", "torch.empty,slices at +7"])
+    assert got.exit_code == 2 and len(measured) == 1
+    assert got.output.strip().splitlines() == [
+        "tierstore: no kind of memory 'slices at +7' here; the kinds: "
+        + ", ".join(tiers_kinds.memory_kinds(1, 1))]
+
+
 @needs_fio
 def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
                                                                   monkeypatch) -> None:
     from tierstore.bench import deepnvme
-    from tierstore.bench.tiers_kinds import memory_kinds, report_kinds, run_kinds
+    from tierstore.bench.tiers_kinds import EXTRA_KINDS, memory_kinds, report_kinds, run_kinds
 
     from tierstore import landing
 
@@ -194,7 +214,8 @@ def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
     assert put[:2] == [4, 4] and set(put[2:]) == {1}  # after the untimed setup's puts
     assert all(r["read_call_bytes"] == 2 << 20 and r["write_call_bytes"] == 1 << 20
                for r in rows)
-    kinds = {f"{k} [{p}]" for k in memory_kinds(1 << 20, 1) for p in ("batch", "workers")}
+    kinds = {f"{k} [{p}]" for k in memory_kinds(1 << 20, 1) for p in ("batch", "workers")
+             if k not in EXTRA_KINDS}
     assert landing.ROUTE is None
     for op in ("read", "write"):
         mine = [r for r in rows if r["op"] == op]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from tierstore.nvme import (
+    ALIGNMENT,
     PosixEngine,
     RecycledBuffers,
     SlabMedium,
@@ -170,10 +171,44 @@ def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
     try:
         fh = eng.open(str(tmp_path / "f"), create=True)
         assert not fh.direct
+        assert fh.align == ALIGNMENT  # the kernel's rule is O_DIRECT's
         assert "refused" in eng.describe()
         eng.close_file(fh)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("engine", ["posix-direct", "aio"])
+def test_a_file_says_the_memory_alignment_o_direct_needs(tmp_path, engine: str) -> None:
+    """A file's ``align`` is the kernel's rule (statx's ``STATX_DIOALIGN``): an O_DIRECT
+    read lands in memory that far from a page boundary, and not in memory aligned less. A
+    file O_DIRECT refuses, and a medium with no slab yet, say a page."""
+    eng = make_engine(engine, 1)
+    medium = SlabMedium(str(tmp_path / "m"), engine=eng)
+    try:
+        assert medium.memory_alignment == ALIGNMENT
+        medium.create_segment(0, 1 << 20)
+        fh = eng.open(str(tmp_path / "m" / "slabs" / "slab-000000.dat"))
+        align = fh.align
+        assert medium.memory_alignment == align
+        assert align & (align - 1) == 0 and 0 < align <= ALIGNMENT
+        if not fh.direct:
+            assert align == ALIGNMENT
+            pytest.skip("this filesystem refuses O_DIRECT")
+        if align == ALIGNMENT:
+            pytest.skip("the kernel does not say (statx STATX_DIOALIGN, Linux 6.1)")
+        page = aligned_empty(3 * ALIGNMENT)
+        page[:] = 7
+        eng.write(fh, memoryview(page[:ALIGNMENT]), 0)  # written: no hole, real I/O
+        page[:] = 0
+        assert os.preadv(fh.fd, [memoryview(page[align : align + ALIGNMENT])], 0) == ALIGNMENT
+        assert (page[align : align + ALIGNMENT] == 7).all()
+        with pytest.raises(OSError) as e:
+            os.preadv(fh.fd, [memoryview(page[align // 2 : align // 2 + ALIGNMENT])], 0)
+        assert e.value.errno == errno.EINVAL
+        eng.close_file(fh)
+    finally:
+        medium.close()
 
 
 def test_unknown_engine_is_a_clear_error() -> None:

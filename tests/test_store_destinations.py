@@ -392,17 +392,21 @@ def test_the_kernel_is_asked_once_for_a_batch_and_answers_per_range() -> None:
     assert pages.small_pages([addrs[0]], [0]) == [False]
 
 
-def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatch) -> None:
-    from tierstore.nvme.pages import on_small_pages
+def _spoil(store: tierstore.Store, name: str, at: int) -> None:
+    """Two bytes of ``name``'s extent, from byte ``at``, overwritten on disk."""
+    info = store.info(name)
+    with open(info.path, "r+b") as f:
+        f.seek(info.offset + at)
+        f.write(b"\xff\x00")
 
+
+def _count_copies(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """The bytes of each copy through the store's buffers from here on: a write's staged
+    pieces (the AIO batch's and the chunk workers'), and a read's bounced ones."""
     import tierstore.fetch as fetch
     import tierstore.write_jobs as write_jobs
     import tierstore.writes as writes
 
-    nbytes = 8 << 20
-    probe = _on_small_pages(nbytes)
-    if not on_small_pages(probe.data_ptr(), nbytes):
-        pytest.skip("this kernel cannot say which pages are small (PAGEMAP_SCAN, Linux 6.7)")
     copied: list[int] = []
     landed: list[int] = []
     copy_checked, land = writes.copy_checked, fetch.land
@@ -415,9 +419,20 @@ def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatc
         landed.append(piece.nbytes)
         return land(t, start, piece, crc)
 
-    for module in (writes, write_jobs):  # the AIO batch's and the chunk workers' copies
+    for module in (writes, write_jobs):
         monkeypatch.setattr(module, "copy_checked", counted_copy)
     monkeypatch.setattr(fetch, "land", counted_land)
+    return copied, landed
+
+
+def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatch) -> None:
+    from tierstore.nvme.pages import on_small_pages
+
+    nbytes = 8 << 20
+    probe = _on_small_pages(nbytes)
+    if not on_small_pages(probe.data_ptr(), nbytes):
+        pytest.skip("this kernel cannot say which pages are small (PAGEMAP_SCAN, Linux 6.7)")
+    copied, landed = _count_copies(monkeypatch)
     values = {n: _value(i, (nbytes // 4,)) for i, n in enumerate(("a", "b"))}
     srcs = {n: _on_small_pages(nbytes).view(torch.float32).copy_(v) for n, v in values.items()}
     store.put_many(srcs)
@@ -451,12 +466,44 @@ def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatc
 
     assert (sum(copied), sum(landed)) == (on_small(huge), on_small(got))
     assert all(torch.equal(got[n], t) for n, t in huge.items())
-    info = store.info("b")
-    with open(info.path, "r+b") as f:
-        f.seek(info.offset + nbytes - 9)
-        f.write(b"\xff\x00")
+    _spoil(store, "b", nbytes - 9)
     with pytest.raises(tierstore.CorruptEntryError, match="'b'"):
         store.get_many(list(values), out=outs)
+
+
+def test_memory_aligned_as_the_disk_needs_moves_straight(store, monkeypatch) -> None:
+    """Memory aligned to what O_DIRECT needs on the slab files (the kernel's answer, not a
+    page: 512 bytes on a virtio disk, 4 on NVMe) is written and read in place, with no
+    copy through the store's buffers; memory aligned less is copied. Each gets its bytes,
+    and a corrupt chunk is named."""
+    from tierstore.nvme.pages import on_small_pages
+
+    store.put("first", _value(0))  # a slab file: the medium knows the rule now
+    align = store._medium.memory_alignment
+    if align == tierstore.nvme.ALIGNMENT:
+        pytest.skip("O_DIRECT here needs page-aligned memory, or the kernel does not say")
+    copied, landed = _count_copies(monkeypatch)
+    nbytes = 4 * CHUNK  # whole pages: nothing partial to copy
+    buf = tierstore.read_buffer(4 << 20).fill_(0)  # whole huge pages, faulted in
+    if on_small_pages(buf.data_ptr(), buf.nbytes):
+        pytest.skip("no huge pages for the read buffer here")
+
+    def at(skip: int, k: int) -> torch.Tensor:
+        return buf[skip + k * nbytes : skip + (k + 1) * nbytes].view(torch.float32)
+
+    values = {n: _value(i, (nbytes // 4,)) for i, n in enumerate(("a", "b"))}
+    for skip, copies in ((align, 0), (align // 2, 2 * nbytes)):
+        srcs = {n: at(skip, k).copy_(v) for k, (n, v) in enumerate(values.items())}
+        store.put_many(srcs)
+        outs = {n: at(skip, k + 2) for k, n in enumerate(values)}
+        store.get_many(list(values), out=outs)
+        assert (sum(copied), sum(landed)) == (copies, copies), skip
+        copied.clear()
+        landed.clear()
+        assert all(torch.equal(outs[n], v) for n, v in values.items())
+    _spoil(store, "b", nbytes - 9)
+    with pytest.raises(tierstore.CorruptEntryError, match="'b'"):
+        store.get_many(list(values), out={n: at(align, k + 2) for k, n in enumerate(values)})
 
 
 def test_a_chunks_checksum_is_joined_from_its_parts() -> None:

@@ -342,9 +342,9 @@ class Store(abc.ABC):
         ``get``'s ``out=``): a caller that reads the same shapes every step reuses its
         buffers instead of paying for fresh allocations. ``cache=False`` leaves the host
         cache as it is: entries it holds are copied out of it, the others are read from the
-        backing tier without taking a slot (into ``out`` itself where that is page-aligned
-        host memory), for a reader that streams more than the cache holds into memory of
-        its own.
+        backing tier without taking a slot (into ``out`` itself where that is host memory
+        aligned as the disk needs), for a reader that streams more than the cache holds
+        into memory of its own.
         """
         self._check_open()
         asked, keys = read_keys(names, kind)

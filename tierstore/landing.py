@@ -1,13 +1,15 @@
 """Where a read's bytes land when the caller hands the store a tensor (``out=``).
 
-O_DIRECT moves whole 4 KiB pages between the disk and page-aligned memory; a caller's
-tensor is often neither: torch's allocator places large tensors 64 bytes into a page, a
+O_DIRECT moves whole 4 KiB pages of a slab between the disk and memory aligned as the
+device's DMA needs (the medium's ``memory_alignment``, as the kernel reports it: 512 bytes
+on the development VM's virtio disk, 4 on NVMe, a page where the kernel does not say); a
+caller's tensor is often not: torch's allocator places large tensors 64 bytes into a page, a
 slice of a buffer starts wherever the caller cut it, a buffer sized to its entry ends before
 the entry's last page does, and a CUDA tensor is not host memory at all. A read into such a
 tensor goes like this (:class:`Target`):
 
-- the longest run from the tensor's first byte that O_DIRECT can fill (whole pages of
-  page-aligned host memory that the tensor's storage covers) is read straight into it;
+- the longest run from the tensor's first byte that O_DIRECT can fill (whole pages of the
+  entry, into aligned host memory that the tensor's storage covers) is read straight into it;
 - the rest (all of it, for an unaligned or device tensor, or one on 4 KiB pages; the last
   partial page, for an aligned one whose storage ends early) is read into a reused aligned bounce buffer, and
   :func:`land` copies each chunk out of it and checksums the copy as its request completes,
@@ -46,7 +48,7 @@ STEP = 256 << 10
 
 class Target(NamedTuple):
     """A caller's tensor as a read destination: ``direct`` bytes from its first land in it
-    by O_DIRECT (a multiple of :data:`ALIGNMENT`, up to the extent's length), the rest are
+    by O_DIRECT (whole pages, :data:`ALIGNMENT`, up to the extent's length), the rest are
     bounced and copied into ``dst`` (its bytes: a numpy array over host memory, or a flat
     uint8 tensor on a device)."""
 
@@ -62,14 +64,16 @@ def accepts(out: torch.Tensor | None) -> bool:
             and not out.requires_grad and out.numel() > 0)
 
 
-def targets(outs: list[torch.Tensor], nbytes: list[int], lengths: list[int]) -> list[Target]:
+def targets(outs: list[torch.Tensor], nbytes: list[int], lengths: list[int],
+            align: int = ALIGNMENT) -> list[Target]:
     """How each entry of ``nbytes[i]`` (an extent of ``lengths[i]``, whole pages) lands in
-    ``outs[i]``: memory on 4 KiB pages is bounced whole (see the note on them above), asked
-    of the kernel for all of them at once."""
+    ``outs[i]``, O_DIRECT taking memory aligned to ``align``: memory on 4 KiB pages is
+    bounced whole (see the note on them above), asked of the kernel for all of them at
+    once."""
     directs = []
     for out, n, length in zip(outs, nbytes, lengths):
         direct = 0
-        if out.is_cpu and out.data_ptr() % ALIGNMENT == 0:
+        if out.is_cpu and out.data_ptr() % align == 0:
             if n >= length:  # whole pages of its own (asking its storage costs 1 us)
                 room = length
             else:  # the storage may run past the tensor
@@ -92,8 +96,9 @@ class Deferred:
     position with no tensor."""
 
     def __init__(self, at: list[int], outs: list[torch.Tensor], nbytes: list[int],
-                 lengths: list[int]) -> None:
+                 lengths: list[int], align: int = ALIGNMENT) -> None:
         self._at, self._outs, self._nbytes, self._lengths = at, outs, nbytes, lengths
+        self._align = align
         self._index = {p: k for k, p in enumerate(at)}
         self._got: dict[int, Target] = {}
         self._next = 0  # the first of ``at`` not worked out yet
@@ -108,7 +113,8 @@ class Deferred:
             while hi < len(self._at) and (room > 0 or hi == lo):
                 room -= self._lengths[hi]
                 hi += 1
-            got = targets(self._outs[lo:hi], self._nbytes[lo:hi], self._lengths[lo:hi])
+            got = targets(self._outs[lo:hi], self._nbytes[lo:hi], self._lengths[lo:hi],
+                          self._align)
             self._got.update(zip(self._at[lo:hi], got))
             self._next = hi
         return self._got[i]
@@ -133,11 +139,12 @@ class Deferred:
 DEFERRED_GROUP_BYTES = 32 << 20
 
 
-def staged(addrs: list[int], nbytes: list[int]) -> list[bool]:
+def staged(addrs: list[int], nbytes: list[int], align: int = ALIGNMENT) -> list[bool]:
     """Whether each write from the ``nbytes[i]`` at ``addrs[i]`` is staged (copied into the
     store's aligned buffers) rather than written from the memory itself: memory O_DIRECT
-    cannot take, or on 4 KiB pages (asked of the kernel for all of them at once)."""
-    unaligned = [bool(a % ALIGNMENT) for a in addrs]
+    cannot take (aligned less than ``align``), or on 4 KiB pages (asked of the kernel for
+    all of them at once)."""
+    unaligned = [bool(a % align) for a in addrs]
     small = small_pages(addrs, [0 if u else n for u, n in zip(unaligned, nbytes)])
     return [u or s for u, s in zip(unaligned, small)]
 
@@ -169,8 +176,8 @@ def on_workers() -> bool:
 
 def direct_end(copied: bool, nbytes: int, start: int, end: int) -> int:
     """Where a write of the chunk ``[start, end)`` of a source of ``nbytes`` stops coming
-    from the source itself (O_DIRECT takes whole pages of page-aligned memory) and its
-    staged rest begins: ``start`` for a source that is :func:`staged` (``copied``, asked
+    from the source itself (O_DIRECT takes whole pages, of memory aligned as it needs) and
+    its staged rest begins: ``start`` for a source that is :func:`staged` (``copied``, asked
     once per entry), ``end`` where the chunk is whole pages."""
     if copied:
         return start

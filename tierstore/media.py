@@ -60,7 +60,8 @@ class Medium(Protocol):
         """
 
     def pread(self, seg: int, offset: int, buf: memoryview) -> Future[None]:
-        """Fill ``buf`` (4 KiB-aligned address and length) from ``offset`` of ``seg``."""
+        """Fill ``buf`` (whole 4 KiB pages, at an address aligned to the medium's
+        :func:`memory_alignment`) from ``offset`` of ``seg``."""
 
     def pwrite(self, seg: int, offset: int, buf: memoryview) -> Future[None]:
         """Write ``buf`` (aligned as for ``pread``) at ``offset`` of ``seg``; not yet durable."""
@@ -96,6 +97,13 @@ def orphan_files(medium: Medium, segments: Iterable[int]) -> list[str]:
     making a segment and committing it); only a medium with a file per segment has any."""
     orphans = getattr(medium, "orphans", None)
     return orphans(segments) if orphans is not None else []
+
+
+def memory_alignment(medium: Medium) -> int:
+    """The alignment of host memory the medium moves bytes into or out of directly; the
+    store copies memory aligned less through buffers of its own. A page, unless the medium
+    says less (NVMe slabs: what O_DIRECT needs on their files, as the kernel reports it)."""
+    return getattr(medium, "memory_alignment", ALIGNMENT)
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:

@@ -34,6 +34,7 @@ from .interface import Meta
 from .keys import Key
 from .landing import Deferred, Target, accepts
 from .landing import targets as landing_targets
+from .media import memory_alignment
 from .tensors import dtype_from_name, from_bytes, raw_bytes
 
 _DIRECT = object()  # found's bytes for a key read straight into the caller's out=
@@ -193,10 +194,11 @@ class ReadPath(FetchPath):
                 outs = [into_of[todo_keys[i]] for i in aimed]
                 nbytes = [todo_recs[i].nbytes for i in aimed]
                 lengths = [todo_recs[i].length for i in aimed]
+                align = memory_alignment(self._medium)
                 if self._batched():
-                    targets = Deferred(aimed, outs, nbytes, lengths)
+                    targets = Deferred(aimed, outs, nbytes, lengths, align)
                 else:  # on the chunk workers: all now
-                    targets = dict(zip(aimed, landing_targets(outs, nbytes, lengths)))
+                    targets = dict(zip(aimed, landing_targets(outs, nbytes, lengths, align)))
             try:
                 self._fetch(todo_keys, todo_recs, bufs, provide, targets)
             except BaseException:

@@ -140,9 +140,9 @@ class WriteJobs(Placing):
         return crcs
 
     def _write_aligned(self, src: np.ndarray, rec: Record, start: int) -> int:
-        """Write the chunk of page-aligned ``src`` at ``start`` to ``rec``'s extent from
-        the source itself (O_DIRECT and GDS need page-aligned memory), up to its last whole
-        page; a partial last page is staged. Returns the chunk's crc32c."""
+        """Write the chunk of aligned ``src`` (see ``landing.staged``) at ``start`` to
+        ``rec``'s extent from the source itself, up to its last whole page; a partial
+        last page is staged. Returns the chunk's crc32c."""
         end = min(start + self._chunk, rec.length)
         cut = direct_end(False, src.nbytes, start, end)
         crc = 0

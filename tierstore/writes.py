@@ -31,7 +31,7 @@ from .errors import EntryNotFoundError, StoreClosedError
 from .interface import Meta
 from .keys import Key, PutItems, put_items
 from .landing import copy_checked, crc_join, direct_end, staged
-from .media import adjacent_runs, align_up, joined, ramped
+from .media import adjacent_runs, align_up, joined, memory_alignment, ramped
 from .ordered import InOrder, usable_cores
 from .tensors import as_bytes, dtype_name
 from .write_jobs import WriteJobs
@@ -218,7 +218,8 @@ class WritePath(WriteJobs):
         workers; else jobs for the chunk workers (:meth:`_write_on_workers`)."""
         # Each source's address and whether it is staged, once.
         addrs = [address(src) for _, _, src, _ in batch]
-        copies = staged(addrs, [src.nbytes for _, _, src, _ in batch])
+        copies = staged(addrs, [src.nbytes for _, _, src, _ in batch],
+                        memory_alignment(self._medium))
         if self._batched():
             return self._write_batched(batch, copies, addrs)
         self._write_on_workers(batch, copies)
@@ -297,7 +298,8 @@ class WritePath(WriteJobs):
             self._convert(batch, versions, lo, hi)  # type: ignore[arg-type]
             got = srcs[lo:hi] = [src for _, _, src, _ in batch[lo:hi]]
             at = addrs[lo:hi] = [address(src) for src in got]  # type: ignore[index]
-            copies[lo:hi] = staged(at, [s.nbytes for s in got])  # type: ignore[index]
+            copies[lo:hi] = staged(at, [s.nbytes for s in got],  # type: ignore[index]
+                                   memory_alignment(self._medium))
             converted[0] = hi
         work: list[tuple[int, int, int]] = []  # (entry, start, end) of each chunk
         extents: list[tuple[int, int]] = []  # each entry's (segment, offset)
