@@ -77,6 +77,12 @@ def drop_page_cache(paths: set[str]) -> None:
             os.close(fd)
 
 
+def _lead(row: dict[str, Any], op: str) -> str:
+    """A printed row's first columns: tier, ``op``, engine, entry size, threads."""
+    return (f"{row['tier']:5} {op:5} {row['engine'][:15]:15} "
+            f"{tierstore.format_size(row['block_bytes']):>9} {row['threads']:>3}")
+
+
 def _percentiles(samples: list[float]) -> tuple[float, float]:
     s = sorted(samples)
     return s[len(s) // 2] * 1e3, s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3
@@ -99,11 +105,15 @@ def _young_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _store_write(st: tierstore.Store, names: list[str], data: torch.Tensor) -> float:
-    """GB/s of one ``put_many`` of every name (copy-on-write, fdatasync, one commit)."""
+def _store_write(st: tierstore.Store, names: list[str],
+                 data: torch.Tensor | list[torch.Tensor]) -> float:
+    """GB/s of one ``put_many`` of every name (copy-on-write, fdatasync, one commit), from
+    ``data``, or from tensors of a caller's (a list: name ``j`` from ``data[j % len]``)."""
+    srcs = data if isinstance(data, list) else [data]
+    items = [(name, srcs[j % len(srcs)]) for j, name in enumerate(names)]
     t0 = time.perf_counter()
-    st.put_many([(name, data) for name in names])
-    return len(names) * data.numel() / (time.perf_counter() - t0) / 1e9
+    st.put_many(items)
+    return len(names) * srcs[0].nbytes / (time.perf_counter() - t0) / 1e9
 
 
 def _write_source(data: torch.Tensor) -> torch.Tensor:
@@ -119,18 +129,19 @@ def _write_source(data: torch.Tensor) -> torch.Tensor:
 
 
 def _store_read(st: tierstore.Store, names: list[str], block: int, paths: set[str],
-                into: torch.Tensor | None = None) -> float:
+                into: torch.Tensor | list[torch.Tensor] | None = None) -> float:
     """GB/s of reading every name with ``get_many`` (crc32c-verified), 256 MiB per call:
-    into ``into`` (``out=``, one slice per name: memory the caller reuses, as fio and
-    DeepNVMe reuse theirs), or as fresh results dropped as a caller moving on to the next
-    batch would. ``paths`` are evicted from the page cache first, so buffered reads start
+    into ``into`` (``out=``, one slice per name, or a list of a caller's tensors, one per
+    name of a call: memory the caller reuses, as fio and DeepNVMe reuse theirs), or as
+    fresh results dropped as a caller moving on to the next batch would. ``paths`` are evicted from the page cache first, so buffered reads start
     cold as fio's do."""
     if paths:
         drop_page_cache(paths)
     group = max(1, (256 << 20) // block)
     parts = [names[i : i + group] for i in range(0, len(names), group)]
-    outs = [None if into is None else {name: into[j * block : (j + 1) * block]
-                                       for j, name in enumerate(part)} for part in parts]
+    outs = [None if into is None else {
+        name: into[j] if isinstance(into, list) else into[j * block : (j + 1) * block]
+        for j, name in enumerate(part)} for part in parts]
     t0 = time.perf_counter()  # the caller's out= mapping is made before, as fio's buffers
     for part, out in zip(parts, outs):
         st.get_many(part, out=out)
@@ -473,17 +484,21 @@ def run_tiers(
     for r in rows:
         if r["tier"] == "nvme" and r["engine"] == "auto":  # say what auto picked
             r["engine"] = "auto=" + r["engine_described"].split(" ", 1)[0]
-        echo(f"{r['tier']:5} {r['op']:5} {r['engine'][:15]:15} "
-             f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} {r['gbps']:7.3f} "
+        echo(f"{_lead(r, r['op'])} {r['gbps']:7.3f} "
              f"{r['ceiling']:>20} {r['ceiling_gbps']:7.3f} {r['ratio']:6.2f} "
              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
+    theirs = [r for r in rows if "torch_empty_gbps" in r]
+    if theirs:
+        echo("the same into, and from, a caller's torch.empty tensors (one per entry), "
+             "against the rows above:")
+    for r in theirs:
+        echo(f"{_lead(r, r['op'])} {r['torch_empty_gbps']:7.3f} {r['torch_empty_ratio']:6.2f}")
     fresh = [r for r in rows if "write_fresh_gbps" in r]
     if fresh:
         echo("the writes above rewrite space written once before; the same writes into "
              "never-written (fallocated) space:")
     for r in fresh:
-        echo(f"{r['tier']:5} fresh {r['engine'][:15]:15} "
-             f"{tierstore.format_size(r['block_bytes']):>9} {r['threads']:>3} "
+        echo(f"{_lead(r, 'fresh')} "
              f"{r['write_fresh_gbps']:7.3f} {r['fresh_ceiling']:>20} "
              f"{r['fresh_ceilings'][r['fresh_ceiling']]:7.3f} {r['fresh_ratio']:6.2f}")
     for z in sizes_rows:

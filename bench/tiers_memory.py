@@ -49,7 +49,10 @@ def measure_pmem(
     (``read_fresh_gbps``: on the development VM fresh memory is paid for again in page
     faults whenever the host has taken it back, 0.4-0.6 GB/s in such rounds).
     ``pmem_memcpy_persist`` into a plain file is reported beside (``memcpy_flush_gbps``):
-    a cache-flushing copy that is not durable there."""
+    a cache-flushing copy that is not durable there. The store's rewrites and reads are
+    also timed from and into a caller's ``torch.empty`` tensors (one per entry, up to
+    256 MiB of them, reused), in the same rounds (``torch_empty_gbps``, and its ratio to
+    the row's own)."""
     n = max(threads, total // block)
     nbytes = n * block
     path = os.path.join(root, f"pmem-{block}")
@@ -57,7 +60,10 @@ def measure_pmem(
     data = torch.randint(0, 255, (block,), dtype=torch.uint8)
     source = _write_source(data)  # a buffer of its own, as the ceiling's (see there)
     names = [f"bench.experts.{i}.w" for i in range(n)]
-    runs: dict[str, list[float]] = {"store": [], "ceiling": [], "read": [], "fresh": []}
+    runs: dict[str, list[float]] = {"store": [], "ceiling": [], "read": [], "fresh": [],
+                                    "theirs": [], "read_theirs": []}
+    theirs = [torch.empty(block, dtype=torch.uint8).copy_(data)  # touched, as a user's
+              for _ in range(max(1, min(n, (256 << 20) // block)))]
     # Reads land in memory allocated before the clock and reused, as memcpy's destination
     # is (and as the NVMe rows read); fresh results are timed beside.
     into = tierstore.read_buffer(min(nbytes, 256 << 20))
@@ -74,15 +80,17 @@ def measure_pmem(
                 fresh_ceiling = ceiling.write()
                 _store_write(st, names, source)  # the second version: fresh space again
             for r in range(repeats):
-                for side in ("store", "ceiling")[:: 1 if r % 2 == 0 else -1]:
+                for side in ("store", "theirs", "ceiling")[:: 1 if r % 2 == 0 else -1]:
                     with _young_heap():
-                        runs[side].append(_store_write(st, names, source) if side == "store"
-                                          else ceiling.write())
+                        runs[side].append(ceiling.write() if side == "ceiling" else
+                                          _store_write(st, names, source if side == "store"
+                                                       else theirs))
             _store_read(st, names, block, set(), into)
             _store_read(st, names, block, set())
             for _ in range(repeats):
                 with _young_heap():
                     runs["read"].append(_store_read(st, names, block, set(), into))
+                    runs["read_theirs"].append(_store_read(st, names, block, set(), theirs))
                     runs["fresh"].append(_store_read(st, names, block, set()))
             lat = _latencies(st, names, data)
     finally:
@@ -103,12 +111,21 @@ def measure_pmem(
              write_fresh_gbps=round(fresh, 3), fresh_ceiling=ceiling.name,
              fresh_ceilings={ceiling.name: round(fresh_ceiling, 3)},
              fresh_ratio=round(fresh / fresh_ceiling, 3),
-             memcpy_gbps=round(memcpy, 3), memcpy_flush_gbps=round(flush or 0.0, 3)),
+             memcpy_gbps=round(memcpy, 3), memcpy_flush_gbps=round(flush or 0.0, 3),
+             **_theirs(runs["theirs"], med["store"])),
         _row("pmem", "read", engine, block, threads, med["read"], lat["read"],
              memcpy, "memcpy", repeats=repeats, store_runs=[round(x, 3) for x in runs["read"]],
              read_fresh_gbps=round(med["fresh"], 3),
-             read_fresh_runs=[round(x, 3) for x in runs["fresh"]]),
+             read_fresh_runs=[round(x, 3) for x in runs["fresh"]],
+             **_theirs(runs["read_theirs"], med["read"])),
     ]
+
+
+def _theirs(runs: list[float], ours: float) -> dict[str, Any]:
+    """A row's figures from a caller's ``torch.empty`` tensors (see measure_pmem)."""
+    med = statistics.median(runs)
+    return {"torch_empty_gbps": round(med, 3), "torch_empty_ratio": round(med / ours, 3),
+            "torch_empty_runs": [round(x, 3) for x in runs]}
 
 
 def measure_host(root: str, block: int, threads: int, total: int) -> list[dict[str, Any]]:

@@ -116,6 +116,10 @@ class PoolMedium:
     """
 
     kind = "pmem"
+    # Bytes move by a CPU copy (``pread``/``pwrite``), which takes any memory: the store
+    # reads into and writes from a caller's tensor in place at any address and on pages of
+    # any size, rather than through its buffers (tierstore.media.memory_alignment).
+    memory_alignment = 1
 
     def __init__(
         self,

@@ -152,6 +152,10 @@ def test_the_pmem_rows_time_rewrites_against_the_durable_copy(tmp_path) -> None:
     assert write["ratio"] == pytest.approx(write["gbps"] / write["ceiling_gbps"], rel=1e-2)
     assert write["fresh_ceiling"] == write["ceiling"] and write["write_fresh_gbps"] > 0
     assert read["ceiling"] == "memcpy" and len(read["read_fresh_runs"]) == 3
+    for row in (write, read):  # the same, from and into a caller's torch.empty tensors
+        assert len(row["torch_empty_runs"]) == 3 and row["torch_empty_gbps"] > 0
+        assert row["torch_empty_ratio"] == pytest.approx(
+            row["torch_empty_gbps"] / row["gbps"], rel=1e-2)
     assert os.listdir(tmp_path) == []  # the store, its pool and the ceiling's file are gone
 
 

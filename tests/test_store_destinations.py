@@ -66,12 +66,22 @@ def _value(seed: int, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(params=ENGINES)
+@pytest.fixture(params=[*ENGINES, "pmem"])
 def store(request: pytest.FixtureRequest, tmp_path) -> tierstore.Store:
-    st = tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
-                        engine=request.param)
+    if request.param == "pmem":  # a CPU copy: any memory in place
+        st = tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
+                            backing="pmem", pmem_path=tmp_path / "pool", pmem_size="96MiB")
+    else:
+        st = tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
+                            engine=request.param)
     yield st
     st.close()
+
+
+def _copies_any_memory(store: tierstore.Store) -> bool:
+    """Whether the store's medium moves any memory in place (PMem: a CPU copy), so none is
+    copied through the store's buffers but a partial last page."""
+    return store._medium.memory_alignment == 1
 
 
 @pytest.mark.parametrize("group", ["default", "one entry"])
@@ -294,8 +304,9 @@ def test_an_aligned_source_stages_only_its_last_partial_page(store, monkeypatch)
     # buffer on 4 KiB pages (it may not give huge ones), as any memory on them.
     from tierstore.nvme.pages import on_small_pages
 
-    assert sum(copied) == sum(t.nbytes if on_small_pages(t.data_ptr(), t.nbytes)
-                              else t.nbytes % 4096 for t in srcs.values())
+    assert sum(copied) == sum(
+        t.nbytes if on_small_pages(t.data_ptr(), t.nbytes) and not _copies_any_memory(store)
+        else t.nbytes % 4096 for t in srcs.values())
     got = store.get_many(list(values))
     assert all(torch.equal(got[n], v) for n, v in values.items())
     info = store.info("a1")
@@ -428,6 +439,8 @@ def _count_copies(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]
 def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatch) -> None:
     from tierstore.nvme.pages import on_small_pages
 
+    if _copies_any_memory(store):
+        pytest.skip("PMem moves any memory in place (test_pmem_moves_any_memory_in_place)")
     nbytes = 8 << 20
     probe = _on_small_pages(nbytes)
     if not on_small_pages(probe.data_ptr(), nbytes):
@@ -480,8 +493,9 @@ def test_memory_aligned_as_the_disk_needs_moves_straight(store, monkeypatch) -> 
 
     store.put("first", _value(0))  # a slab file: the medium knows the rule now
     align = store._medium.memory_alignment
-    if align == tierstore.nvme.ALIGNMENT:
-        pytest.skip("O_DIRECT here needs page-aligned memory, or the kernel does not say")
+    if align in (1, tierstore.nvme.ALIGNMENT):
+        pytest.skip("PMem takes any memory; or O_DIRECT here needs page-aligned memory, or "
+                    "the kernel does not say")
     copied, landed = _count_copies(monkeypatch)
     nbytes = 4 * CHUNK  # whole pages: nothing partial to copy
     buf = tierstore.read_buffer(4 << 20).fill_(0)  # whole huge pages, faulted in
@@ -504,6 +518,33 @@ def test_memory_aligned_as_the_disk_needs_moves_straight(store, monkeypatch) -> 
     _spoil(store, "b", nbytes - 9)
     with pytest.raises(tierstore.CorruptEntryError, match="'b'"):
         store.get_many(list(values), out={n: at(align, k + 2) for k, n in enumerate(values)})
+
+
+def test_pmem_moves_any_memory_in_place(tmp_path, monkeypatch) -> None:
+    """A PMem store copies with the CPU: reads land in, and puts come from, memory at any
+    offset and on 4 KiB pages in place, with no copy through the store's buffers but a
+    partial last page's. Each gets its bytes, and a corrupt chunk is named."""
+    nbytes = 4 * CHUNK + 4096  # whole pages, and a chunk of one
+    made = {
+        "torch.empty": lambda: torch.empty(nbytes, dtype=torch.uint8),
+        "odd slice": lambda: tierstore.read_buffer(nbytes + 4096)[7 : 7 + nbytes],
+        "small pages": lambda: _on_small_pages(nbytes),
+        "short tail": lambda: torch.empty(nbytes - 100, dtype=torch.uint8),
+    }
+    values = {k: torch.randint(0, 255, (m().numel(),), dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(i))
+              for i, (k, m) in enumerate(made.items())}
+    with tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
+                        backing="pmem", pmem_path=tmp_path / "pool", pmem_size="32MiB") as st:
+        copied, landed = _count_copies(monkeypatch)
+        st.put_many({k: m().copy_(values[k]) for k, m in made.items()})
+        outs = {k: m() for k, m in made.items()}
+        got = st.get_many(list(made), out=outs)
+        assert sum(copied) == sum(landed) == 4096 - 100  # the short tail's last page
+        assert all(got[k] is outs[k] and torch.equal(outs[k], v) for k, v in values.items())
+        _spoil(st, "odd slice", 3 * CHUNK + 11)
+        with pytest.raises(tierstore.CorruptEntryError, match="'odd slice'.*bytes 196608"):
+            st.get_many(list(made), out=outs)
 
 
 def test_a_chunks_checksum_is_joined_from_its_parts() -> None:
