@@ -39,14 +39,13 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import ALIGNMENT
 from .engines import (
     FileHandle,
     PosixEngine,
     _full_preadv,
     _full_pwritev,
     _open_fd,
-    dio_alignment,
+    file_alignment,
 )
 from .libaio import (
     IOCB_CMD_PREAD,
@@ -172,7 +171,7 @@ class AioEngine(PosixEngine):
         if not direct:
             with self._lock:
                 self._refused.add(path)
-        return FileHandle(path, fd, direct, align=dio_alignment(fd) if direct else ALIGNMENT)
+        return FileHandle(path, fd, direct, align=file_alignment(fd, direct))
 
     # The single-request forms (read, write, pread, pwrite) are the inherited ``preadv``/
     # ``pwritev``: one request gains nothing from a queue, and the chunk workers issue

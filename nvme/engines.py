@@ -51,7 +51,7 @@ class FileHandle:
     fd: int
     direct: bool
     extra: Any = field(default=None, repr=False)  # engine-private (a kvikio CuFile)
-    # The alignment of the memory its I/O moves bytes into or out of (see dio_alignment).
+    # The alignment of the memory its I/O moves bytes into or out of (file_alignment).
     align: int = ALIGNMENT
 
 
@@ -79,6 +79,13 @@ def dio_alignment(fd: int) -> int:
     got = int.from_bytes(buf.raw[_STX_DIO_MEM_ALIGN : _STX_DIO_MEM_ALIGN + 4], "little")
     # 0: no O_DIRECT on this file after all; more than a page: what the store assumed.
     return got if mask & _STATX_DIOALIGN and 0 < got <= ALIGNMENT else ALIGNMENT
+
+
+def file_alignment(fd: int, direct: bool) -> int:
+    """What a file opened with O_DIRECT (``direct``) or without needs of the memory it
+    moves bytes into or out of: :func:`dio_alignment`; nothing (1) for buffered I/O, which
+    copies through the page cache."""
+    return dio_alignment(fd) if direct else 1
 
 
 def _open_fd(path: str, direct: bool, create: bool) -> tuple[int, bool]:
@@ -162,6 +169,12 @@ class PosixEngine:
     def name(self) -> str:
         return "posix-direct" if self.direct else "posix-buffered"
 
+    @property
+    def memory_alignment(self) -> int:
+        """What its files need of memory before one is opened (each then says,
+        ``FileHandle.align``): a page with O_DIRECT, nothing without."""
+        return ALIGNMENT if self.direct else 1
+
     def describe(self) -> str:
         mode = "O_DIRECT" if self.direct else "buffered"
         s = f"posix {mode}, {self.threads} threads"
@@ -174,7 +187,7 @@ class PosixEngine:
         if self.direct and not direct:
             with self._lock:
                 self._refused.add(path)
-        return FileHandle(path, fd, direct, align=dio_alignment(fd) if direct else ALIGNMENT)
+        return FileHandle(path, fd, direct, align=file_alignment(fd, direct))
 
     def close_file(self, fh: FileHandle) -> None:
         os.close(fh.fd)
@@ -236,6 +249,10 @@ class KvikioEngine(PosixEngine):
     def name(self) -> str:
         return "kvikio"
 
+    @property
+    def memory_alignment(self) -> int:
+        return ALIGNMENT  # kvikio may read with O_DIRECT of its own (see describe)
+
     def describe(self) -> str:
         # AUTO uses GDS where cuFile is usable and falls back to POSIX I/O elsewhere; for
         # the host buffers the store passes, that is POSIX I/O either way.
@@ -247,6 +264,7 @@ class KvikioEngine(PosixEngine):
     def open(self, path: str, create: bool = False) -> FileHandle:
         fh = super().open(path, create)
         fh.extra = self._kvikio.CuFile(path, "r+")
+        fh.align = self.memory_alignment
         return fh
 
     def close_file(self, fh: FileHandle) -> None:

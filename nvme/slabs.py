@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
-from .buffers import ALIGNMENT
 from .engines import FileHandle, PosixEngine, make_engine
 
 SLAB_DIR = "slabs"
@@ -86,7 +85,7 @@ class SlabMedium:
         # file) while the rest of the store stays usable, so what survives can be got out.
         self._missing: dict[int, str] = {}
         self._lock = threading.Lock()
-        self._align = ALIGNMENT  # see memory_alignment
+        self._align = self.engine.memory_alignment  # see memory_alignment
         os.makedirs(os.path.join(self.root, SLAB_DIR), exist_ok=True)
         # New slabs go into this directory wherever the store is moved while open (a store
         # renamed under its daemon keeps growing), as the catalog's copies do.
@@ -100,7 +99,8 @@ class SlabMedium:
     def memory_alignment(self) -> int:
         """The alignment of host memory that its slabs' I/O moves bytes into or out of
         directly: the most any slab file needs (:func:`~tierstore.nvme.engines.dio_alignment`;
-        one directory, so one filesystem and device). A page before the first slab."""
+        one directory, so one filesystem and device); before the first slab, what the
+        engine says (a page with O_DIRECT)."""
         return self._align
 
     def _opened(self, seg: int, fh: FileHandle) -> None:

@@ -440,7 +440,7 @@ def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatc
     from tierstore.nvme.pages import on_small_pages
 
     if _copies_any_memory(store):
-        pytest.skip("PMem moves any memory in place (test_pmem_moves_any_memory_in_place)")
+        pytest.skip("PMem moves any memory in place (test_a_cpu_copy_moves_any_memory_...)")
     nbytes = 8 << 20
     probe = _on_small_pages(nbytes)
     if not on_small_pages(probe.data_ptr(), nbytes):
@@ -520,10 +520,12 @@ def test_memory_aligned_as_the_disk_needs_moves_straight(store, monkeypatch) -> 
         store.get_many(list(values), out={n: at(align, k + 2) for k, n in enumerate(values)})
 
 
-def test_pmem_moves_any_memory_in_place(tmp_path, monkeypatch) -> None:
-    """A PMem store copies with the CPU: reads land in, and puts come from, memory at any
-    offset and on 4 KiB pages in place, with no copy through the store's buffers but a
-    partial last page's. Each gets its bytes, and a corrupt chunk is named."""
+@pytest.mark.parametrize("backing", ["pmem", "posix-buffered"])
+def test_a_cpu_copy_moves_any_memory_in_place(tmp_path, monkeypatch, backing: str) -> None:
+    """A PMem store, and NVMe slabs without O_DIRECT, copy with the CPU: reads land in, and
+    puts come from, memory at any offset and on 4 KiB pages in place, with no copy through
+    the store's buffers but a partial last page's. Each gets its bytes, and a corrupt chunk
+    is named."""
     nbytes = 4 * CHUNK + 4096  # whole pages, and a chunk of one
     made = {
         "torch.empty": lambda: torch.empty(nbytes, dtype=torch.uint8),
@@ -534,8 +536,10 @@ def test_pmem_moves_any_memory_in_place(tmp_path, monkeypatch) -> None:
     values = {k: torch.randint(0, 255, (m().numel(),), dtype=torch.uint8,
                                generator=torch.Generator().manual_seed(i))
               for i, (k, m) in enumerate(made.items())}
+    where = ({"backing": "pmem", "pmem_path": tmp_path / "pool", "pmem_size": "32MiB"}
+             if backing == "pmem" else {"engine": backing})
     with tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
-                        backing="pmem", pmem_path=tmp_path / "pool", pmem_size="32MiB") as st:
+                        **where) as st:
         copied, landed = _count_copies(monkeypatch)
         st.put_many({k: m().copy_(values[k]) for k, m in made.items()})
         outs = {k: m() for k, m in made.items()}

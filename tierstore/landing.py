@@ -81,7 +81,7 @@ def targets(outs: list[torch.Tensor], nbytes: list[int], lengths: list[int],
             direct = min(length, room // ALIGNMENT * ALIGNMENT)
         directs.append(direct)
     small = [False] * len(outs) if align == 1 else small_pages(
-        [out.data_ptr() for out in outs], directs)  # a CPU copy (PMem): pages do not matter
+        [out.data_ptr() for out in outs], directs)  # a CPU copy: pages do not matter
     return [Target(0 if s else d, raw_bytes(out, max(n, d))) if out.is_cpu
             else Target(0, out.reshape(-1).view(torch.uint8))
             for out, n, d, s in zip(outs, nbytes, directs, small)]
@@ -145,7 +145,7 @@ def staged(addrs: list[int], nbytes: list[int], align: int = ALIGNMENT) -> list[
     store's aligned buffers) rather than written from the memory itself: memory O_DIRECT
     cannot take (aligned less than ``align``), or on 4 KiB pages (asked of the kernel for
     all of them at once)."""
-    if align == 1:  # a CPU copy (PMem): any memory, pages of any size
+    if align == 1:  # a CPU copy (PMem, buffered files): any memory, any pages
         return [False] * len(addrs)
     unaligned = [bool(a % align) for a in addrs]
     small = small_pages(addrs, [0 if u else n for u, n in zip(unaligned, nbytes)])

@@ -102,8 +102,9 @@ def orphan_files(medium: Medium, segments: Iterable[int]) -> list[str]:
 def memory_alignment(medium: Medium) -> int:
     """The alignment of host memory the medium moves bytes into or out of directly; the
     store copies memory aligned less through buffers of its own. A page, unless the medium
-    says less (NVMe slabs: what O_DIRECT needs on their files, as the kernel reports it;
-    PMem: 1, a CPU copy, which takes memory on pages of any size too)."""
+    says less (NVMe slabs: what O_DIRECT needs on their files, as the kernel reports it,
+    or 1 for files without O_DIRECT; PMem: 1). 1 is a CPU copy, which takes memory on pages
+    of any size too."""
     return getattr(medium, "memory_alignment", ALIGNMENT)
 
 
