@@ -1,10 +1,10 @@
 """Reads into, and writes from, every kind of memory a caller hands the store: torch's own
 tensors (not page-aligned), read buffers, a slice at an odd offset, an aligned tensor whose
 storage ends before the entry's last page, pinned host memory, a transposed (non-contiguous)
-tensor, a dtype view and an empty tensor. Each gets the right bytes on both engines, mixed in
-one batch, and a corrupt chunk is still named whatever memory it was written from and is
-read into. A read of several requests checks each one on the chunk workers as it lands;
-these entries are eight requests each."""
+tensor, a dtype view and an empty tensor. Each gets the right bytes on both NVMe engines
+and on PMem, mixed in one batch, and a corrupt chunk is still named whatever memory it was
+written from and is read into. A read of several requests checks each one on the chunk
+workers as it lands; these entries are eight requests each."""
 
 from __future__ import annotations
 
