@@ -105,8 +105,9 @@ class SlabMedium:
 
     def _opened(self, seg: int, fh: FileHandle) -> None:
         with self._lock:
+            # The first file replaces the engine's guess; files are only ever added.
+            self._align = max(self._align, fh.align) if self._files else fh.align
             self._files[seg] = fh
-            self._align = max(f.align for f in self._files.values())
 
     def _abspath(self, rel: str) -> str:
         return rel if os.path.isabs(rel) else os.path.join(self.root, rel)

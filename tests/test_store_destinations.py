@@ -66,16 +66,26 @@ def _value(seed: int, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _open(tmp_path, kind: str) -> tierstore.Store:
+    """A store on PMem (``kind`` "pmem": a CPU copy, any memory in place) or on NVMe slabs
+    through the engine ``kind`` names."""
+    where = ({"backing": "pmem", "pmem_path": tmp_path / "pool", "pmem_size": "96MiB"}
+             if kind == "pmem" else {"engine": kind})
+    return tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
+                          **where)
+
+
 @pytest.fixture(params=[*ENGINES, "pmem"])
 def store(request: pytest.FixtureRequest, tmp_path) -> tierstore.Store:
-    if request.param == "pmem":  # a CPU copy: any memory in place
-        st = tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
-                            backing="pmem", pmem_path=tmp_path / "pool", pmem_size="96MiB")
-    else:
-        st = tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
-                            engine=request.param)
-    yield st
-    st.close()
+    with _open(tmp_path, request.param) as st:
+        yield st
+
+
+@pytest.fixture(params=ENGINES)
+def nvme_store(request: pytest.FixtureRequest, tmp_path) -> tierstore.Store:
+    """NVMe slabs only: what O_DIRECT takes of a caller's memory."""
+    with _open(tmp_path, request.param) as st:
+        yield st
 
 
 def _copies_any_memory(store: tierstore.Store) -> bool:
@@ -436,11 +446,10 @@ def _count_copies(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]
     return copied, landed
 
 
-def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatch) -> None:
+def test_memory_on_small_pages_moves_through_the_store_buffers(nvme_store, monkeypatch) -> None:
     from tierstore.nvme.pages import on_small_pages
 
-    if _copies_any_memory(store):
-        pytest.skip("PMem moves any memory in place (test_a_cpu_copy_moves_any_memory_...)")
+    store = nvme_store
     nbytes = 8 << 20
     probe = _on_small_pages(nbytes)
     if not on_small_pages(probe.data_ptr(), nbytes):
@@ -484,18 +493,18 @@ def test_memory_on_small_pages_moves_through_the_store_buffers(store, monkeypatc
         store.get_many(list(values), out=outs)
 
 
-def test_memory_aligned_as_the_disk_needs_moves_straight(store, monkeypatch) -> None:
+def test_memory_aligned_as_the_disk_needs_moves_straight(nvme_store, monkeypatch) -> None:
     """Memory aligned to what O_DIRECT needs on the slab files (the kernel's answer, not a
     page: 512 bytes on a virtio disk, 4 on NVMe) is written and read in place, with no
     copy through the store's buffers; memory aligned less is copied. Each gets its bytes,
     and a corrupt chunk is named."""
     from tierstore.nvme.pages import on_small_pages
 
+    store = nvme_store
     store.put("first", _value(0))  # a slab file: the medium knows the rule now
     align = store._medium.memory_alignment
-    if align in (1, tierstore.nvme.ALIGNMENT):
-        pytest.skip("PMem takes any memory; or O_DIRECT here needs page-aligned memory, or "
-                    "the kernel does not say")
+    if align == tierstore.nvme.ALIGNMENT:
+        pytest.skip("O_DIRECT here needs page-aligned memory, or the kernel does not say")
     copied, landed = _count_copies(monkeypatch)
     nbytes = 4 * CHUNK  # whole pages: nothing partial to copy
     buf = tierstore.read_buffer(4 << 20).fill_(0)  # whole huge pages, faulted in
@@ -536,10 +545,7 @@ def test_a_cpu_copy_moves_any_memory_in_place(tmp_path, monkeypatch, backing: st
     values = {k: torch.randint(0, 255, (m().numel(),), dtype=torch.uint8,
                                generator=torch.Generator().manual_seed(i))
               for i, (k, m) in enumerate(made.items())}
-    where = ({"backing": "pmem", "pmem_path": tmp_path / "pool", "pmem_size": "32MiB"}
-             if backing == "pmem" else {"engine": backing})
-    with tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
-                        **where) as st:
+    with _open(tmp_path, backing) as st:
         copied, landed = _count_copies(monkeypatch)
         st.put_many({k: m().copy_(values[k]) for k, m in made.items()})
         outs = {k: m() for k, m in made.items()}
