@@ -66,9 +66,7 @@ def _value(seed: int, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _open(tmp_path, kind: str) -> tierstore.Store:
-    """A store on PMem (``kind`` "pmem": a CPU copy, any memory in place) or on NVMe slabs
-    through the engine ``kind`` names."""
+def _open(tmp_path, kind: str) -> tierstore.Store:  # "pmem", or an NVMe engine's name
     where = ({"backing": "pmem", "pmem_path": tmp_path / "pool", "pmem_size": "96MiB"}
              if kind == "pmem" else {"engine": kind})
     return tierstore.open(tmp_path / "st", create=True, host_cache=0, chunk_size=CHUNK,
@@ -81,16 +79,14 @@ def store(request: pytest.FixtureRequest, tmp_path) -> tierstore.Store:
         yield st
 
 
-@pytest.fixture(params=ENGINES)
+@pytest.fixture(params=ENGINES)  # NVMe slabs only: what O_DIRECT takes of caller memory
 def nvme_store(request: pytest.FixtureRequest, tmp_path) -> tierstore.Store:
-    """NVMe slabs only: what O_DIRECT takes of a caller's memory."""
     with _open(tmp_path, request.param) as st:
         yield st
 
 
 def _copies_any_memory(store: tierstore.Store) -> bool:
-    """Whether the store's medium moves any memory in place (PMem: a CPU copy), so none is
-    copied through the store's buffers but a partial last page."""
+    """Whether the medium moves any memory in place (PMem: a CPU copy)."""
     return store._medium.memory_alignment == 1
 
 
