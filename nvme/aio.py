@@ -256,14 +256,18 @@ class AioEngine(PosixEngine):
             self._ring_free.notify()
 
     def run(self, requests: Iterable[Request],
-            done: Callable[[int], object] | None = None, count: int | None = None) -> int:
+            done: Callable[[int], object] | None = None, count: int | None = None,
+            window: Callable[[], int] | None = None) -> int:
         """Carry out ``requests`` with up to ``depth`` in flight; ``done(i)`` is called on
         this thread once request ``i`` (its position in ``requests``) has moved all its
         bytes. ``requests`` may be a generator: it is advanced at most a window (and
         ``depth`` requests) ahead of what is in flight, the next window's requests made
         while the last one's are in flight, so a producer can stage (copy, checksum) them
         meanwhile. ``count``, where the caller knows it: how many requests there are, so
-        the batch's end is tapered (see :meth:`_run`). Returns the number of requests.
+        the batch's end is tapered (see :meth:`_run`). ``window``, where given, says the
+        bytes to keep in flight and made ahead instead of the engine's window, asked as the
+        batch goes (a reader whose requests land in bounce buffers keeps fewer of them
+        moving). Returns the number of requests.
 
         Raises, once nothing is in flight any more: :class:`BatchError` for a failed
         request (the lowest-numbered one, when several fail), what the generator raised,
@@ -284,7 +288,7 @@ class AioEngine(PosixEngine):
                 return self._run_posix(iter(requests), done)
             ring.idle = False
             try:
-                return self._run(ring, iter(requests), done, count)
+                return self._run(ring, iter(requests), done, count, window)
             finally:
                 self._give_ring(ring)
         finally:
@@ -318,7 +322,7 @@ class AioEngine(PosixEngine):
         return count
 
     def _run(self, ring: Ring, todo: Any, done: Callable[[int], object] | None,
-             total: int | None = None) -> int:
+             total: int | None = None, window_of: Callable[[], int] | None = None) -> int:
         lib, ctx, depth = self._lib, ring.ctx, ring.depth
         iocbs, ptrs, events, slot_addr = ring.iocbs, ring.ptrs, ring.events, ring.slot_addr
         inject = self.inject
@@ -326,7 +330,8 @@ class AioEngine(PosixEngine):
         # slot -> [index, request, bytes done]
         busy: dict[int, list[Any]] = {}
         again: deque[int] = deque()  # slots whose request continues after a short transfer
-        count, inflight, exhausted, held, window = 0, 0, False, 0, self.window
+        count, inflight, exhausted, held = 0, 0, False, 0
+        current = window_of or (lambda: self.window)
         # The failure to raise once idle, and the request it belongs to: the lowest-numbered
         # one wins, so what is reported does not depend on the order completions land in.
         failure: BaseException | None = None
@@ -366,7 +371,7 @@ class AioEngine(PosixEngine):
 
         def make_window() -> None:
             """Make requests ahead, up to a window's bytes (and ``depth`` of them)."""
-            while (failure is None and not halted and early_bytes < window
+            while (failure is None and not halted and early_bytes < current()
                    and len(early) < depth and make()):
                 pass
 
@@ -434,9 +439,9 @@ class AioEngine(PosixEngine):
             # 0.92 -> 1.13; 16 MiB calls of 1 MiB 0.90 -> 1.01.
             if total is not None and not solo:
                 make_window()
-            limit = window
+            limit = current()
             if total is not None and count >= total:
-                limit = min(window, (held + early_bytes) // 2)
+                limit = min(limit, (held + early_bytes) // 2)
             # A request made now, not ahead (the producer fell behind: a writer staging
             # memory, the batch's start) goes at once, alone, while the next is made: a
             # window made and sent together held each staged request back until the last

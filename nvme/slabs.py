@@ -178,13 +178,15 @@ class SlabMedium:
         return hasattr(self.engine, "run")
 
     def run(self, requests: Iterable[tuple[int, int, int, int, bool]],
-            done: Callable[[int], object] | None = None, count: int | None = None) -> int:
+            done: Callable[[int], object] | None = None, count: int | None = None,
+            window: Callable[[], int] | None = None) -> int:
         """Carry out ``(seg, offset, address, nbytes, write)`` requests as one batch (see
-        :meth:`nvme.aio.AioEngine.run`, and ``count`` there); only where :attr:`batched`."""
+        :meth:`nvme.aio.AioEngine.run`, and ``count`` and ``window`` there); only where
+        :attr:`batched`."""
         files = self._file
         return self.engine.run(  # type: ignore[attr-defined]
             ((files(seg), addr, nbytes, offset, write)
-             for seg, offset, addr, nbytes, write in requests), done, count)
+             for seg, offset, addr, nbytes, write in requests), done, count, window)
 
     def read(self, seg: int, offset: int, buf: memoryview) -> None:
         self.engine.read(self._file(seg), buf, offset)

@@ -198,13 +198,13 @@ def test_extent_being_read_is_not_reused(make_store, monkeypatch) -> None:
     if getattr(medium, "batched", False):  # the AIO engine: the read is one batch
         real_run = medium.run
 
-        def run(requests, done=None, count=None):
+        def run(requests, *args):
             with lock:
                 hold, armed[0] = armed[0], False
             if hold:
                 held.set()
                 release.wait(60)
-            return real_run(requests, done, count)
+            return real_run(requests, *args)
 
         monkeypatch.setattr(medium, "run", run)
     result: list[torch.Tensor | BaseException] = []
