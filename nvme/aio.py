@@ -257,16 +257,16 @@ class AioEngine(PosixEngine):
 
     def run(self, requests: Iterable[Request],
             done: Callable[[int], object] | None = None, count: int | None = None,
-            window: Callable[[], int] | None = None) -> int:
+            window: Callable[[int], int] | None = None) -> int:
         """Carry out ``requests`` with up to ``depth`` in flight; ``done(i)`` is called on
         this thread once request ``i`` (its position in ``requests``) has moved all its
         bytes. ``requests`` may be a generator: it is advanced at most a window (and
         ``depth`` requests) ahead of what is in flight, the next window's requests made
         while the last one's are in flight, so a producer can stage (copy, checksum) them
         meanwhile. ``count``, where the caller knows it: how many requests there are, so
-        the batch's end is tapered (see :meth:`_run`). ``window``, where given, says the
-        bytes to keep in flight and made ahead instead of the engine's window, asked as the
-        batch goes (a reader whose requests land in bounce buffers keeps fewer of them
+        the batch's end is tapered (see :meth:`_run`). ``window``, where given, says from
+        the engine's window the bytes to keep in flight and made ahead, asked as the batch
+        goes (a batch whose bytes move through the store's buffers keeps fewer of them
         moving). Returns the number of requests.
 
         Raises, once nothing is in flight any more: :class:`BatchError` for a failed
@@ -322,7 +322,7 @@ class AioEngine(PosixEngine):
         return count
 
     def _run(self, ring: Ring, todo: Any, done: Callable[[int], object] | None,
-             total: int | None = None, window_of: Callable[[], int] | None = None) -> int:
+             total: int | None = None, window_of: Callable[[int], int] | None = None) -> int:
         lib, ctx, depth = self._lib, ring.ctx, ring.depth
         iocbs, ptrs, events, slot_addr = ring.iocbs, ring.ptrs, ring.events, ring.slot_addr
         inject = self.inject
@@ -331,7 +331,9 @@ class AioEngine(PosixEngine):
         busy: dict[int, list[Any]] = {}
         again: deque[int] = deque()  # slots whose request continues after a short transfer
         count, inflight, exhausted, held = 0, 0, False, 0
-        current = window_of or (lambda: self.window)
+        def current() -> int:
+            return self.window if window_of is None else window_of(self.window)
+
         # The failure to raise once idle, and the request it belongs to: the lowest-numbered
         # one wins, so what is reported does not depend on the order completions land in.
         failure: BaseException | None = None

@@ -179,7 +179,7 @@ class SlabMedium:
 
     def run(self, requests: Iterable[tuple[int, int, int, int, bool]],
             done: Callable[[int], object] | None = None, count: int | None = None,
-            window: Callable[[], int] | None = None) -> int:
+            window: Callable[[int], int] | None = None) -> int:
         """Carry out ``(seg, offset, address, nbytes, write)`` requests as one batch (see
         :meth:`nvme.aio.AioEngine.run`, and ``count`` and ``window`` there); only where
         :attr:`batched`."""

@@ -28,7 +28,7 @@ from tierstore.nvme.aio import address
 from tierstore.nvme.engines import make_engine, resolve_engine
 
 import tierstore
-from tierstore import fetch
+from tierstore import landing
 
 pytestmark = pytest.mark.skipif(libaio.unavailable() is not None,
                                 reason=f"Linux AIO unavailable: {libaio.unavailable()}")
@@ -683,9 +683,9 @@ def test_a_refused_context_is_tried_again_once_a_batch_has_ended(tmp_path) -> No
 def test_a_read_keeps_a_bounced_window_moving_and_a_direct_one_a_window(tmp_path, monkeypatch,
                                                                          into) -> None:
     # Bytes landing in bounce buffers (torch's tensors sit 64 bytes into a page) are kept
-    # to BOUNCED_WINDOW in flight; bytes landing in the caller's aligned memory to the
+    # to COPIED_WINDOW in flight; bytes landing in the caller's aligned memory to the
     # engine's window. Scaled down: 256 KiB requests, a 512 KiB bounced window, 4 MiB.
-    monkeypatch.setattr(fetch, "BOUNCED_WINDOW", 512 * 1024)
+    monkeypatch.setattr(landing, "COPIED_WINDOW", 512 * 1024)
     with _store(tmp_path) as st:
         st._medium.engine.window = 4 * MiB
         src = {f"e{i}": _aligned(torch.randn(64 * 1024)) for i in range(32)}  # 8 MiB
@@ -707,3 +707,4 @@ def test_a_read_keeps_a_bounced_window_moving_and_a_direct_one_a_window(tmp_path
         for name, t in src.items():
             assert torch.equal(outs[name], t)
         assert most[0] == (512 * 1024 if into == "torch.empty" else 4 * MiB)
+

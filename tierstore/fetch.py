@@ -21,20 +21,9 @@ from tierstore.nvme.aio import DEFAULT_WINDOW, MAX_PIECES, EngineClosedError, ad
 from .catalog import Record
 from .errors import CorruptEntryError, StoreClosedError, StoreError
 from .keys import Key
-from .landing import Deferred, Target, land
+from .landing import CopiedInFlight, Deferred, Target, land
 from .local_state import LocalState
 from .media import adjacent_runs, joined
-
-# Bytes a read keeps in flight and made ahead once that many of them are bound for bounce
-# buffers (memory O_DIRECT cannot take, see tierstore.landing), instead of the engine's
-# window: one chunk's request. The disk lands bytes faster in memory it landed bytes in a
-# moment ago than in a window's worth of buffers taken in turn, and the copy out reads them
-# from the cache. 1 GiB in 256 MiB calls into torch.empty tensors, 5-7 alternated rounds
-# in one process on the development VM: 256 KiB entries +8.5 %, 1 MiB +15 %, 16 MiB +19 %,
-# 64 MiB +14 % (pinned memory and slices at +100 alike), now 1.03-1.26 of DeepNVMe against
-# 0.94-1.00; memory read in place is no faster with less in flight (0.96-0.99 at 8 MiB),
-# nor are staged puts (docs/tiers.md, "A read's bounce buffers: a few, reused").
-BOUNCED_WINDOW = 8 << 20
 
 
 class _Request(NamedTuple):
@@ -287,14 +276,7 @@ class FetchPath(LocalState):
         # wait, so the bounce buffers they hold stay within the staging pool's idle ones.
         checking: collections.deque[Any] = collections.deque()
         backlog = max(2, self._io_threads) if len(plan) > 1 else 0
-        # Bytes made to land in bounce buffers and not landed yet, per request and in all
-        # (made and handed back on the engine's thread alone): past BOUNCED_WINDOW of them
-        # the engine keeps that much moving, not a window.
-        bounced: dict[int, int] = {}
-        moving = [0]
-
-        def window() -> int:
-            return BOUNCED_WINDOW if moving[0] >= BOUNCED_WINDOW else DEFAULT_WINDOW
+        flight = CopiedInFlight()  # bytes bound for bounce buffers (see COPIED_WINDOW)
 
         def requests() -> Any:
             for m, r in enumerate(plan):
@@ -314,9 +296,7 @@ class FetchPath(LocalState):
                         staged[n] = (bounce, used, lo)
                         pieces.append((bounce.ctypes.data + used, e - lo))
                         used += e - lo
-                if used:
-                    bounced[m] = used
-                    moving[0] += used
+                flight.made(m, used)
                 yield r.seg, r.off, joined(pieces), r.nbytes, False
 
         def finish(m: int) -> None:
@@ -327,7 +307,7 @@ class FetchPath(LocalState):
                 give(held.pop(m, None))
 
         def done(m: int) -> None:
-            moving[0] -= bounced.pop(m, 0)
+            flight.landed(m)
             if isinstance(targets, Deferred):  # two windows ahead (see Deferred.reach)
                 j, ahead = m, 0
                 while j + 1 < len(plan) and ahead < 2 * DEFAULT_WINDOW:
@@ -347,7 +327,7 @@ class FetchPath(LocalState):
 
         try:
             try:
-                self._medium.run(requests(), done, len(plan), window)
+                self._medium.run(requests(), done, len(plan), flight.window)
             finally:
                 settle(checking)
             return None
