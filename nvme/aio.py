@@ -331,7 +331,8 @@ class AioEngine(PosixEngine):
         busy: dict[int, list[Any]] = {}
         again: deque[int] = deque()  # slots whose request continues after a short transfer
         count, inflight, exhausted, held = 0, 0, False, 0
-        def current() -> int:
+
+        def current() -> int:  # the bytes to keep in flight and made ahead, now
             return self.window if window_of is None else window_of(self.window)
 
         # The failure to raise once idle, and the request it belongs to: the lowest-numbered

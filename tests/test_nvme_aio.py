@@ -678,7 +678,6 @@ def test_a_refused_context_is_tried_again_once_a_batch_has_ended(tmp_path) -> No
         eng.close()
 
 
-
 @pytest.mark.parametrize("into", ["torch.empty", "read_buffer"])
 def test_a_read_keeps_a_bounced_window_moving_and_a_direct_one_a_window(tmp_path, monkeypatch,
                                                                          into) -> None:
@@ -707,4 +706,3 @@ def test_a_read_keeps_a_bounced_window_moving_and_a_direct_one_a_window(tmp_path
         for name, t in src.items():
             assert torch.equal(outs[name], t)
         assert most[0] == (512 * 1024 if into == "torch.empty" else 4 * MiB)
-
