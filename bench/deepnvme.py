@@ -7,6 +7,12 @@ threads. Reads and writes go through it ``PIECE`` bytes per call (the store's be
 reads 256 MiB per ``get_many``); writes end with an fsync, as the store's end with an
 fdatasync. Its op compiles on first use against ``libaio-dev`` (``DS_ACCELERATOR=cpu``
 where there is no GPU); install deepspeed with the ``peers`` extra.
+
+Its buffer is on 4 KiB pages, and each request reaches the disk as one segment per run of
+physically adjacent pages: how fragmented the machine's free memory was when the buffer was
+allocated sets its rate. On the development VM, fresh processes with the same code: 29-41
+segments per 1 MiB block read at 1.66-1.90 GB/s, 166 at 1.51 (docs/tiers.md, "A second
+nine rounds, and DeepNVMe's rate and its buffer's pages"). Each handle records the figure (:attr:`DeepNVMe.segments`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import time
 from typing import Any
 
 BLOCK = 1 << 20
+PAGE = 4096
+_PFN = (1 << 55) - 1  # bits 0-54 of a pagemap entry
 QUEUE_DEPTH = 32
 PARALLELISM = 2
 PIECE = 256 << 20
@@ -82,6 +90,7 @@ class DeepNVMe:
         self.buf = self.handle.new_cpu_locked_tensor(
             max(self.read_piece, self.write_piece), torch.empty(0, dtype=torch.uint8))
         self.buf.random_(0, 255)
+        self.segments = segments_per_block(self.buf.data_ptr(), self.buf.nbytes)
 
     def close(self) -> None:
         self.handle.free_cpu_locked_tensor(self.buf)
@@ -110,3 +119,33 @@ class DeepNVMe:
             if fd >= 0:
                 os.close(fd)
         return span / (time.perf_counter() - t0) / 1e9
+
+
+def segments_per_block(addr: int, nbytes: int) -> float | None:
+    """Runs of physically adjacent 4 KiB pages per :data:`BLOCK` of the (present) memory at
+    ``addr``, on average: the segments each of the handle's requests reaches the disk as.
+    None where the kernel shows no page frames (to a process without CAP_SYS_ADMIN)."""
+    import numpy as np
+
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, nbytes // PAGE * 8, addr // PAGE * 8)
+    finally:
+        os.close(fd)
+    return mean_runs(np.frombuffer(raw, dtype=np.uint64) & np.uint64(_PFN), BLOCK // PAGE)
+
+
+def mean_runs(frames: Any, per: int) -> float | None:
+    """Runs of consecutive numbers per ``per`` of ``frames`` (page frame numbers), on
+    average over each ``per`` in turn; None where every frame reads 0 (hidden)."""
+    import numpy as np
+
+    if not frames.any():
+        return None
+    f = frames.astype(np.int64)
+    runs = [int(np.count_nonzero(np.diff(f[i : i + per]) != 1)) + 1
+            for i in range(0, len(f), per)]
+    return sum(runs) / len(runs)

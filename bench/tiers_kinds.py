@@ -137,6 +137,8 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
     # a process of its own and is not counted): what a loaded machine's cores must supply.
     cpu: dict[str, dict[str, list[float]]] = {"read": {}, "write": {}}
     region = -(-span // bs) * bs
+    segments = next((round(c.segments, 1) for c in closers
+                     if getattr(c, "segments", None) is not None), None)
     try:
         with tierstore.open(path, create=True, engine=engine, host_cache=0, io_threads=threads,
                             chunk_size=CHUNK, slab_size=(3 + len(peers)) * region + (64 << 20)
@@ -229,6 +231,9 @@ def measure_kinds(root: str, block: int, threads: int, total: int, repeats: int,
                 "cpu_s_per_gb": round(statistics.median(cpu[op][k]), 3),
                 "peer_cpu_s_per_gb": {s: round(statistics.median(cpu[op][s]), 3)
                                       for s in peers if not s.startswith("fio")},
+                # Segments per 1 MiB block of DeepNVMe's buffer (see bench.deepnvme): what
+                # its rate in this process owes to where its pages happened to land.
+                "peer_segments_per_mib": segments,
             })
     return rows
 
@@ -258,7 +263,7 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
              f"{worst['ratio']:5.2f}x {worst['reference']} ({worst['gbps']:.3f} / "
              f"{worst['reference_gbps']:.3f} GB/s, {worst['repeats']} rounds, "
              f"{tierstore.format_size(worst['total_bytes'])}{calls}; each round's own "
-             f"ratio {worst['paired_ratio']:.2f})")
+             f"ratio {worst['paired_ratio']:.2f}{_segments(worst)})")
     echo(f"{'op':5} {'block':>9} {'engine':16} {'memory':{w}} {'GB/s':>7} {'ratio':>6} "
          f"{'CPU s/GB':>8}  peers (GB/s; CPU s/GB)")
     for r in sorted(rows, key=lambda r: (r["op"], r["block_bytes"], r["engine"], r["ratio"])):
@@ -269,6 +274,11 @@ def report_kinds(rows: list[dict[str, Any]], echo: Callable[[str], object]) -> N
         echo(f"{r['op']:5} {tierstore.format_size(r['block_bytes']):>9} {_engine(r):16} "
              f"{r['kind']:{w}} "
              f"{r['gbps']:7.3f} {r['ratio']:6.2f} {r['cpu_s_per_gb']:8.2f}  {peers}")
+
+
+def _segments(row: dict[str, Any]) -> str:
+    seg = row.get("peer_segments_per_mib")
+    return "" if seg is None else f"; {PEER}'s buffer {seg:.0f} segments per MiB"
 
 
 def _engine(row: dict[str, Any]) -> str:

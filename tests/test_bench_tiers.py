@@ -234,3 +234,18 @@ def test_each_kind_of_callers_memory_is_a_row_and_the_worst_leads(tmp_path,
     report_kinds(rows, out.append)
     worst = min((r for r in rows if r["op"] == "read"), key=lambda r: r["ratio"])
     assert f"worst: {worst['kind']}" in next(line for line in out if line.startswith("read"))
+
+
+def test_deepnvme_buffer_segments_count_runs_of_adjacent_page_frames() -> None:
+    """Each 1 MiB block of DeepNVMe's buffer reaches the disk as one segment per run of
+    physically adjacent pages; the rows report the average (None where frames are hidden)."""
+    import numpy as np
+    from tierstore.bench import deepnvme
+
+    frames = np.array([5, 6, 7, 100, 101, 9], dtype=np.uint64)
+    assert deepnvme.mean_runs(frames, 3) == 1.5  # one run, then two
+    assert deepnvme.mean_runs(np.zeros(6, dtype=np.uint64), 3) is None
+    buf = tierstore.read_buffer(2 << 20)
+    buf.fill_(1)  # present
+    got = deepnvme.segments_per_block(buf.data_ptr(), 2 << 20)
+    assert got is None or 1 <= got <= deepnvme.BLOCK // deepnvme.PAGE
