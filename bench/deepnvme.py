@@ -12,7 +12,8 @@ Its buffer is on 4 KiB pages, and each request reaches the disk as one segment p
 physically adjacent pages: how fragmented the machine's free memory was when the buffer was
 allocated sets its rate. On the development VM, fresh processes with the same code: 29-41
 segments per 1 MiB block read at 1.66-1.90 GB/s, 166 at 1.51 (docs/tiers.md, "A second
-nine rounds, and DeepNVMe's rate and its buffer's pages"). Each handle records the figure (:attr:`DeepNVMe.segments`).
+nine rounds, and DeepNVMe's rate and its buffer's pages"). Each handle records the figure
+(:attr:`DeepNVMe.segments`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import logging
 import os
 import time
 from typing import Any
+
+import numpy as np
 
 BLOCK = 1 << 20
 PAGE = 4096
@@ -125,8 +128,6 @@ def segments_per_block(addr: int, nbytes: int) -> float | None:
     """Runs of physically adjacent 4 KiB pages per :data:`BLOCK` of the (present) memory at
     ``addr``, on average: the segments each of the handle's requests reaches the disk as.
     None where the kernel shows no page frames (to a process without CAP_SYS_ADMIN)."""
-    import numpy as np
-
     try:
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
@@ -138,11 +139,9 @@ def segments_per_block(addr: int, nbytes: int) -> float | None:
     return mean_runs(np.frombuffer(raw, dtype=np.uint64) & np.uint64(_PFN), BLOCK // PAGE)
 
 
-def mean_runs(frames: Any, per: int) -> float | None:
+def mean_runs(frames: np.ndarray, per: int) -> float | None:
     """Runs of consecutive numbers per ``per`` of ``frames`` (page frame numbers), on
     average over each ``per`` in turn; None where every frame reads 0 (hidden)."""
-    import numpy as np
-
     if not frames.any():
         return None
     f = frames.astype(np.int64)
